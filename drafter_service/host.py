@@ -1,0 +1,131 @@
+"""Session state of the drafter service: committed tokens synced by delta.
+
+``DrafterHost`` keeps, per session, the committed token list the caller sent
+(truncate to ``keep_len``, append the new tokens: rollback costs nothing on the
+wire), a bounded number of sessions (least recently used evicted), and builds
+the core drafters by name on first use (``prompt_lookup``, ``suffix``,
+``draft_lm``). Every input is validated before any state changes; a
+``keep_len`` beyond what it holds raises ``SessionLost`` (the caller resends
+from 0). Each drafter runs under its own lock (the draft LM's KV slots are not
+thread-safe).
+
+It knows nothing about gRPC, the verifier or acceptance rules.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from specmesh.drafters.base import Drafter
+from specmesh.types import DraftContext, InvalidArgument, SamplingParams, SessionLost, TokenTree
+
+
+@dataclass
+class _Session:
+    tokens: list[int]
+    prompt_len: int
+    drafter: str
+
+
+class DrafterHost:
+    def __init__(self, factories: dict[str, Callable[[], Drafter]], vocab_size: int, max_sessions: int = 1024,
+                 max_tree_nodes: int = 64):
+        self.factories = dict(factories)
+        self.vocab_size = vocab_size
+        self.max_sessions = max_sessions
+        self.max_tree_nodes = max_tree_nodes
+        self.proposals = 0
+        self._drafters: dict[str, Drafter] = {}
+        self._locks = {name: threading.Lock() for name in self.factories}
+        self._sessions: "OrderedDict[str, _Session]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.factories)
+
+    def _drafter(self, name: str) -> Drafter:
+        with self._locks[name]:
+            d = self._drafters.get(name)
+            if d is None:
+                d = self._drafters[name] = self.factories[name]()
+            return d
+
+    def _tokens(self, held: list[int], keep_len: int, append: Sequence[int], field: str = "sync") -> list[int]:
+        if keep_len < 0:
+            raise InvalidArgument(f"{field}.keep_len", f"must be >= 0, got {keep_len}")
+        for t in append:
+            if t < 0 or t >= self.vocab_size:
+                raise InvalidArgument(f"{field}.append_tokens", f"token id {t} outside [0, {self.vocab_size})")
+        if keep_len > len(held):
+            raise SessionLost(f"drafter holds {len(held)} tokens < keep_len {keep_len}; resend with keep_len=0")
+        return held[:keep_len] + list(append)
+
+    def propose(self, session_id: str, drafter: str, keep_len: int, append: Sequence[int], prompt_len: int,
+                sampling: SamplingParams, budget: int) -> tuple[TokenTree, int, float]:
+        """Sync the session and draft; returns (tree, tokens held, draft ms)."""
+        if drafter not in self.factories:
+            raise InvalidArgument("drafter", f"unknown drafter {drafter!r}; available: {self.names}")
+        if not 0 <= budget <= self.max_tree_nodes:
+            raise InvalidArgument("budget", f"must be in [0, {self.max_tree_nodes}], got {budget}")
+        with self._lock:
+            s = self._sessions.get(session_id)
+            tokens = self._tokens(s.tokens if s else [], keep_len, append)
+            if not tokens:
+                raise InvalidArgument("sync.append_tokens", "the session holds no tokens")
+            if not 0 <= prompt_len <= len(tokens):
+                raise InvalidArgument("prompt_len", f"must be in [0, {len(tokens)}], got {prompt_len}")
+            # ---- valid: change state
+            evicted = []
+            if s is not None and s.drafter != drafter:
+                evicted.append((session_id, s.drafter))
+            self._sessions[session_id] = _Session(tokens, prompt_len, drafter)
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self.max_sessions:
+                sid, old = self._sessions.popitem(last=False)
+                evicted.append((sid, old.drafter))
+            self.proposals += 1
+        for sid, name in evicted:
+            self._release_in(name, sid, None)
+        d = self._drafter(drafter)
+        t0 = time.perf_counter()
+        with self._locks[drafter]:
+            tree = d.propose(DraftContext(session_id, tokens, prompt_len, sampling), budget)
+        return tree, len(tokens), (time.perf_counter() - t0) * 1e3
+
+    def release(self, session_id: str, finished: bool = False, keep_len: int = 0, append: Sequence[int] = (),
+                prompt_len: int = 0) -> bool:
+        """Forget the session; when ``finished``, the drafter first absorbs the
+        final tokens (held tokens synced by the final delta)."""
+        with self._lock:
+            s = self._sessions.get(session_id)
+            final = None
+            if s is not None and finished:
+                final = self._tokens(s.tokens, keep_len, append)
+                if not 0 <= prompt_len <= len(final):
+                    raise InvalidArgument("prompt_len", f"must be in [0, {len(final)}], got {prompt_len}")
+            self._sessions.pop(session_id, None)
+        if s is not None:
+            self._release_in(s.drafter, session_id, (final, prompt_len) if final is not None else None)
+        return s is not None
+
+    def _release_in(self, name: str, session_id: str, final: Optional[tuple[list[int], int]]) -> None:
+        d = self._drafters.get(name)
+        if d is None:
+            return
+        with self._locks[name]:
+            if final is not None:
+                d.finish(session_id, final[0], final[1])
+            else:
+                d.release(session_id)
+
+    def info(self) -> dict:
+        with self._lock:
+            ids = list(self._sessions)
+        return {"drafters": self.names, "sessions": len(ids), "session_ids": ids[:1000],
+                "max_sessions": self.max_sessions, "proposals": self.proposals, "vocab_size": self.vocab_size,
+                "max_tree_nodes": self.max_tree_nodes}

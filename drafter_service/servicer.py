@@ -1,0 +1,71 @@
+"""Drafter servicer: Propose / Release / Info over a ``DrafterHost``.
+
+Thin: converts protos to the host's arguments and the draft tree back.
+Validation and session state live in ``host``; errors become status codes in
+the interceptors. ``drafter_service(settings)`` builds the host with the core
+drafters (prompt_lookup, suffix and, loaded on first use, draft_lm).
+
+It knows nothing about the verifier, strategies or tokenizers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from specmesh.serving import convert
+from specmesh.serving.convert import check_session_id
+from specmesh.serving.server import Service
+from specmesh.serving.settings import ServeSettings
+from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
+
+from .host import DrafterHost
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, host: DrafterHost):
+        self.host = host
+
+    def Propose(self, request, context):
+        t0 = time.perf_counter()
+        sampling = convert.sampling_from_proto(request.sampling)
+        tree, held, draft_ms = self.host.propose(
+            check_session_id(request.session_id), request.drafter, request.sync.keep_len,
+            list(request.sync.append_tokens), request.prompt_len, sampling, request.budget)
+        return drafter_pb2.ProposeResponse(tree=convert.tree_to_proto(tree), held_len=held, draft_ms=draft_ms,
+                                           server_ms=(time.perf_counter() - t0) * 1e3)
+
+    def Release(self, request, context):
+        released = self.host.release(check_session_id(request.session_id), request.finished,
+                                     request.sync.keep_len, list(request.sync.append_tokens), request.prompt_len)
+        return common_pb2.ReleaseResponse(released=released)
+
+    def Info(self, request, context):
+        return drafter_pb2.DrafterInfo(**self.host.info())
+
+
+def default_factories(settings: ServeSettings) -> dict:
+    from specmesh.drafters import PromptLookupDrafter, SuffixDrafter
+
+    def draft_lm():
+        from specmesh.drafters.model_drafters import DraftLMDrafter
+        from specmesh.engine import LlamaEngine
+        from specmesh.runtime import default_draft_model
+
+        path = settings.draft_model or str(default_draft_model(settings.model))
+        return DraftLMDrafter(LlamaEngine.from_pretrained(path, dtype=settings.dtype, n_slots=settings.n_slots,
+                                                          max_seq_len=settings.max_seq_len, quiet=True))
+
+    return {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter, "draft_lm": draft_lm}
+
+
+def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
+                    factories: Optional[dict] = None) -> Service:
+    if vocab_size is None:
+        from specmesh.models.loading import load_config, resolve_model
+
+        vocab_size = int(load_config(resolve_model(settings.model, quiet=True))["vocab_size"])
+    host = DrafterHost(factories or default_factories(settings), vocab_size, settings.max_drafter_sessions,
+                       settings.max_tree_nodes)
+    return Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
+                   drafter_pb2_grpc.add_DrafterServicer_to_server, DrafterServicer(host))

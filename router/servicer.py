@@ -1,0 +1,86 @@
+"""Router servicer: Generate (server streaming), ListStrategies, Anticipate.
+
+Thin: converts GenerateRequest to a ``GenerateSpec``, starts the generation in
+``router.core``, streams its events as GenerateResponse messages, and cancels
+it (freeing the session's KV slot and drafter state) when the call ends early:
+client cancel or deadline. Anticipate answers UNIMPLEMENTED until the proactive
+strategy lands. ``router_service(settings)`` wires the router to its drafter
+and verifier replicas.
+
+It knows nothing about models, KV caches or acceptance rules.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import grpc
+
+from specmesh.serving import convert
+from specmesh.serving.adapters import ReplicaSet, drafter_peer
+from specmesh.serving.server import Service, peer_channel, time_left
+from specmesh.serving.settings import ServeSettings
+from specmesh.v1 import router_pb2, router_pb2_grpc
+
+from .core import Delta, GenerateSpec, Router, monotonic_deadline
+
+
+def spec_from_proto(m: router_pb2.GenerateRequest) -> GenerateSpec:
+    return GenerateSpec(
+        prompt=m.prompt, messages=convert.messages_from_proto(m.messages), strategy=m.strategy, drafter=m.drafter,
+        max_new_tokens=m.max_new_tokens if m.HasField("max_new_tokens") else None,
+        sampling=convert.sampling_from_proto(m.sampling),
+        draft_budget=m.draft_budget if m.HasField("draft_budget") else None, raw_prompt=m.raw_prompt)
+
+
+def event_to_proto(ev) -> router_pb2.GenerateResponse:
+    if isinstance(ev, Delta):
+        return router_pb2.GenerateResponse(delta=router_pb2.TokenDelta(token_ids=ev.token_ids, text=ev.text))
+    return router_pb2.GenerateResponse(final=router_pb2.GenerateFinal(
+        text=ev.text, token_ids=ev.token_ids, stats=convert.stats_to_proto(ev.stats), session_id=ev.session_id))
+
+
+def client_of(context) -> str:
+    """Who counts against max_sessions_per_client: the x-specmesh-client header, else the peer host."""
+    md = dict(context.invocation_metadata() or ())
+    if md.get("x-specmesh-client"):
+        return str(md["x-specmesh-client"])
+    return context.peer().rsplit(":", 1)[0]
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    def Generate(self, request, context):
+        gen = self.router.start(spec_from_proto(request), client_of(context),
+                                monotonic_deadline(time_left(context)))
+        context.add_callback(gen.cancel)  # fires on every end; a finished generation ignores it
+        for ev in gen:
+            yield event_to_proto(ev)
+
+    def Anticipate(self, request, context):
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Anticipate: the proactive strategy is not implemented yet")
+
+    def ListStrategies(self, request, context):
+        return router_pb2.ListStrategiesResponse(
+            strategies=[router_pb2.StrategyInfo(**d) for d in self.router.strategies()],
+            default_strategy=self.router.s.default_strategy, default_drafter=self.router.s.default_drafter)
+
+
+def router_service(settings: ServeSettings, codec=None) -> tuple[Service, Router]:
+    """The Router service; ``codec`` defaults to the tokenizer of ``settings.model``."""
+    if codec is None:
+        from .codec import TextCodec
+
+        codec = TextCodec.from_model(settings.model)
+    replicas = ReplicaSet(settings.verifier_targets(), lambda a: peer_channel(settings, a), settings.replica_choice)
+    target: Optional[str] = settings.drafter_target()
+    drafter = None
+    if target:
+        drafter = drafter_peer(target, peer_channel(settings, target), settings.drafter_backoff_s,
+                               settings.drafter_backoff_max_s)
+    router = Router(settings, codec, replicas, drafter, codec.vocab_size, settings.token())
+    svc = Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+                  router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router))
+    return svc, router

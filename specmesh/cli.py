@@ -1,0 +1,90 @@
+"""The ``specmesh`` command line.
+
+Each subcommand registers its arguments here and runs code from the module that
+owns it (imported lazily so ``specmesh --help`` stays fast):
+
+  demo               in-process demo: plain decoding vs each drafter (specmesh.demo)
+  convert            resolve/convert a model alias into the safetensors cache
+  make-draft-model   write a draft LM made of a subset of the target's layers
+  serve              run the gRPC services (specmesh.serving.cli)
+  generate           stream a generation from a running router (specmesh.serving.cli)
+  bench              benchmarks (specmesh.bench)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="alias or local Hugging Face model directory")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="specmesh", description="speculative decoding served as microservices")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("demo", help="plain decoding vs each drafter on built-in prompts")
+    _add_model_args(p)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--drafters", default="prompt_lookup,suffix,draft_lm,layerskip")
+    p.add_argument("--budget", type=int, default=8, help="draft tokens per round")
+    p.add_argument("--fixed-budget", action="store_true", help="always draft --budget tokens (default: adaptive)")
+    p.add_argument("--show-text", action="store_true")
+    p.set_defaults(module="specmesh.demo", func="main")
+
+    p = sub.add_parser("convert", help="convert a model alias into the safetensors cache (one time)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.set_defaults(module="specmesh.cli", func="convert_main")
+
+    p = sub.add_parser("make-draft-model", help="draft LM from a subset of the target's layers")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--layers", default="0,1,2,29")
+    p.add_argument("--out", required=True)
+    p.set_defaults(module="specmesh.cli", func="make_draft_main")
+
+    for mod, register in (("specmesh.serving.cli", "register"), ("specmesh.bench", "register")):
+        try:
+            getattr(importlib.import_module(mod), register)(sub)
+        except ModuleNotFoundError as e:
+            if e.name is None or not mod.startswith(e.name):
+                raise
+    return ap
+
+
+def convert_main(args) -> int:
+    from .models.loading import resolve_model
+
+    print(resolve_model(args.model))
+    return 0
+
+
+def make_draft_main(args) -> int:
+    from .runtime import make_draft_model
+
+    print(make_draft_model(args.model, [int(x) for x in args.layers.split(",")], args.out))
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    fn = getattr(importlib.import_module(args.module), args.func)
+    try:
+        return int(fn(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - one clear line for known user errors
+        from .models.loading import ModelNotFound
+        from .types import InvalidArgument
+
+        if isinstance(e, (InvalidArgument, ModelNotFound)):
+            print(f"specmesh: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

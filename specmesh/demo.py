@@ -1,0 +1,97 @@
+"""``specmesh demo``: plain decoding vs each drafter on built-in prompts, in process.
+
+For every prompt it runs our plain decoding, then each drafter through the same
+verifier, and prints tokens/s, speedup vs plain, tau (tokens per target forward),
+and whether the output is token-identical to plain decoding. It also states the
+engine's weight memory, the KV cache per slot and in total, and the peak RSS.
+Knows nothing about gRPC.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from .loop import AdaptiveBudget, generate_tokens
+from .runtime import Runtime
+
+REFACTOR_CODE = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, qty):
+        if name in self.items:
+            self.items[name] += qty
+        else:
+            self.items[name] = qty
+
+    def remove(self, name, qty):
+        if name not in self.items:
+            raise KeyError(name)
+        self.items[name] -= qty
+        if self.items[name] <= 0:
+            del self.items[name]
+
+    def count(self, name):
+        return self.items.get(name, 0)
+'''
+
+PROMPTS = [
+    ("refactor (reuses the prompt)",
+     "Rename the method `count` to `quantity` in this class and return the complete updated code:\n\n"
+     + REFACTOR_CODE),
+    ("open writing", "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+    ("summary with quotes",
+     "Summarise this passage in two sentences, quoting its most important phrase:\n\n"
+     "\"The river had always been the town's clock. In spring it rose and the mills turned; in summer it "
+     "slowed and the children swam; in autumn the boats came home. When the dam was built upstream, the "
+     "river stopped keeping time, and the town had to learn to keep its own.\""),
+]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def main(args) -> int:
+    con = Console()
+    t0 = time.perf_counter()
+    con.print(f"[bold]specmesh demo[/bold]  model={args.model} dtype={args.dtype}  (loading...)")
+    rt = Runtime(args.model, dtype=args.dtype, n_slots=2, max_seq_len=2048)
+    info = rt.verifier.info()
+    con.print(f"loaded in {time.perf_counter() - t0:.1f}s: weights {info['weight_bytes'] / 2**20:.0f} MiB, "
+              f"KV cache {info['kv_bytes_per_slot'] / 2**20:.0f} MiB per slot x {info['slots_total']} slots = "
+              f"{info['kv_bytes_total'] / 2**20:.0f} MiB (max_seq_len {info['max_seq_len']})")
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    mode = "fixed" if args.fixed_budget else "adaptive, max"
+    table = Table(title=f"greedy, {args.max_new_tokens} new tokens max, draft budget {mode} {args.budget}")
+    for col in ("prompt", "system", "tokens", "tok/s", "speedup", "tau", "identical"):
+        table.add_column(col, justify="right" if col not in ("prompt", "system") else "left")
+    for label, prompt in PROMPTS:
+        ids = rt.encode(prompt)
+        generate_tokens(None, rt.verifier, ids, max_new_tokens=4, stop_ids=rt.stop_ids)  # warm-up
+        ref, st = generate_tokens(None, rt.verifier, ids, max_new_tokens=args.max_new_tokens, stop_ids=rt.stop_ids)
+        base = st.tokens_per_s
+        table.add_row(label, "plain", str(st.new_tokens), f"{base:.1f}", "1.00x", "1.00", "-")
+        if args.show_text:
+            con.print(f"[dim]{label}:[/dim] {rt.decode(ref)}")
+        for name in drafters:
+            kw = dict(budget=args.budget if args.fixed_budget else AdaptiveBudget(args.budget))
+            if name == "layerskip":
+                drafter, kw["self_draft"] = None, "layerskip"
+            else:
+                drafter = rt.drafter(name)
+            out, s = generate_tokens(drafter, rt.verifier, ids, max_new_tokens=args.max_new_tokens,
+                                     stop_ids=rt.stop_ids, **kw)
+            table.add_row("", name, str(s.new_tokens), f"{s.tokens_per_s:.1f}",
+                          f"{s.tokens_per_s / base:.2f}x" if base else "-", f"{s.tau:.2f}",
+                          "yes" if out == ref else "[red]NO[/red]")
+        table.add_section()
+    con.print(table)
+    con.print(f"peak RSS {peak_rss_mb():.0f} MB; total {time.perf_counter() - t0:.0f}s")
+    sys.stdout.flush()
+    return 0

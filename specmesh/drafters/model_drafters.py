@@ -1,0 +1,145 @@
+"""Drafters that run a language model: a small draft LM with its own KV cache,
+and layer-skip self-drafting with the first E layers of the target.
+
+Both draft a chain autoregressively. Under greedy sampling they send one-hot
+drafts (argmax). Under sampling they draw each token from their own top-k
+renormalised distribution (temperature applied) and send exactly that sparse q,
+so rejection sampling at the verifier stays lossless.
+
+``DraftLMDrafter`` keeps, per session, the tokens its KV holds and syncs to the
+context by longest common prefix (rollback costs nothing). ``LayerSkipDrafter``
+reads and writes the *target's* KV of the session's slot inside the verifier:
+the first E layers' KV of committed tokens is the same for the draft, and its
+scratch writes past the committed length are overwritten by the next verify.
+Neither knows about acceptance rules or gRPC.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..engine import LlamaEngine
+from ..types import DraftContext, SamplingParams, TokenTree
+from .base import DrafterBase
+
+
+def _seed(seed: int, pos: int) -> int:
+    x = (seed * 0x9E3779B97F4A7C15 + pos * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+def draw(logits: torch.Tensor, sampling: SamplingParams, top_k: int, gen: Optional[torch.Generator]):
+    """One draft token from [V] logits -> (token, q_ids, q_probs). Greedy: argmax, no q."""
+    if sampling.greedy:
+        return int(logits.argmax()), None, None
+    z = logits.float() / sampling.temperature
+    vals, ids = torch.topk(z, min(top_k, z.shape[-1]))
+    q = torch.softmax(vals.double(), -1)
+    j = int(torch.multinomial(q, 1, generator=gen)[0])
+    qp = (q / q.sum()).tolist()
+    return int(ids[j]), ids.tolist(), qp
+
+
+def _assemble(tokens, qids, qps) -> TokenTree:
+    if all(q is None for q in qids):
+        return TokenTree.chain(tokens)
+    return TokenTree.chain(tokens, q_ids=qids, q_probs=qps)
+
+
+class DraftLMDrafter(DrafterBase):
+    """A small LM sharing the target's tokenizer drafts ``budget`` tokens AR."""
+
+    name = "draft_lm"
+
+    def __init__(self, engine: LlamaEngine, top_k: int = 8, name: str = "draft_lm"):
+        self.engine = engine
+        self.top_k = top_k
+        self.name = name
+        self.sessions: dict[str, tuple[int, list[int]]] = {}  # id -> (slot, tokens in KV)
+        self.free = list(range(engine.n_slots))[::-1]
+        self.lru: list[str] = []
+
+    def _slot(self, sid: str) -> tuple[int, list[int]]:
+        if sid in self.sessions:
+            self.lru.remove(sid)
+            self.lru.append(sid)
+            return self.sessions[sid]
+        if not self.free:
+            self.release(self.lru[0])
+        slot = self.free.pop()
+        self.engine.reset(slot)
+        self.sessions[sid] = (slot, [])
+        self.lru.append(sid)
+        return self.sessions[sid]
+
+    def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
+        budget = min(budget, self.engine.max_seq_len - len(ctx.tokens) - 1)
+        if budget <= 0 or not ctx.tokens:
+            return TokenTree()
+        slot, have = self._slot(ctx.session_id)
+        if len(ctx.tokens) >= self.engine.max_seq_len:
+            return TokenTree()
+        # sync: keep the common prefix, append the rest (all of ctx.tokens)
+        common = 0
+        lim = min(len(have), len(ctx.tokens) - 1)
+        while common < lim and have[common] == ctx.tokens[common]:
+            common += 1
+        self.engine.truncate(slot, common)
+        logits = self.engine.prefill(slot, ctx.tokens[common:])
+        gen = None if ctx.sampling.greedy else torch.Generator().manual_seed(_seed(ctx.sampling.seed, len(ctx.tokens)))
+        toks, qids, qps = [], [], []
+        for i in range(budget):
+            t, qi, qp = draw(logits, ctx.sampling, self.top_k, gen)
+            toks.append(t)
+            qids.append(qi)
+            qps.append(qp)
+            if i + 1 < budget:
+                logits = self.engine.prefill(slot, [t])
+        self.engine.truncate(slot, len(ctx.tokens))
+        self.sessions[ctx.session_id] = (slot, list(ctx.tokens))
+        return _assemble(toks, qids, qps)
+
+    def release(self, session_id: str) -> None:
+        if session_id in self.sessions:
+            slot, _ = self.sessions.pop(session_id)
+            self.lru.remove(session_id)
+            self.engine.reset(slot)
+            self.free.append(slot)
+
+
+class LayerSkipDrafter(DrafterBase):
+    """Self-speculative drafting: the first ``exit_layer`` layers of the target plus
+    its final norm and head, run on the verifier's own KV slot for the session."""
+
+    name = "layerskip"
+
+    def __init__(self, verifier, exit_layer: int, top_k: int = 8):
+        self.verifier = verifier
+        self.engine: LlamaEngine = verifier.engine
+        if not 0 < exit_layer < self.engine.n_layers:
+            raise ValueError(f"exit_layer must be in (0, {self.engine.n_layers}), got {exit_layer}")
+        self.exit_layer = exit_layer
+        self.top_k = top_k
+
+    def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
+        slot = self.verifier.slot_of(ctx.session_id)
+        if slot is None or budget <= 0 or not ctx.tokens:
+            return TokenTree()
+        eng = self.engine
+        budget = min(budget, eng.max_seq_len - eng.length(slot) - 2)
+        if budget <= 0:
+            return TokenTree()
+        gen = None if ctx.sampling.greedy else torch.Generator().manual_seed(_seed(ctx.sampling.seed, len(ctx.tokens)))
+        toks, qids, qps = [], [], []
+        cur = ctx.tokens[-1]
+        with self.verifier.lock:
+            for i in range(budget):
+                out = eng.score(slot, [cur], [-1], rows=[0], n_layers=self.exit_layer, extra=i)
+                cur, qi, qp = draw(out.logits[0], ctx.sampling, self.top_k, gen)
+                toks.append(cur)
+                qids.append(qi)
+                qps.append(qp)
+        return _assemble(toks, qids, qps)

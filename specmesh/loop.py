@@ -1,0 +1,227 @@
+"""The one draft–verify loop.
+
+``speculative_generate`` drives any ``Drafter`` (or none: plain decoding, or an
+in-verifier self drafter named by ``self_draft``) against any ``Verifier``
+(in-process or a gRPC adapter) and yields the new tokens of each round. The
+caller's token list is the source of truth: when the verifier lost the session
+(``SessionLost``) the loop re-prefills it from the committed tokens, and when
+the drafter fails the round falls back to plain decoding, so no token is lost
+and greedy output never changes.
+
+This module knows nothing about models, tokenizers or gRPC.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Callable, Iterator, Optional, Sequence
+
+from .types import (DraftContext, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, SessionLost,
+                    TokenTree, VerifyRequest)
+
+
+def round_seed(seed: int, position: int) -> int:
+    """Per-round seed derived from the request seed and the committed length, so a
+    re-prefilled or different replica draws the same uniforms."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 29
+    return x & 0x7FFFFFFFFFFFFFFF
+
+
+class BudgetPolicy:
+    """Fixed draft budget. ``AdaptiveBudget`` adapts it from what the rounds measure."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+
+    def next(self) -> int:
+        return self.budget
+
+    def update(self, drafted: int, accepted: int, entropy: float = 0.0, draft_s: float = 0.0,
+               verify_s: float = 0.0) -> None:
+        pass
+
+
+class AdaptiveBudget(BudgetPolicy):
+    """Draft length from the cost model of DESIGN.md section 4.
+
+    With per-token acceptance alpha (EMA of accepted / (accepted + rejections)), a
+    chain of k drafts yields E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per round,
+    at a cost of 1 + k * (c + beta) target forwards, where c = measured draft time per
+    drafted token / verify time, and beta the extra verify cost per scored token.
+    Pick k in [0, max_budget] maximising E(k) / cost(k). When no k pays (speedup
+    < 1) drafting is switched off, re-probed with one round every ``probe_every``
+    rounds so a session whose text turns repetitive picks it back up. High target
+    entropy at the last round shortens the draft (entropy-guided scheduling)."""
+
+    def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
+                 alpha0: float = 0.6, entropy_scale: float = 3.0):
+        super().__init__(max_budget)
+        self.max_budget = max_budget
+        self.beta, self.ema, self.probe_every = beta, ema, probe_every
+        self.alpha = alpha0
+        self.cost = 0.0  # draft seconds per drafted token / verify seconds
+        self.entropy = 0.0
+        self.entropy_scale = entropy_scale
+        self.off_rounds = 0
+        self.last_speedup = 1.0
+
+    def expected_speedup(self, k: int) -> float:
+        a = min(max(self.alpha, 1e-3), 0.999)
+        tokens = (1 - a ** (k + 1)) / (1 - a)
+        return tokens / (1 + k * (self.cost + self.beta))
+
+    def next(self) -> int:
+        cap = self.max_budget
+        if self.entropy > 0:  # entropy-guided: at high entropy draft shorter
+            cap = max(1, min(cap, int(round(self.max_budget * self.entropy_scale / (self.entropy_scale + self.entropy)))))
+        best_k, best = 0, 1.0
+        for k in range(1, cap + 1):
+            s = self.expected_speedup(k)
+            if s > best + 1e-9:
+                best_k, best = k, s
+        self.last_speedup = best
+        if best_k == 0:
+            self.off_rounds += 1
+            if self.off_rounds % self.probe_every == 0:
+                return 1
+        else:
+            self.off_rounds = 0
+        return best_k
+
+    def update(self, drafted: int, accepted: int, entropy: float = 0.0, draft_s: float = 0.0,
+               verify_s: float = 0.0) -> None:
+        self.entropy = entropy
+        if drafted <= 0:
+            return
+        fails = 1 if accepted < drafted else 0
+        obs = accepted / (accepted + fails) if accepted + fails else self.alpha
+        w = self.ema
+        self.alpha = (1 - w) * self.alpha + w * obs
+        if verify_s > 0:
+            self.cost = (1 - w) * self.cost + w * (draft_s / drafted) / verify_s
+
+
+def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size: int,
+                     max_new_limit: Optional[int] = None) -> None:
+    if not prompt_ids:
+        raise InvalidArgument("prompt", "is empty")
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise InvalidArgument("max_new_tokens", f"must be a positive integer, got {max_new_tokens!r}")
+    if max_new_limit is not None and max_new_tokens > max_new_limit:
+        raise InvalidArgument("max_new_tokens", f"{max_new_tokens} exceeds the limit {max_new_limit}")
+    for t in prompt_ids:
+        if not isinstance(t, int) or t < 0 or t >= vocab_size:
+            raise InvalidArgument("prompt_ids", f"token id {t!r} outside [0, {vocab_size})")
+
+
+def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+                         max_new_tokens: int = 128, stop_ids: Sequence[int] = (), session_id: Optional[str] = None,
+                         budget: int | BudgetPolicy = 6, stats: Optional[GenerationStats] = None,
+                         self_draft: Optional[str] = None, on_drafter_error: Optional[Callable] = None,
+                         max_new_limit: Optional[int] = None) -> Iterator[list[int]]:
+    """Yield lists of new tokens, one per round, until ``max_new_tokens`` or a stop id
+    (not yielded). ``stats`` is filled in place. ``drafter`` None and ``self_draft``
+    None is plain autoregressive decoding through the same verifier."""
+    prompt_ids = list(prompt_ids)
+    validate_request(prompt_ids, max_new_tokens, verifier.vocab_size, max_new_limit)
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt_ids)
+    stats.lossy = sampling.lossy
+    policy = budget if isinstance(budget, BudgetPolicy) else BudgetPolicy(int(budget))
+    sid = session_id or uuid.uuid4().hex
+    stops = set(stop_ids)
+    tokens = list(prompt_ids)  # committed: prompt + generated; tokens[-1] is pending after the first round
+    kv_len = 0  # how many of ``tokens`` the verifier holds
+    t_start = time.perf_counter()
+    n_new = 0
+    drafter_ok = drafter is not None
+
+    def _emit(new: list[int]) -> tuple[list[int], bool]:
+        nonlocal n_new
+        out, done = [], False
+        for t in new:
+            if t in stops:
+                stats.finish_reason, done = "stop", True
+                break
+            out.append(t)
+            n_new += 1
+            if n_new >= max_new_tokens:
+                stats.finish_reason, done = "length", True
+                break
+        return out, done
+
+    try:
+        first = True
+        while True:
+            tree, draft_s, want = TokenTree(), 0.0, 0
+            sd = None
+            if not first:
+                remaining = max_new_tokens - n_new
+                want = max(0, min(policy.next(), remaining - 1))
+                if want > 0 and self_draft is not None:
+                    sd = SelfDraft(self_draft, want)
+                elif want > 0 and drafter_ok:
+                    t0 = time.perf_counter()
+                    try:
+                        tree = drafter.propose(DraftContext(sid, list(tokens), len(prompt_ids), sampling), want)
+                    except Exception as e:  # noqa: BLE001 - a lost drafter degrades to plain decoding
+                        tree = TokenTree()
+                        stats.fallbacks += 1
+                        if on_drafter_error is not None and on_drafter_error(e) is False:
+                            drafter_ok = False
+                    draft_s = time.perf_counter() - t0
+            append = tokens[kv_len:]
+            req = VerifyRequest(sid, kv_len, append, tree, sampling, round_seed(sampling.seed, len(tokens)),
+                                self_draft=sd, want_entropy=not first)
+            t0 = time.perf_counter()
+            try:
+                res = verifier.verify(req)
+            except SessionLost:
+                req.keep_len, req.append_tokens = 0, list(tokens)
+                res = verifier.verify(req)
+            dt = time.perf_counter() - t0
+            stats.target_forwards += 1
+            if first:
+                stats.prefill_s += dt
+            else:
+                stats.verify_s += dt - res.draft_ms / 1e3
+                stats.draft_s += draft_s + res.draft_ms / 1e3
+                depth = max(TokenTree(tree.tokens, tree.parents).depths(), default=-1) + 1 if len(tree) else res.drafted
+                stats.record_round(res.drafted, len(res.accepted), depth)
+                policy.update(res.drafted, len(res.accepted), res.entropy, draft_s + res.draft_ms / 1e3,
+                              max(dt - res.draft_ms / 1e3, 1e-6))
+            new = list(res.accepted) + [res.next_token]
+            kv_len = len(tokens) + len(res.accepted)
+            out, done = _emit(new)
+            tokens += new
+            if first:
+                stats.ttft_s = time.perf_counter() - t_start
+                first = False
+            stats.new_tokens = n_new
+            stats.total_s = time.perf_counter() - t_start
+            if out:
+                yield out
+            if done:
+                break
+    finally:
+        stats.new_tokens = n_new
+        stats.total_s = time.perf_counter() - t_start
+        for party in (drafter, verifier):
+            try:
+                if party is drafter and party is not None:
+                    party.finish(sid, tokens[: len(prompt_ids) + n_new], len(prompt_ids))
+                elif party is verifier:
+                    party.release(sid)
+            except Exception:  # noqa: BLE001 - cleanup must not mask the result
+                pass
+
+
+def generate_tokens(drafter, verifier, prompt_ids, **kw) -> tuple[list[int], GenerationStats]:
+    """Run the loop to the end; return (new tokens, stats)."""
+    stats = kw.pop("stats", None) or GenerationStats()
+    out: list[int] = []
+    for chunk in speculative_generate(drafter, verifier, prompt_ids, stats=stats, **kw):
+        out += chunk
+    return out, stats

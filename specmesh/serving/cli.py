@@ -1,0 +1,268 @@
+"""``specmesh serve`` and ``specmesh generate``.
+
+- ``specmesh serve drafter|verifier|router --port N [settings flags]`` runs one
+  service in this process until SIGTERM/SIGINT (then drains and stops).
+- ``specmesh serve`` (no service) starts all three as separate processes on
+  loopback (ports from the settings; 0 = free ports), passes the resolved
+  settings to them through ``SPECMESH_*`` variables, prints the addresses once
+  all are listening, and stops them all on Ctrl-C/SIGTERM (or when one dies).
+- ``specmesh generate "prompt" --address ... --strategy ...`` streams the text
+  to stdout, then prints the stats to stderr (``--json``: stats as JSON on stdout).
+
+This module only parses arguments and wires the pieces; it knows nothing about
+models or decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+SERVICES = ("drafter", "verifier", "router")
+
+
+# ---------------------------------------------------------------- settings flags (no pydantic import: --help stays fast)
+
+_FLAGS = [
+    # (flag, field, type, help)
+    ("--host", "host", str, "bind address (default 127.0.0.1)"),
+    ("--model", "model", str, "model alias or local HF directory (verifier, router tokenizer)"),
+    ("--dtype", "dtype", str, "fp32 | bf16 | int8 (verifier)"),
+    ("--n-slots", "n_slots", int, "KV slots of the verifier"),
+    ("--max-seq-len", "max_seq_len", int, "longest sequence per slot"),
+    ("--drafter-address", "drafter_address", str, "router: drafter host:port ('none' = no drafter)"),
+    ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
+    ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
+    ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens"),
+    ("--max-new-tokens-limit", "max_new_tokens", int, "limit on max_new_tokens"),
+    ("--max-sessions-per-client", "max_sessions_per_client", int, "concurrent streams per client"),
+    ("--max-message-bytes", "max_message_bytes", int, "largest request accepted"),
+    ("--batch-window-ms", "batch_window_ms", float, "verifier: dynamic batching window"),
+    ("--max-batch", "max_batch", int, "verifier: largest batch"),
+    ("--workers", "workers", int, "handler threads"),
+    ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
+    ("--tls-key", "tls_key", str, "server private key (PEM)"),
+    ("--tls-client-ca", "tls_client_ca", str, "require client certificates signed by this CA (mTLS)"),
+    ("--peer-ca", "peer_ca", str, "router: CA of the drafter/verifier certificates"),
+    ("--peer-cert", "peer_cert", str, "router: client certificate for mTLS to drafter/verifier"),
+    ("--peer-key", "peer_key", str, "router: client key for mTLS to drafter/verifier"),
+    ("--auth-token-file", "auth_token_file", str, "bearer token file (or env SPECMESH_AUTH_TOKEN)"),
+    ("--drain-s", "drain_s", float, "grace period on SIGTERM"),
+]
+
+
+def add_settings_flags(p: argparse.ArgumentParser, port: bool = True) -> None:
+    p.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file (or env SPECMESH_CONFIG)")
+    if port:
+        p.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port to listen on (0 = any)")
+    for flag, dest, typ, hlp in _FLAGS:
+        p.add_argument(flag, dest=dest, type=typ, default=argparse.SUPPRESS, help=hlp)
+
+
+def settings_from_args(args: argparse.Namespace):
+    from .settings import ServeSettings, load_settings
+
+    fields = set(ServeSettings.model_fields)
+    overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
+    return load_settings(getattr(args, "config", None), **overrides)
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="run the gRPC services (one, or all three as processes)")
+    p.add_argument("service", nargs="?", choices=SERVICES, help="the service to run (default: all three)")
+    add_settings_flags(p)
+    for svc in SERVICES:
+        p.add_argument(f"--{svc}-port", dest=f"{svc}_port", type=int, default=argparse.SUPPRESS,
+                       help=f"port of the {svc} when starting all three (0 = any free port)")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(module="specmesh.serving.cli", func="serve_main")
+
+    g = sub.add_parser("generate", help="stream a generation from a running router")
+    g.add_argument("prompt", help="prompt text (one user turn with the chat template unless --raw)")
+    g.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", "127.0.0.1:50051"))
+    g.add_argument("--strategy", default="", help="autoregressive | external | self | auto (default: router's)")
+    g.add_argument("--drafter", default="", help="external drafter: prompt_lookup | suffix | draft_lm")
+    g.add_argument("--max-new-tokens", type=int, default=None)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--draft-budget", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
+    g.add_argument("--token-file", default=None, help="bearer token file (or env SPECMESH_AUTH_TOKEN)")
+    g.add_argument("--ca", default=None, help="CA certificate (PEM): connect with TLS")
+    g.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
+    g.add_argument("--key", default=None, help="client key (PEM) for mutual TLS")
+    g.add_argument("--json", action="store_true", help="print the stats as JSON on stdout")
+    g.set_defaults(module="specmesh.serving.cli", func="generate_main")
+
+
+# ---------------------------------------------------------------- serve
+
+def serve_main(args) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    if args.service is None:
+        return serve_all(settings)
+    return serve_one(args.service, settings)
+
+
+def serve_one(service: str, s) -> int:
+    from .server import build_server, serve_until_signal
+
+    cleanup = None
+    if service == "verifier":
+        from verifier_service.servicer import verifier_service
+
+        svc, batcher = verifier_service(s)
+        cleanup = batcher.stop
+    elif service == "drafter":
+        from drafter_service.servicer import drafter_service
+
+        svc = drafter_service(s)
+    else:
+        from router.servicer import router_service
+
+        svc, router = router_service(s)
+        cleanup = router.close
+    running = build_server(s, [svc], s.port_of(service))
+    mode = "tls" if running.tls else "insecure"
+    auth = "token" if s.token() else "no auth"
+    print(f"specmesh {service} listening on {running.address} ({mode}, {auth})", flush=True)
+    try:
+        serve_until_signal(running, s.drain_s)
+    finally:
+        if cleanup:
+            cleanup()
+    return 0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sk:
+        sk.bind((host, 0))
+        return sk.getsockname()[1]
+
+
+def _settings_env(s) -> dict:
+    """The resolved settings as SPECMESH_* variables (auth_token stays in the parent's env)."""
+    env = {}
+    for name, value in s.model_dump(exclude={"auth_token", "port"}).items():
+        if value is None:
+            continue
+        if isinstance(value, list):
+            value = ",".join(value)
+        env[f"SPECMESH_{name.upper()}"] = str(value)
+    return env
+
+
+def serve_all(s) -> int:
+    host = s.host
+    client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    ports = {svc: getattr(s, f"{svc}_port") or _free_port(host) for svc in SERVICES}
+    addr = {svc: f"{client_host}:{p}" for svc, p in ports.items()}
+    env = dict(os.environ, **_settings_env(s))
+    env.pop("SPECMESH_CONFIG", None)  # already resolved into the variables above
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    extra = {"router": ["--drafter-address", addr["drafter"], "--verifier-addresses", addr["verifier"]]}
+    procs: dict[str, subprocess.Popen] = {}
+    ready = {svc: threading.Event() for svc in SERVICES}
+
+    def pump(svc: str, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            if "listening on" in line:
+                ready[svc].set()
+            sys.stderr.write(f"[{svc}] {line}")
+
+    stop = threading.Event()
+    prev = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for svc in SERVICES:
+            cmd = [sys.executable, "-m", "specmesh.cli", "serve", svc, "--port", str(ports[svc])] + extra.get(svc, [])
+            procs[svc] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                          bufsize=1)
+            threading.Thread(target=pump, args=(svc, procs[svc]), daemon=True).start()
+        announced = False
+        while not stop.is_set():
+            dead = [svc for svc, p in procs.items() if p.poll() is not None]
+            if dead:
+                print(f"specmesh: {', '.join(dead)} exited; stopping the others", file=sys.stderr)
+                break
+            if not announced and all(e.is_set() for e in ready.values()):
+                announced = True
+                for svc in SERVICES:
+                    print(f"{svc:9s} {addr[svc]}", flush=True)
+                print(f'try: specmesh generate "Hello" --address {addr["router"]}', flush=True)
+            stop.wait(0.2)
+        return 0 if stop.is_set() else 1
+    finally:
+        for svc in reversed(SERVICES):  # router first: it drains its streams
+            if procs.get(svc) and procs[svc].poll() is None:
+                procs[svc].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + s.drain_s + 10
+        for p in procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for sig, h in prev.items():
+            signal.signal(sig, h)
+
+
+# ---------------------------------------------------------------- generate
+
+def format_stats(st) -> str:
+    pa = ", ".join(f"{x:.2f}" for x in st.position_acceptance)
+    lines = [
+        f"strategy {st.strategy}" + (f" ({st.drafter})" if st.drafter else "") + f", finish {st.finish_reason}"
+        + (", LOSSY acceptance" if st.lossy else "") + (f", verifier {st.verifier}" if st.verifier else ""),
+        f"{st.new_tokens} new tokens in {st.total_s:.2f} s ({st.tokens_per_s:.1f} tok/s), ttft {st.ttft_s:.3f} s, "
+        f"prompt {st.prompt_tokens} tokens",
+        f"rounds {st.rounds}, tau {st.tau:.2f} tokens/forward, drafted {st.drafted_tokens}, "
+        f"accepted {st.accepted_tokens}, fallbacks {st.fallbacks}, re-prefills {st.reprefills}",
+        f"acceptance histogram {st.accept_hist}; per-position acceptance [{pa}]",
+        f"time: prefill {st.prefill_s:.3f} s, draft {st.draft_s:.3f} s, verify {st.verify_s:.3f} s, "
+        f"network {st.network_s:.3f} s",
+    ]
+    return "\n".join("-- " + x for x in lines)
+
+
+def generate_main(args) -> int:
+    from ..client import Client
+    from ..errors import InvalidArgumentError, SpecmeshError
+
+    token = os.environ.get("SPECMESH_AUTH_TOKEN") or None
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    client = Client(args.address, token=token, root_certificates=args.ca, timeout=args.timeout,
+                    private_key=args.key, certificate_chain=args.cert)
+    kw = dict(strategy=args.strategy, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
+              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+              draft_budget=args.draft_budget, raw_prompt=args.raw)
+    try:
+        s = client.stream(args.prompt, **kw)
+        for piece in s:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    except SpecmeshError as e:
+        print(f"\nspecmesh: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, InvalidArgumentError) else 1
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(s.result.stats.to_dict()))
+    else:
+        print(format_stats(s.result.stats), file=sys.stderr)
+    return 0

@@ -1,0 +1,162 @@
+"""Proto <-> domain conversions, one small function per message.
+
+Domain types are the dataclasses of ``specmesh.types``; protos are the generated
+``specmesh.v1`` messages. ``*_from_proto`` functions only reshape: they never
+judge values, except that ``SamplingParams`` validates itself on construction
+(its errors are re-raised with the proto field path, e.g. ``sampling.top_p``)
+and a verify request may not carry both a tree and ``self_draft``.
+The core (``EngineVerifier``, the drafters, the loop) validates the rest before
+it changes any state.
+
+``RouterStats`` is ``GenerationStats`` plus what only the serving layer knows
+(network time, the verifier replica, re-prefills); the router hands it to the
+loop and sends it in the final message.
+
+This module knows nothing about channels, servers, models or tokenizers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from ..types import GenerationStats, InvalidArgument, SamplingParams, SelfDraft, TokenTree, VerifyRequest, VerifyResult
+from ..v1 import common_pb2, verifier_pb2
+
+U64 = (1 << 64) - 1
+
+
+@dataclass
+class RouterStats(GenerationStats):
+    """GenerationStats plus serving-layer facts (see common.proto GenerationStats)."""
+
+    drafter: str = ""
+    network_s: float = 0.0
+    verifier: str = ""
+    reprefills: int = 0
+
+
+MAX_SESSION_ID = 128
+
+
+def check_session_id(sid: str) -> str:
+    """Session ids are non-empty and at most 128 bytes (INVALID_ARGUMENT otherwise)."""
+    if not sid:
+        raise InvalidArgument("session_id", "must be non-empty")
+    if len(sid.encode()) > MAX_SESSION_ID:
+        raise InvalidArgument("session_id", f"longer than {MAX_SESSION_ID} bytes")
+    return sid
+
+
+# ---------------------------------------------------------------- sampling
+
+def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p), seed=int(s.seed) & U64,
+        acceptance=s.acceptance, typical_epsilon=float(s.typical_epsilon), typical_delta=float(s.typical_delta))
+
+
+def sampling_from_proto(m: common_pb2.SamplingParams, prefix: str = "sampling") -> SamplingParams:
+    d = SamplingParams()
+    try:
+        return SamplingParams(
+            temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.HasField("top_p") else d.top_p,
+            seed=int(m.seed), acceptance=m.acceptance or d.acceptance,
+            typical_epsilon=m.typical_epsilon if m.HasField("typical_epsilon") else d.typical_epsilon,
+            typical_delta=m.typical_delta if m.HasField("typical_delta") else d.typical_delta)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{prefix}.{e.field}", e.message) from None
+
+
+# ---------------------------------------------------------------- trees and deltas
+
+def tree_to_proto(t: TokenTree) -> common_pb2.TokenTree:
+    m = common_pb2.TokenTree(tokens=t.tokens, parents=t.parents)
+    if t.q_ids is not None:
+        for ids, ps in zip(t.q_ids, t.q_probs or [None] * len(t.q_ids)):
+            m.q.add(ids=ids or [], probs=ps or [])
+    return m
+
+
+def tree_from_proto(m: common_pb2.TokenTree) -> TokenTree:
+    if len(m.q) == 0:
+        return TokenTree(list(m.tokens), list(m.parents))
+    return TokenTree(list(m.tokens), list(m.parents), [list(d.ids) for d in m.q], [list(d.probs) for d in m.q])
+
+
+def sync_to_proto(keep_len: int, append: Sequence[int]) -> common_pb2.SessionSync:
+    return common_pb2.SessionSync(keep_len=keep_len, append_tokens=append)
+
+
+# ---------------------------------------------------------------- verify
+
+def verify_request_to_proto(r: VerifyRequest) -> verifier_pb2.VerifyRequest:
+    m = verifier_pb2.VerifyRequest(
+        session_id=r.session_id, sync=sync_to_proto(r.keep_len, r.append_tokens), tree=tree_to_proto(r.tree),
+        sampling=sampling_to_proto(r.sampling), round_seed=int(r.round_seed) & U64, want_entropy=r.want_entropy)
+    if r.self_draft is not None:
+        m.self_draft.method, m.self_draft.budget = r.self_draft.method, r.self_draft.budget
+    return m
+
+
+def verify_request_from_proto(m: verifier_pb2.VerifyRequest) -> VerifyRequest:
+    sd = SelfDraft(m.self_draft.method, m.self_draft.budget) if m.HasField("self_draft") else None
+    if sd is not None and len(m.tree.tokens):
+        raise InvalidArgument("tree", "must be empty when self_draft is set")
+    return VerifyRequest(m.session_id, m.sync.keep_len, list(m.sync.append_tokens), tree_from_proto(m.tree),
+                         sampling_from_proto(m.sampling), m.round_seed, sd, m.want_entropy)
+
+
+def verify_result_to_proto(r: VerifyResult, server_ms: float = 0.0) -> verifier_pb2.VerifyResponse:
+    return verifier_pb2.VerifyResponse(
+        accepted=r.accepted, next_token=r.next_token, drafted=r.drafted, tree_size=r.tree_size,
+        accepted_nodes=r.accepted_nodes, entropy=r.entropy, draft_ms=r.draft_ms, verify_ms=r.verify_ms,
+        cache_len=r.cache_len, batch_size=r.batch_size, server_ms=server_ms)
+
+
+def verify_result_from_proto(m: verifier_pb2.VerifyResponse) -> VerifyResult:
+    return VerifyResult(list(m.accepted), m.next_token, m.drafted, m.tree_size, list(m.accepted_nodes), m.entropy,
+                        m.draft_ms, m.verify_ms, m.cache_len, m.batch_size)
+
+
+# ---------------------------------------------------------------- stats
+
+_STAT_FIELDS = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_tokens", "rounds", "target_forwards",
+                "drafted_tokens", "accepted_tokens", "accept_hist", "position_drafted", "position_accepted",
+                "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "finish_reason", "lossy",
+                "fallbacks", "verifier", "reprefills")
+
+
+def stats_to_proto(s: GenerationStats) -> common_pb2.GenerationStats:
+    m = common_pb2.GenerationStats(tau=s.tau, tokens_per_s=s.tokens_per_s,
+                                   position_acceptance=s.position_acceptance)
+    for f in _STAT_FIELDS:
+        if hasattr(s, f):
+            v = getattr(s, f)
+            if isinstance(v, list):
+                getattr(m, f).extend(v)
+            else:
+                setattr(m, f, v)
+    return m
+
+
+def stats_from_proto(m: common_pb2.GenerationStats) -> RouterStats:
+    return RouterStats(**{f: list(v) if f in _LIST_FIELDS else v for f in _STAT_FIELDS for v in [getattr(m, f)]})
+
+
+_LIST_FIELDS = frozenset(("accept_hist", "position_drafted", "position_accepted"))
+
+
+# ---------------------------------------------------------------- chat
+
+def messages_from_proto(ms) -> Optional[list[dict]]:
+    return [{"role": m.role, "content": m.content} for m in ms] or None
+
+
+def messages_to_proto(messages: Optional[Sequence[dict]]) -> list[common_pb2.ChatMessage]:
+    out = []
+    for i, m in enumerate(messages or []):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InvalidArgument("messages", f"entry {i} needs 'role' and 'content'")
+        out.append(common_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"])))
+    return out

@@ -1,0 +1,155 @@
+"""Configuration of the gRPC services (pydantic-settings).
+
+One ``ServeSettings`` object configures any of the three servers and the router's
+outgoing connections: bind address and ports, limits, TLS files, the bearer
+token, batching and retry knobs. Values come from (highest priority first)
+command-line flags (``specmesh serve``, defined in ``serving/cli.py``),
+environment variables ``SPECMESH_<FIELD>`` (e.g. ``SPECMESH_MAX_NEW_TOKENS=512``,
+``SPECMESH_VERIFIER_ADDRESSES=a:1,b:2``), a YAML file (``--config`` or
+``SPECMESH_CONFIG``), then the defaults below. The token
+is never a flag (it would show in ``ps``): ``SPECMESH_AUTH_TOKEN`` or
+``auth_token_file``.
+
+This module knows nothing about gRPC objects, models or the services' logic.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+from pathlib import Path
+from typing import Annotated, Literal, Optional
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, YamlConfigSettingsSource
+
+_YAML_FILE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("specmesh_yaml", default=None)
+
+MiB = 1 << 20
+
+
+class ServeSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECMESH_", extra="forbid", validate_default=True)
+
+    # ---- where to listen / connect
+    host: str = Field("127.0.0.1", description="bind address; loopback unless told otherwise")
+    port: Optional[int] = Field(None, ge=0, le=65535, description="port of a single service (0 = any free port)")
+    router_port: int = Field(50051, ge=0, le=65535)
+    drafter_port: int = Field(50052, ge=0, le=65535)
+    verifier_port: int = Field(50053, ge=0, le=65535)
+    drafter_address: str = Field("", description="router -> drafter; empty = host:drafter_port, 'none' = no drafter")
+    verifier_addresses: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="router -> verifier replicas; empty = [host:verifier_port]")
+    replica_choice: Literal["least_loaded", "hash"] = "least_loaded"
+
+    # ---- model (verifier; the router loads only the tokenizer)
+    model: str = "smollm2-135m-instruct"
+    dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    n_slots: int = Field(8, ge=1, description="KV slots of the verifier")
+    max_seq_len: int = Field(2048, ge=16)
+    layerskip_exit: int = Field(24, ge=1)
+    draft_model: Optional[str] = Field(None, description="draft LM directory for draft_lm (default: derived)")
+
+    # ---- limits
+    max_prompt_tokens: int = Field(1536, ge=1)
+    max_new_tokens: int = Field(1024, ge=1, description="upper limit of GenerateRequest.max_new_tokens")
+    default_max_new_tokens: int = Field(256, ge=1)
+    max_sessions_per_client: int = Field(16, ge=1, description="concurrent Generate streams per client")
+    max_message_bytes: int = Field(4 * MiB, ge=1024, description="larger requests are INVALID_ARGUMENT")
+    max_tree_nodes: int = Field(64, ge=1)
+    max_drafter_sessions: int = Field(1024, ge=1)
+
+    # ---- strategies
+    default_strategy: Literal["autoregressive", "external", "self", "auto"] = "external"
+    default_drafter: Literal["prompt_lookup", "suffix", "draft_lm"] = "prompt_lookup"
+    draft_budget: int = Field(6, ge=1)
+
+    # ---- batching / threads
+    batch_window_ms: float = Field(2.0, ge=0)
+    max_batch: int = Field(8, ge=1)
+    workers: int = Field(32, ge=1, description="gRPC handler threads per server")
+
+    # ---- timeouts, retries
+    drain_s: float = Field(5.0, ge=0, description="grace period for in-flight calls on SIGTERM")
+    drafter_timeout_s: float = Field(2.0, gt=0)
+    verifier_timeout_s: float = Field(60.0, gt=0)
+    verifier_retry_s: float = Field(15.0, ge=0, description="how long the router retries unreachable verifiers")
+    drafter_backoff_s: float = Field(1.0, gt=0, description="first wait before retrying an unhealthy drafter")
+    drafter_backoff_max_s: float = Field(30.0, gt=0)
+
+    # ---- security
+    tls_cert: Optional[Path] = Field(None, description="server certificate chain (PEM); enables TLS")
+    tls_key: Optional[Path] = Field(None, description="server private key (PEM)")
+    tls_client_ca: Optional[Path] = Field(None, description="CA of client certificates: mutual TLS")
+    peer_ca: Optional[Path] = Field(None, description="router -> drafter/verifier: CA to trust (TLS)")
+    peer_cert: Optional[Path] = Field(None, description="router -> drafter/verifier: client certificate (mTLS)")
+    peer_key: Optional[Path] = Field(None, description="router -> drafter/verifier: client key (mTLS)")
+    auth_token: Optional[SecretStr] = Field(None, description="bearer token (env SPECMESH_AUTH_TOKEN only)")
+    auth_token_file: Optional[Path] = Field(None, description="file holding the bearer token")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        sources = [init_settings, env_settings]
+        path = _YAML_FILE.get()
+        if path:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+    @field_validator("verifier_addresses", mode="before")
+    @classmethod
+    def _split(cls, v):
+        if isinstance(v, str):
+            return [a.strip() for a in v.split(",") if a.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServeSettings":
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if (self.peer_cert is None) != (self.peer_key is None):
+            raise ValueError("peer_cert and peer_key must be given together")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "peer_ca", "peer_cert", "peer_key", "auth_token_file"):
+            p = getattr(self, name)
+            if p is not None and not Path(p).is_file():
+                raise ValueError(f"{name}: file {p} does not exist")
+        self.default_max_new_tokens = min(self.default_max_new_tokens, self.max_new_tokens)
+        if self.max_prompt_tokens >= self.max_seq_len:
+            self.max_prompt_tokens = self.max_seq_len - 1
+        return self
+
+    # ---- derived values
+    def token(self) -> Optional[str]:
+        """The bearer token (file wins over the environment), or None: no auth."""
+        if self.auth_token_file is not None:
+            t = Path(self.auth_token_file).read_text().strip()
+            if not t:
+                raise ValueError(f"auth_token_file {self.auth_token_file} is empty")
+            return t
+        return self.auth_token.get_secret_value() if self.auth_token else None
+
+    def drafter_target(self) -> Optional[str]:
+        if self.drafter_address.lower() == "none":
+            return None
+        return self.drafter_address or f"{self.host}:{self.drafter_port}"
+
+    def verifier_targets(self) -> list[str]:
+        return list(self.verifier_addresses) or [f"{self.host}:{self.verifier_port}"]
+
+    def port_of(self, service: str) -> int:
+        return self.port if self.port is not None else getattr(self, f"{service}_port")
+
+
+def load_settings(config: Optional[str | os.PathLike] = None, **overrides) -> ServeSettings:
+    """Settings from ``overrides`` (flags) > environment > YAML ``config`` (or
+    ``$SPECMESH_CONFIG``) > defaults."""
+    path = config or os.environ.get("SPECMESH_CONFIG") or None
+    if path and not Path(path).is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    tok = _YAML_FILE.set(str(path) if path else None)
+    try:
+        return ServeSettings(**overrides)
+    finally:
+        _YAML_FILE.reset(tok)

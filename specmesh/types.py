@@ -1,0 +1,263 @@
+"""Domain types shared by every specmesh component.
+
+Plain dataclasses: sampling parameters (validated), token trees with their draft
+distributions, verify requests/results and per-generation statistics. This module
+knows nothing about models, tensors on devices, gRPC or tokenizers; servicers
+convert protos to and from these types.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+class InvalidArgument(ValueError):
+    """Bad input. ``field`` names the offending field (mapped to INVALID_ARGUMENT)."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+class ResourceExhausted(RuntimeError):
+    """A bounded resource (KV slots, sequence length) is full (RESOURCE_EXHAUSTED)."""
+
+
+class SessionLost(RuntimeError):
+    """The session's state is gone or out of sync; the caller should re-prefill
+    from its committed tokens (FAILED_PRECONDITION / NOT_FOUND)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Target-side sampling. ``temperature == 0`` means greedy decoding.
+
+    top_k == 0 disables top-k; top_p == 1.0 disables nucleus filtering.
+    ``acceptance`` selects the verify rule: "exact" (lossless, default) or
+    "typical" (lossy, opt-in; responses and metrics label it).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    acceptance: str = "exact"
+    typical_epsilon: float = 0.3
+    typical_delta: float = 0.09
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
+            raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidArgument("top_k", f"must be an integer >= 0, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.acceptance not in ("exact", "typical"):
+            raise InvalidArgument("acceptance", f"must be 'exact' or 'typical', got {self.acceptance!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def lossy(self) -> bool:
+        return self.acceptance != "exact"
+
+
+@dataclass
+class TokenTree:
+    """A flattened draft tree.
+
+    tokens[i]  : drafted token id of node i
+    parents[i] : index of node i's parent, -1 = child of the last committed token.
+                 Parents always precede children (parents[i] < i).
+    q_ids[i], q_probs[i] : the sparse draft distribution node i was drawn from
+                 (the drafter's distribution at the parent position). Siblings share
+                 it. ``None`` (or empty) means a deterministic, one-hot draft.
+    A chain is a tree with parents = [-1, 0, 1, ...].
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    q_ids: Optional[list[list[int]]] = None
+    q_probs: Optional[list[list[float]]] = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @classmethod
+    def chain(cls, tokens: Sequence[int], q_ids=None, q_probs=None) -> "TokenTree":
+        tokens = list(tokens)
+        return cls(tokens, list(range(-1, len(tokens) - 1)), q_ids, q_probs)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def depths(self) -> list[int]:
+        """Depth of each node: 0 for children of the committed context."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(0 if p < 0 else d[p] + 1)
+        return d
+
+    def children(self, node: int) -> list[int]:
+        """Children of ``node`` (-1 = root) in sibling order."""
+        return [i for i, p in enumerate(self.parents) if p == node]
+
+    def validate(self, vocab_size: int, max_nodes: int = 1024) -> None:
+        """Raise InvalidArgument naming the field when the tree is malformed."""
+        n = len(self.tokens)
+        if len(self.parents) != n:
+            raise InvalidArgument("tree.parents", f"has {len(self.parents)} entries for {n} tokens")
+        if n > max_nodes:
+            raise InvalidArgument("tree.tokens", f"{n} nodes exceed the limit of {max_nodes}")
+        for i, t in enumerate(self.tokens):
+            if not isinstance(t, int) or t < 0 or t >= vocab_size:
+                raise InvalidArgument("tree.tokens", f"node {i} has token id {t!r} outside [0, {vocab_size})")
+        for i, p in enumerate(self.parents):
+            if not isinstance(p, int) or p < -1 or p >= i:
+                raise InvalidArgument("tree.parents", f"node {i} has parent {p!r}; parents must be -1 or an earlier node")
+        for name, val in (("tree.q_ids", self.q_ids), ("tree.q_probs", self.q_probs)):
+            if val is not None and len(val) != n:
+                raise InvalidArgument(name, f"has {len(val)} rows for {n} nodes")
+        if self.q_ids is not None and self.q_probs is not None:
+            for i, (ids, ps) in enumerate(zip(self.q_ids, self.q_probs)):
+                if len(ids) != len(ps):
+                    raise InvalidArgument("tree.q_probs", f"node {i}: {len(ids)} ids but {len(ps)} probabilities")
+                for t in ids:
+                    if t < 0 or t >= vocab_size:
+                        raise InvalidArgument("tree.q_ids", f"node {i} has id {t} outside [0, {vocab_size})")
+                if any((not math.isfinite(x)) or x < 0 for x in ps):
+                    raise InvalidArgument("tree.q_probs", f"node {i} has a negative or non-finite probability")
+                if ids and abs(sum(ps) - 1.0) > 1e-3:
+                    raise InvalidArgument("tree.q_probs", f"node {i} probabilities sum to {sum(ps):.4f}, not 1")
+                if ids and self.tokens[i] not in ids:
+                    raise InvalidArgument("tree.q_ids", f"node {i}'s token {self.tokens[i]} is not in its q support")
+        elif (self.q_ids is None) != (self.q_probs is None):
+            raise InvalidArgument("tree.q_probs", "q_ids and q_probs must be given together")
+
+
+@dataclass
+class DraftContext:
+    """What a drafter sees for one proposal.
+
+    tokens      : all committed tokens of the session (prompt + generated so far);
+                  the last one is the "pending" token the next verify will score.
+    prompt_len  : how many of ``tokens`` are the prompt.
+    """
+
+    session_id: str
+    tokens: list[int]
+    prompt_len: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class SelfDraft:
+    """Ask the verifier to draft with the target's own weights (``self`` strategy)."""
+
+    method: str = "layerskip"
+    budget: int = 4
+
+
+@dataclass
+class VerifyRequest:
+    """One extend-and-verify step of a session.
+
+    The verifier truncates the session's KV to ``keep_len`` tokens, appends
+    ``append_tokens`` (all committed tokens not yet in its KV; the last of them
+    is the pending token whose logits start the draft), scores ``tree`` (or a
+    tree it drafts itself, ``self_draft``) under an ancestor-only mask, accepts by
+    the rule in ``sampling`` and commits the accepted path's KV.
+    """
+
+    session_id: str
+    keep_len: int
+    append_tokens: list[int]
+    tree: TokenTree = field(default_factory=TokenTree)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    round_seed: int = 0
+    self_draft: Optional[SelfDraft] = None
+    want_entropy: bool = False
+
+
+@dataclass
+class VerifyResult:
+    """accepted: drafted tokens accepted (path from the root); next_token: the
+    target's own token after them (correction or bonus). The session's KV now
+    holds every token before ``next_token``."""
+
+    accepted: list[int]
+    next_token: int
+    drafted: int
+    tree_size: int
+    accepted_nodes: list[int] = field(default_factory=list)
+    entropy: float = 0.0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    cache_len: int = 0
+    batch_size: int = 1
+
+
+@dataclass
+class GenerationStats:
+    """Per-generation statistics filled by the draft–verify loop."""
+
+    strategy: str = "autoregressive"
+    strategy_reason: str = ""
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    target_forwards: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accept_hist: list[int] = field(default_factory=list)
+    position_drafted: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    ttft_s: float = 0.0
+    finish_reason: str = ""
+    lossy: bool = False
+    fallbacks: int = 0
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward in the decode phase: (accepted + rounds) / rounds."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
+
+    @property
+    def position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    def record_round(self, drafted: int, accepted: int, depth: int) -> None:
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        while len(self.accept_hist) <= max(accepted, depth):
+            self.accept_hist.append(0)
+        self.accept_hist[accepted] += 1
+        while len(self.position_drafted) < depth:
+            self.position_drafted.append(0)
+            self.position_accepted.append(0)
+        for k in range(depth):
+            self.position_drafted[k] += 1
+            if k < accepted:
+                self.position_accepted[k] += 1
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["tau"] = self.tau
+        d["tokens_per_s"] = self.tokens_per_s
+        d["position_acceptance"] = self.position_acceptance
+        return d

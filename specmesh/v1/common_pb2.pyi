@@ -1,0 +1,121 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "acceptance", "typical_epsilon", "typical_delta")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_EPSILON_FIELD_NUMBER: _ClassVar[int]
+    TYPICAL_DELTA_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    acceptance: str
+    typical_epsilon: float
+    typical_delta: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., acceptance: _Optional[str] = ..., typical_epsilon: _Optional[float] = ..., typical_delta: _Optional[float] = ...) -> None: ...
+
+class SparseDistribution(_message.Message):
+    __slots__ = ("ids", "probs")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenTree(_message.Message):
+    __slots__ = ("tokens", "parents", "q")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class SessionSync(_message.Message):
+    __slots__ = ("keep_len", "append_tokens")
+    KEEP_LEN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    keep_len: int
+    append_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keep_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class GenerationStats(_message.Message):
+    __slots__ = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_tokens", "rounds", "target_forwards", "drafted_tokens", "accepted_tokens", "tau", "accept_hist", "position_drafted", "position_accepted", "position_acceptance", "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "tokens_per_s", "finish_reason", "lossy", "fallbacks", "verifier", "reprefills")
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_REASON_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TAU_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_HIST_FIELD_NUMBER: _ClassVar[int]
+    POSITION_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    POSITION_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    POSITION_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
+    VERIFIER_FIELD_NUMBER: _ClassVar[int]
+    REPREFILLS_FIELD_NUMBER: _ClassVar[int]
+    strategy: str
+    strategy_reason: str
+    drafter: str
+    prompt_tokens: int
+    new_tokens: int
+    rounds: int
+    target_forwards: int
+    drafted_tokens: int
+    accepted_tokens: int
+    tau: float
+    accept_hist: _containers.RepeatedScalarFieldContainer[int]
+    position_drafted: _containers.RepeatedScalarFieldContainer[int]
+    position_accepted: _containers.RepeatedScalarFieldContainer[int]
+    position_acceptance: _containers.RepeatedScalarFieldContainer[float]
+    draft_s: float
+    verify_s: float
+    prefill_s: float
+    network_s: float
+    total_s: float
+    ttft_s: float
+    tokens_per_s: float
+    finish_reason: str
+    lossy: bool
+    fallbacks: int
+    verifier: str
+    reprefills: int
+    def __init__(self, strategy: _Optional[str] = ..., strategy_reason: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., accept_hist: _Optional[_Iterable[int]] = ..., position_drafted: _Optional[_Iterable[int]] = ..., position_accepted: _Optional[_Iterable[int]] = ..., position_acceptance: _Optional[_Iterable[float]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., network_s: _Optional[float] = ..., total_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., lossy: _Optional[bool] = ..., fallbacks: _Optional[int] = ..., verifier: _Optional[str] = ..., reprefills: _Optional[int] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,70 @@
+from specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("session_id", "drafter", "sync", "prompt_len", "sampling", "budget")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    drafter: str
+    sync: _common_pb2.SessionSync
+    prompt_len: int
+    sampling: _common_pb2.SamplingParams
+    budget: int
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("tree", "held_len", "draft_ms", "server_ms")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    HELD_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_MS_FIELD_NUMBER: _ClassVar[int]
+    tree: _common_pb2.TokenTree
+    held_len: int
+    draft_ms: float
+    server_ms: float
+    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., held_len: _Optional[int] = ..., draft_ms: _Optional[float] = ..., server_ms: _Optional[float] = ...) -> None: ...
+
+class DrafterReleaseRequest(_message.Message):
+    __slots__ = ("session_id", "finished", "sync", "prompt_len")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    finished: bool
+    sync: _common_pb2.SessionSync
+    prompt_len: int
+    def __init__(self, session_id: _Optional[str] = ..., finished: _Optional[bool] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+
+class DrafterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("drafters", "sessions", "session_ids", "max_sessions", "proposals", "vocab_size", "max_tree_nodes")
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    sessions: int
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    max_sessions: int
+    proposals: int
+    vocab_size: int
+    max_tree_nodes: int
+    def __init__(self, drafters: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., max_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,102 @@
+from specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    strategy: str
+    drafter: str
+    max_new_tokens: int
+    sampling: _common_pb2.SamplingParams
+    draft_budget: int
+    raw_prompt: bool
+    conversation_id: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+
+class TokenDelta(_message.Message):
+    __slots__ = ("token_ids", "text")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
+
+class GenerateFinal(_message.Message):
+    __slots__ = ("text", "token_ids", "stats", "session_id")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stats: _common_pb2.GenerationStats
+    session_id: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[_common_pb2.GenerationStats, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("delta", "final")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    FINAL_FIELD_NUMBER: _ClassVar[int]
+    delta: TokenDelta
+    final: GenerateFinal
+    def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ...) -> None: ...
+
+class AnticipateRequest(_message.Message):
+    __slots__ = ("conversation_id", "messages", "max_tokens")
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    max_tokens: int
+    def __init__(self, conversation_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+
+class AnticipateResponse(_message.Message):
+    __slots__ = ("accepted", "detail")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    detail: str
+    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ListStrategiesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StrategyInfo(_message.Message):
+    __slots__ = ("name", "description", "drafters", "available")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    available: bool
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., drafters: _Optional[_Iterable[str]] = ..., available: _Optional[bool] = ...) -> None: ...
+
+class ListStrategiesResponse(_message.Message):
+    __slots__ = ("strategies", "default_strategy", "default_drafter")
+    STRATEGIES_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    strategies: _containers.RepeatedCompositeFieldContainer[StrategyInfo]
+    default_strategy: str
+    default_drafter: str
+    def __init__(self, strategies: _Optional[_Iterable[_Union[StrategyInfo, _Mapping]]] = ..., default_strategy: _Optional[str] = ..., default_drafter: _Optional[str] = ...) -> None: ...

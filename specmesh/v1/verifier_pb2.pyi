@@ -1,0 +1,120 @@
+from specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SelfDraft(_message.Message):
+    __slots__ = ("method", "budget")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    budget: int
+    def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("session_id", "tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("cache_len",)
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    cache_len: int
+    def __init__(self, cache_len: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("session_id", "sync", "tree", "sampling", "round_seed", "self_draft", "want_entropy")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ROUND_SEED_FIELD_NUMBER: _ClassVar[int]
+    SELF_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    WANT_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sync: _common_pb2.SessionSync
+    tree: _common_pb2.TokenTree
+    sampling: _common_pb2.SamplingParams
+    round_seed: int
+    self_draft: SelfDraft
+    want_entropy: bool
+    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round_seed: _Optional[int] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., want_entropy: _Optional[bool] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    TREE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SERVER_MS_FIELD_NUMBER: _ClassVar[int]
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    next_token: int
+    drafted: int
+    tree_size: int
+    accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
+    entropy: float
+    draft_ms: float
+    verify_ms: float
+    cache_len: int
+    batch_size: int
+    server_ms: float
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., drafted: _Optional[int] = ..., tree_size: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., entropy: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., cache_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_ms: _Optional[float] = ...) -> None: ...
+
+class VerifierReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class VerifierInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifierInfo(_message.Message):
+    __slots__ = ("model", "dtype", "vocab_size", "slots_total", "slots_used", "max_seq_len", "kv_bytes_per_slot", "weight_bytes", "sessions", "evictions", "self_drafters", "forwards", "max_tree_nodes", "batches", "batched_requests", "max_batch_seen")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_SLOT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SELF_DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SEEN_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    dtype: str
+    vocab_size: int
+    slots_total: int
+    slots_used: int
+    max_seq_len: int
+    kv_bytes_per_slot: int
+    weight_bytes: int
+    sessions: _containers.RepeatedScalarFieldContainer[str]
+    evictions: int
+    self_drafters: _containers.RepeatedScalarFieldContainer[str]
+    forwards: int
+    max_tree_nodes: int
+    batches: int
+    batched_requests: int
+    max_batch_seen: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[str]] = ..., evictions: _Optional[int] = ..., self_drafters: _Optional[_Iterable[str]] = ..., forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., max_batch_seen: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,221 @@
+"""The verifier core: sessions in KV slots, extend-and-verify, batched verify.
+
+``EngineVerifier`` owns a ``LlamaEngine`` and maps session ids to its slots
+(bounded pool, least-recently-used idle sessions evicted, ``ResourceExhausted``
+when none can be). One ``verify`` call truncates the session to ``keep_len``,
+appends the committed tokens it lacks, scores the draft tree in the same forward,
+applies the acceptance rule and commits the accepted path. Prefill is a verify
+with the prompt as ``append_tokens`` and an empty tree. All input is validated
+before any state changes.
+
+The ``Verifier`` protocol is what the draft–verify loop calls; gRPC adapters
+implement the same protocol. This module knows nothing about gRPC, tokenizers or
+drafting strategies other than the in-verifier (self) drafters it is given.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from typing import Optional, Protocol, Sequence
+
+import torch
+
+from . import acceptance as acc
+from .engine import LlamaEngine
+from .types import (DraftContext, InvalidArgument, ResourceExhausted, SessionLost, TokenTree,
+                    VerifyRequest, VerifyResult)
+
+
+class Verifier(Protocol):
+    vocab_size: int
+
+    def verify(self, req: VerifyRequest) -> VerifyResult: ...
+
+    def release(self, session_id: str) -> None: ...
+
+    def info(self) -> dict: ...
+
+
+class SessionPool:
+    """session id -> engine slot, LRU order; sessions in use are never evicted."""
+
+    def __init__(self, n_slots: int):
+        self.free = list(range(n_slots))[::-1]
+        self.slots: "OrderedDict[str, int]" = OrderedDict()
+        self.busy: set[str] = set()
+        self.evictions = 0
+
+    def get(self, session_id: str) -> Optional[int]:
+        slot = self.slots.get(session_id)
+        if slot is not None:
+            self.slots.move_to_end(session_id)
+        return slot
+
+    def allocate(self, session_id: str) -> int:
+        if not self.free:
+            victim = next((s for s in self.slots if s not in self.busy), None)
+            if victim is None:
+                raise ResourceExhausted(f"all {len(self.slots)} KV slots are in use")
+            self.free.append(self.slots.pop(victim))
+            self.evictions += 1
+        slot = self.free.pop()
+        self.slots[session_id] = slot
+        return slot
+
+    def release(self, session_id: str) -> Optional[int]:
+        slot = self.slots.pop(session_id, None)
+        if slot is not None:
+            self.free.append(slot)
+        return slot
+
+
+class EngineVerifier:
+    def __init__(self, engine: LlamaEngine, max_tree_nodes: int = 64, max_append: Optional[int] = None):
+        self.engine = engine
+        self.vocab_size = engine.vocab_size
+        self.max_tree_nodes = max_tree_nodes
+        self.max_append = max_append or engine.max_seq_len
+        self.pool = SessionPool(engine.n_slots)
+        self.lock = threading.RLock()
+        self.self_drafters: dict = {}
+        self.forwards = 0
+
+    # -------------------------------------------------------------- validation
+    def _validate(self, req: VerifyRequest) -> None:
+        if not req.session_id:
+            raise InvalidArgument("session_id", "must be non-empty")
+        if req.keep_len < 0:
+            raise InvalidArgument("keep_len", f"must be >= 0, got {req.keep_len}")
+        if not req.append_tokens:
+            raise InvalidArgument("append_tokens", "must hold at least the pending token")
+        if len(req.append_tokens) > self.max_append:
+            raise InvalidArgument("append_tokens", f"{len(req.append_tokens)} tokens exceed the limit {self.max_append}")
+        for t in req.append_tokens:
+            if not isinstance(t, int) or t < 0 or t >= self.vocab_size:
+                raise InvalidArgument("append_tokens", f"token id {t!r} outside [0, {self.vocab_size})")
+        req.tree.validate(self.vocab_size, self.max_tree_nodes)
+        if req.self_draft is not None:
+            if req.self_draft.method not in self.self_drafters:
+                raise InvalidArgument("self_draft.method", f"unknown {req.self_draft.method!r}; "
+                                      f"available: {sorted(self.self_drafters)}")
+            if not 0 <= req.self_draft.budget <= self.max_tree_nodes:
+                raise InvalidArgument("self_draft.budget", f"must be in [0, {self.max_tree_nodes}]")
+        total = req.keep_len + len(req.append_tokens) + max(len(req.tree), req.self_draft.budget if req.self_draft else 0)
+        if total > self.engine.max_seq_len:
+            raise ResourceExhausted(f"session would reach {total} tokens > max_seq_len {self.engine.max_seq_len}")
+
+    def _slot_for(self, req: VerifyRequest) -> int:
+        slot = self.pool.get(req.session_id)
+        if slot is None:
+            if req.keep_len != 0:
+                raise SessionLost(f"session {req.session_id!r} is not on this verifier; re-prefill with keep_len=0")
+            slot = self.pool.allocate(req.session_id)
+            self.engine.reset(slot)
+        elif self.engine.length(slot) < req.keep_len:
+            raise SessionLost(f"session {req.session_id!r} holds {self.engine.length(slot)} tokens < keep_len {req.keep_len}")
+        return slot
+
+    def slot_of(self, session_id: str) -> Optional[int]:
+        return self.pool.slots.get(session_id)
+
+    # -------------------------------------------------------------- verify
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        res = self.verify_batch([req])[0]
+        if isinstance(res, BaseException):
+            raise res
+        return res
+
+    def verify_batch(self, reqs: Sequence[VerifyRequest]) -> list:
+        """Verify several sessions' requests with one forward; returns a VerifyResult
+        or the exception for each request (a bad request does not fail the others)."""
+        out: list = [None] * len(reqs)
+        with self.lock:
+            ready = []
+            seen: set[str] = set()
+            for i, r in enumerate(reqs):
+                try:
+                    if r.session_id in seen:
+                        raise InvalidArgument("session_id", "one request per session per batch")
+                    self._validate(r)
+                    slot = self._slot_for(r)
+                    seen.add(r.session_id)
+                    self.pool.busy.add(r.session_id)
+                    ready.append((i, r, slot))
+                except Exception as e:  # noqa: BLE001 - returned per request
+                    out[i] = e
+            try:
+                items, meta = [], []
+                for i, r, slot in ready:
+                    t0 = time.perf_counter()
+                    self.engine.truncate(slot, r.keep_len)
+                    append, tree, draft_ms = list(r.append_tokens), r.tree, 0.0
+                    if r.self_draft is not None and r.self_draft.budget > 0:
+                        if len(append) > 1:
+                            self.engine.prefill(slot, append[:-1])
+                            append = append[-1:]
+                        ctx = DraftContext(r.session_id, append, 0, r.sampling)
+                        tree = self.self_drafters[r.self_draft.method].propose(ctx, r.self_draft.budget)
+                        draft_ms = (time.perf_counter() - t0) * 1e3
+                    a = len(append)
+                    toks = append + tree.tokens
+                    pars = list(range(-1, a - 1)) + [a - 1 if p < 0 else p + a for p in tree.parents]
+                    rows = [a - 1] + [a + j for j in range(len(tree))]
+                    items.append((slot, toks, pars))
+                    meta.append((i, r, slot, a, tree, rows, draft_ms))
+                if items:
+                    t1 = time.perf_counter()
+                    scored = self.engine.score_batch(items, rows=[m[5] for m in meta])
+                    self.forwards += 1
+                    fwd_ms = (time.perf_counter() - t1) * 1e3
+                    for (i, r, slot, a, tree, rows, draft_ms), so in zip(meta, scored):
+                        res = acc.accept(so.logits, tree, r.sampling, r.round_seed)
+                        self.engine.commit(slot, list(range(a)) + [a + j for j in res.path])
+                        ent = 0.0
+                        if r.want_entropy:
+                            ent = float(acc.entropy(torch.softmax(so.logits[:1].float(), -1))[0])
+                        out[i] = VerifyResult(
+                            accepted=[tree.tokens[j] for j in res.path], next_token=res.next_token,
+                            drafted=len(tree), tree_size=len(tree), accepted_nodes=res.path, entropy=ent,
+                            draft_ms=draft_ms, verify_ms=fwd_ms, cache_len=self.engine.length(slot),
+                            batch_size=len(items))
+            finally:
+                for _, r, _ in ready:
+                    self.pool.busy.discard(r.session_id)
+        return out
+
+    def prefill(self, session_id: str, tokens: Sequence[int]) -> int:
+        """Warm a session's KV with ``tokens`` (no sampling); returns its length."""
+        with self.lock:
+            for t in tokens:
+                if not isinstance(t, int) or t < 0 or t >= self.vocab_size:
+                    raise InvalidArgument("tokens", f"token id {t!r} outside [0, {self.vocab_size})")
+            if not tokens:
+                raise InvalidArgument("tokens", "must be non-empty")
+            if len(tokens) > self.engine.max_seq_len:
+                raise ResourceExhausted("prompt longer than max_seq_len")
+            slot = self.pool.get(session_id)
+            if slot is None:
+                slot = self.pool.allocate(session_id)
+            self.engine.reset(slot)
+            self.engine.prefill(slot, list(tokens))
+            return self.engine.length(slot)
+
+    def release(self, session_id: str) -> None:
+        with self.lock:
+            slot = self.pool.release(session_id)
+            for d in self.self_drafters.values():
+                d.release(session_id)
+            if slot is not None:
+                self.engine.reset(slot)
+
+    def info(self) -> dict:
+        e = self.engine
+        return {
+            "model": str(getattr(e, "model_dir", "")), "dtype": e.dtype_name, "vocab_size": e.vocab_size,
+            "slots_total": e.n_slots, "slots_used": len(self.pool.slots), "max_seq_len": e.max_seq_len,
+            "kv_bytes_per_slot": e.kv_bytes_per_slot(), "kv_bytes_total": e.kv_bytes_per_slot() * e.n_slots,
+            "weight_bytes": e.weight_bytes(), "sessions": list(self.pool.slots), "evictions": self.pool.evictions,
+            "self_drafters": sorted(self.self_drafters), "forwards": self.forwards,
+        }

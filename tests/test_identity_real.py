@@ -1,0 +1,67 @@
+"""Greedy identity on the real SmolLM2-135M-Instruct (fp32): for every drafter, the
+speculative tokens equal plain greedy decoding on 5 prompts x 64 new tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.loop import generate_tokens
+from specmesh.types import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CODE = '''def mean(xs):
+    total = 0
+    for x in xs:
+        total += x
+    return total / len(xs)
+'''
+
+PROMPTS = [
+    "Rename the function `mean` to `average` and return the full code:\n\n" + CODE,
+    "Write a haiku about the sea.",
+    "Summarise, quoting the key phrase: \"The bridge was closed for repairs after the storm, and the city "
+    "opened a ferry service until the work is finished.\"",
+    "List three uses of a paper clip.",
+    "Explain in two sentences why the sky is blue.",
+]
+N = 64
+
+
+@pytest.fixture(scope="module")
+def references(runtime):
+    refs = []
+    for p in PROMPTS:
+        ids = runtime.encode(p)
+        out, _ = generate_tokens(None, runtime.verifier, ids, max_new_tokens=N, stop_ids=runtime.stop_ids)
+        refs.append((ids, out))
+    return refs
+
+
+@pytest.mark.parametrize("name", ["prompt_lookup", "suffix", "draft_lm", "layerskip"])
+def test_drafter_greedy_identity(runtime, references, name):
+    drafter = runtime.drafter(name)
+    total_acc = 0
+    for ids, ref in references:
+        out, st = generate_tokens(drafter, runtime.verifier, ids, max_new_tokens=N, stop_ids=runtime.stop_ids,
+                                  budget=6)
+        assert out == ref, f"{name} diverged from plain greedy"
+        total_acc += st.accepted_tokens
+    if name in ("prompt_lookup", "suffix"):
+        assert total_acc > 0  # the code-edit prompt copies the prompt
+
+
+def test_self_draft_in_verifier_identity(runtime, references):
+    for ids, ref in references[:2]:
+        out, st = generate_tokens(None, runtime.verifier, ids, max_new_tokens=N, stop_ids=runtime.stop_ids,
+                                  budget=3, self_draft="layerskip")
+        assert out == ref and st.drafted_tokens > 0
+
+
+def test_sampled_speculation_runs_and_is_seeded(runtime):
+    ids = runtime.encode(PROMPTS[1])
+    s = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    d = runtime.drafter("draft_lm")
+    a, _ = generate_tokens(d, runtime.verifier, ids, sampling=s, max_new_tokens=24, stop_ids=runtime.stop_ids)
+    b, _ = generate_tokens(d, runtime.verifier, ids, sampling=s, max_new_tokens=24, stop_ids=runtime.stop_ids)
+    assert a == b and a

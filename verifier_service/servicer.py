@@ -1,0 +1,70 @@
+"""Verifier servicer: Prefill / Verify / Release / Info over an ``EngineVerifier``.
+
+Thin: it converts protos to domain requests, sends Verify calls through the
+dynamic batcher (one forward for concurrent sessions) and converts the results
+back. Sessions, KV slots (LRU eviction, RESOURCE_EXHAUSTED when none can be
+evicted), validation and acceptance all live in ``specmesh.verifier``; errors
+become status codes in the interceptors. The self-draft method "layerskip" is
+whatever the verifier has registered in ``self_drafters``.
+
+It knows nothing about tokenizers, strategies or the router.
+"""
+
+from __future__ import annotations
+
+import time
+
+from specmesh.serving import convert
+from specmesh.serving.batcher import VerifyBatcher
+from specmesh.serving.convert import check_session_id
+from specmesh.serving.server import Service, time_left
+from specmesh.serving.settings import ServeSettings
+from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, verifier, batcher: VerifyBatcher):
+        self.verifier = verifier
+        self.batcher = batcher
+
+    def Prefill(self, request, context):
+        n = self.verifier.prefill(check_session_id(request.session_id), list(request.tokens))
+        return verifier_pb2.PrefillResponse(cache_len=n)
+
+    def Verify(self, request, context):
+        t0 = time.perf_counter()
+        check_session_id(request.session_id)
+        res = self.batcher.verify(convert.verify_request_from_proto(request), timeout=time_left(context),
+                                 alive=context.is_active)
+        return convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
+
+    def Release(self, request, context):
+        sid = check_session_id(request.session_id)
+        held = self.verifier.slot_of(sid) is not None
+        self.verifier.release(sid)
+        self.batcher.forget(sid)
+        return common_pb2.ReleaseResponse(released=held)
+
+    def Info(self, request, context):
+        d = self.verifier.info()
+        fields = verifier_pb2.VerifierInfo.DESCRIPTOR.fields_by_name
+        m = verifier_pb2.VerifierInfo(**{k: v for k, v in d.items() if k in fields})
+        m.max_tree_nodes = self.verifier.max_tree_nodes
+        b = self.batcher.info()
+        m.batches, m.batched_requests, m.max_batch_seen = b["batches"], b["batched_requests"], b["max_batch_seen"]
+        return m
+
+
+def verifier_service(settings: ServeSettings, verifier=None) -> tuple[Service, VerifyBatcher]:
+    """The Verifier service over ``verifier`` (default: a Runtime from ``settings``
+    with the layerskip self drafter) and its batcher (stop it after the server)."""
+    if verifier is None:
+        from specmesh.runtime import Runtime
+
+        rt = Runtime(settings.model, dtype=settings.dtype, n_slots=settings.n_slots, max_seq_len=settings.max_seq_len,
+                     draft_model=settings.draft_model, layerskip_exit=settings.layerskip_exit, quiet=True)
+        verifier = rt.verifier
+    verifier.max_tree_nodes = settings.max_tree_nodes
+    batcher = VerifyBatcher(verifier, settings.batch_window_ms, settings.max_batch)
+    svc = Service(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
+                  verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierServicer(verifier, batcher))
+    return svc, batcher
