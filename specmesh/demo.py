@@ -77,6 +77,7 @@ def main(args) -> int:
         ref, st = generate_tokens(None, rt.verifier, ids, max_new_tokens=args.max_new_tokens, stop_ids=rt.stop_ids)
         base = st.tokens_per_s
         table.add_row(label, "plain", str(st.new_tokens), f"{base:.1f}", "1.00x", "1.00", "-")
+        con.print(f"  {label}: plain {st.new_tokens} tokens at {base:.1f} tok/s")
         if args.show_text:
             con.print(f"[dim]{label}:[/dim] {rt.decode(ref)}")
         for name in drafters:
@@ -90,6 +91,8 @@ def main(args) -> int:
             table.add_row("", name, str(s.new_tokens), f"{s.tokens_per_s:.1f}",
                           f"{s.tokens_per_s / base:.2f}x" if base else "-", f"{s.tau:.2f}",
                           "yes" if out == ref else "[red]NO[/red]")
+            con.print(f"  {label}: {name} {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, "
+                      f"{'identical' if out == ref else 'DIFFERENT'}")
         table.add_section()
     con.print(table)
     con.print(f"peak RSS {peak_rss_mb():.0f} MB; total {time.perf_counter() - t0:.0f}s")

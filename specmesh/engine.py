@@ -81,14 +81,19 @@ class ScoreOutput:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * w).to(x.dtype)
+    """RMSNorm (one fused op; statistics in fp32 for low-precision inputs)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), -1)
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention: x*cos + rotate_half(x)*sin, where
+    rotate_half(x) = [-x2, x1]; the sign is folded into ``sin_signed`` = [-sin, sin]
+    so rotate_half is one flip of the two halves. x: [N, heads, hd]; cos/sin: [N, 1, hd]."""
+    n, h, d = x.shape
+    swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
+    return x * cos + swapped * sin_signed
 
 
 def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
@@ -133,8 +138,9 @@ class LlamaEngine:
         inv = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
         ang = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv[None]
         emb = torch.cat((ang, ang), -1)
+        half = self.head_dim // 2
         self.cos = emb.cos().to(self.act_dtype)  # [T, hd]
-        self.sin = emb.sin().to(self.act_dtype)
+        self.sin = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), -1).to(self.act_dtype)  # signed
         shape = (self.n_layers, n_slots, self.n_kv, max_seq_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
@@ -265,7 +271,7 @@ class LlamaEngine:
             if n == 1:
                 mask = None
             elif chain:
-                mask = "causal"
+                mask = torch.ones(n, base + n, dtype=torch.bool, device=self.device).tril(base)
             else:
                 mask = torch.ones(n, base + n, dtype=torch.bool)
                 mask[:, base:] = ancestor_mask(par)
@@ -274,8 +280,8 @@ class LlamaEngine:
             pos += [base + d for d in _depths(par)]
         ids = torch.tensor(toks, dtype=torch.long, device=self.device)
         posi = torch.tensor(pos, dtype=torch.long, device=self.device)
-        cos = self.cos[posi][None]  # [1, N, hd]
-        sin = self.sin[posi][None]
+        cos = self.cos[posi][:, None]  # [N, 1, hd]
+        sin = self.sin[posi][:, None]
         x = self.embed[ids]  # [N, H]
         hidden: dict[int, torch.Tensor] = {}
         nq, nk, hd = self.n_heads, self.n_kv, self.head_dim
@@ -283,11 +289,10 @@ class LlamaEngine:
             L = self.layers[li]
             h = rms_norm(x, L.ln1, self.eps)
             qkv = L.qkv(h)  # [N, (nq + 2nk) * hd]
-            q = qkv[:, : nq * hd].view(-1, nq, hd).transpose(0, 1)  # [nq, N, hd]
-            k = qkv[:, nq * hd: (nq + nk) * hd].view(-1, nk, hd).transpose(0, 1)  # [nk, N, hd]
+            qk = rope(qkv[:, : (nq + nk) * hd].view(-1, nq + nk, hd), cos, sin)  # [N, nq + nk, hd]
+            q = qk[:, :nq].transpose(0, 1)  # [nq, N, hd]
+            k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
             v = qkv[:, (nq + nk) * hd:].view(-1, nk, hd).transpose(0, 1)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
             outs = []
             for slot, s, n, base, mask in segs:
                 kc, vc = self.k_cache[li, slot], self.v_cache[li, slot]  # [nk, T, hd]
@@ -295,13 +300,7 @@ class LlamaEngine:
                 vc[:, base: base + n] = v[:, s: s + n]
                 qs = q[:, s: s + n].unsqueeze(0)
                 ks, vs = kc[:, : base + n].unsqueeze(0), vc[:, : base + n].unsqueeze(0)
-                if mask is None:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
-                elif isinstance(mask, str):
-                    cm = torch.ones(n, base + n, dtype=torch.bool).tril(base)
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=cm, enable_gqa=True)
-                else:
-                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
                 outs.append(o[0])  # [nq, n, hd]
             a = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
             x = x + L.o(a.transpose(0, 1).reshape(-1, nq * hd))

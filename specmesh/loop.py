@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Callable, Iterator, Optional, Sequence
+import contextlib
+from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
 from .types import (DraftContext, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, SessionLost,
                     TokenTree, VerifyRequest)
@@ -120,10 +121,17 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
                          max_new_tokens: int = 128, stop_ids: Sequence[int] = (), session_id: Optional[str] = None,
                          budget: int | BudgetPolicy = 6, stats: Optional[GenerationStats] = None,
                          self_draft: Optional[str] = None, on_drafter_error: Optional[Callable] = None,
-                         max_new_limit: Optional[int] = None) -> Iterator[list[int]]:
+                         max_new_limit: Optional[int] = None,
+                         round_scope: Optional[Callable[[int], ContextManager[dict]]] = None) -> Iterator[list[int]]:
     """Yield lists of new tokens, one per round, until ``max_new_tokens`` or a stop id
     (not yielded). ``stats`` is filled in place. ``drafter`` None and ``self_draft``
-    None is plain autoregressive decoding through the same verifier."""
+    None is plain autoregressive decoding through the same verifier.
+
+    ``round_scope(index)`` (optional) is entered around each round (index 0 is the
+    prefill) — drafting and verifying run inside it, so a tracing span opened there
+    parents the RPCs — and the dict it yields is filled with the round's facts:
+    drafted, accepted, tree_size, draft_ms, verify_ms (server side), wall_ms,
+    batch_size, prefill."""
     prompt_ids = list(prompt_ids)
     validate_request(prompt_ids, max_new_tokens, verifier.vocab_size, max_new_limit)
     stats = stats if stats is not None else GenerationStats()
@@ -154,44 +162,53 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
 
     try:
         first = True
+        index = 0
         while True:
-            tree, draft_s, want = TokenTree(), 0.0, 0
-            sd = None
-            if not first:
-                remaining = max_new_tokens - n_new
-                want = max(0, min(policy.next(), remaining - 1))
-                if want > 0 and self_draft is not None:
-                    sd = SelfDraft(self_draft, want)
-                elif want > 0 and drafter_ok:
-                    t0 = time.perf_counter()
-                    try:
-                        tree = drafter.propose(DraftContext(sid, list(tokens), len(prompt_ids), sampling), want)
-                    except Exception as e:  # noqa: BLE001 - a lost drafter degrades to plain decoding
-                        tree = TokenTree()
-                        stats.fallbacks += 1
-                        if on_drafter_error is not None and on_drafter_error(e) is False:
-                            drafter_ok = False
-                    draft_s = time.perf_counter() - t0
-            append = tokens[kv_len:]
-            req = VerifyRequest(sid, kv_len, append, tree, sampling, round_seed(sampling.seed, len(tokens)),
-                                self_draft=sd, want_entropy=not first)
-            t0 = time.perf_counter()
-            try:
-                res = verifier.verify(req)
-            except SessionLost:
-                req.keep_len, req.append_tokens = 0, list(tokens)
-                res = verifier.verify(req)
-            dt = time.perf_counter() - t0
-            stats.target_forwards += 1
-            if first:
-                stats.prefill_s += dt
-            else:
-                stats.verify_s += dt - res.draft_ms / 1e3
-                stats.draft_s += draft_s + res.draft_ms / 1e3
-                depth = max(TokenTree(tree.tokens, tree.parents).depths(), default=-1) + 1 if len(tree) else res.drafted
-                stats.record_round(res.drafted, len(res.accepted), depth)
-                policy.update(res.drafted, len(res.accepted), res.entropy, draft_s + res.draft_ms / 1e3,
-                              max(dt - res.draft_ms / 1e3, 1e-6))
+            scope = round_scope(index) if round_scope is not None else contextlib.nullcontext({})
+            with scope as facts:
+                tree, draft_s, want = TokenTree(), 0.0, 0
+                sd = None
+                if not first:
+                    remaining = max_new_tokens - n_new
+                    want = max(0, min(policy.next(), remaining - 1))
+                    if want > 0 and self_draft is not None:
+                        sd = SelfDraft(self_draft, want)
+                    elif want > 0 and drafter_ok:
+                        t0 = time.perf_counter()
+                        try:
+                            tree = drafter.propose(DraftContext(sid, list(tokens), len(prompt_ids), sampling), want)
+                        except Exception as e:  # noqa: BLE001 - a lost drafter degrades to plain decoding
+                            tree = TokenTree()
+                            stats.fallbacks += 1
+                            if on_drafter_error is not None and on_drafter_error(e) is False:
+                                drafter_ok = False
+                        draft_s = time.perf_counter() - t0
+                append = tokens[kv_len:]
+                req = VerifyRequest(sid, kv_len, append, tree, sampling, round_seed(sampling.seed, len(tokens)),
+                                    self_draft=sd, want_entropy=not first)
+                t0 = time.perf_counter()
+                try:
+                    res = verifier.verify(req)
+                except SessionLost:
+                    req.keep_len, req.append_tokens = 0, list(tokens)
+                    res = verifier.verify(req)
+                dt = time.perf_counter() - t0
+                stats.target_forwards += 1
+                if first:
+                    stats.prefill_s += dt
+                else:
+                    stats.verify_s += dt - res.draft_ms / 1e3
+                    stats.draft_s += draft_s + res.draft_ms / 1e3
+                    depth = max(TokenTree(tree.tokens, tree.parents).depths(), default=-1) + 1 if len(tree) else res.drafted
+                    stats.record_round(res.drafted, len(res.accepted), depth)
+                    policy.update(res.drafted, len(res.accepted), res.entropy, draft_s + res.draft_ms / 1e3,
+                                  max(dt - res.draft_ms / 1e3, 1e-6))
+                if facts is not None:
+                    facts.update(prefill=first, drafted=res.drafted, accepted=len(res.accepted),
+                                 tree_size=res.tree_size, draft_ms=draft_s * 1e3 + res.draft_ms,
+                                 verify_ms=res.verify_ms, wall_ms=(draft_s + dt) * 1e3,
+                                 batch_size=res.batch_size)
+            index += 1
             new = list(res.accepted) + [res.next_token]
             kv_len = len(tokens) + len(res.accepted)
             out, done = _emit(new)
