@@ -9,6 +9,9 @@ owns it (imported lazily so ``specmesh --help`` stays fast):
   serve              run the gRPC services (specmesh.serving.cli)
   generate           stream a generation from a running router (specmesh.serving.cli)
   bench              benchmarks (specmesh.bench)
+  trace, stats       trace timelines and acceptance histograms (specmesh.observability.cli)
+  calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.strategies.calibrate)
+  bench-strategies   workloads x strategies through the services (specmesh.strategies.bench)
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(module="specmesh.cli", func="make_draft_main")
 
-    for mod, register in (("specmesh.serving.cli", "register"), ("specmesh.bench", "register")):
+    for mod, register in (("specmesh.serving.cli", "register"), ("specmesh.bench", "register"),
+                          ("specmesh.blockdraft.cli", "register"), ("specmesh.observability.cli", "register"),
+                          ("specmesh.strategies.calibrate", "register"), ("specmesh.strategies.bench", "register")):
         try:
             getattr(importlib.import_module(mod), register)(sub)
         except ModuleNotFoundError as e:

@@ -81,6 +81,42 @@ class EngineVerifier:
         self.lock = threading.RLock()
         self.self_drafters: dict = {}
         self.forwards = 0
+        self.feature_layers: list[int] = []
+        self.features: Optional[torch.Tensor] = None  # [n_slots, max_seq_len, F] hidden states of committed tokens
+
+    def enable_features(self, layers: Sequence[int]) -> None:
+        """Keep the hidden states of ``layers`` for every committed token of every session
+        (what a block drafter conditions on); verification computes them anyway."""
+        layers = sorted(set(int(x) for x in layers) | set(self.feature_layers))
+        if layers == self.feature_layers and self.features is not None:
+            return
+        e = self.engine
+        if any(not 0 <= i < e.n_layers for i in layers):
+            raise InvalidArgument("feature_layers", f"layers must be in [0, {e.n_layers})")
+        self.feature_layers = layers
+        self.features = torch.zeros(e.n_slots, e.max_seq_len, len(layers) * e.hidden, dtype=torch.bfloat16)
+
+    def session_features(self, slot: int, layers: Sequence[int]) -> torch.Tensor:
+        """[length, len(layers) * H] float32 features of the slot's committed tokens."""
+        n, H = self.engine.length(slot), self.engine.hidden
+        cols = [j for i in layers for j in range(self.feature_layers.index(i) * H, (self.feature_layers.index(i) + 1) * H)]
+        return self.features[slot, :n][:, cols].float()
+
+    def _store_features(self, slot: int, start: int, hidden: dict, rows: Sequence[int]) -> None:
+        if self.features is None or not rows:
+            return
+        idx = torch.tensor(list(rows), dtype=torch.long)
+        feats = torch.cat([hidden[i][idx] for i in self.feature_layers], -1)
+        self.features[slot, start: start + len(rows)] = feats.to(self.features.dtype)
+
+    def _append(self, slot: int, tokens: Sequence[int]) -> None:
+        """Commit a chain of tokens to the slot (keeping features when enabled)."""
+        tokens = list(tokens)
+        start = self.engine.length(slot)
+        out = self.engine.score(slot, tokens, list(range(-1, len(tokens) - 1)), rows=[len(tokens) - 1],
+                                hidden_layers=self.feature_layers)
+        self.engine.commit(slot, range(len(tokens)))
+        self._store_features(slot, start, out.hidden, range(len(tokens)))
 
     # -------------------------------------------------------------- validation
     def _validate(self, req: VerifyRequest) -> None:
@@ -153,7 +189,7 @@ class EngineVerifier:
                     append, tree, draft_ms = list(r.append_tokens), r.tree, 0.0
                     if r.self_draft is not None and r.self_draft.budget > 0:
                         if len(append) > 1:
-                            self.engine.prefill(slot, append[:-1])
+                            self._append(slot, append[:-1])
                             append = append[-1:]
                         ctx = DraftContext(r.session_id, append, 0, r.sampling)
                         tree = self.self_drafters[r.self_draft.method].propose(ctx, r.self_draft.budget)
@@ -166,12 +202,16 @@ class EngineVerifier:
                     meta.append((i, r, slot, a, tree, rows, draft_ms))
                 if items:
                     t1 = time.perf_counter()
-                    scored = self.engine.score_batch(items, rows=[m[5] for m in meta])
+                    scored = self.engine.score_batch(items, rows=[m[5] for m in meta],
+                                                     hidden_layers=self.feature_layers)
                     self.forwards += 1
                     fwd_ms = (time.perf_counter() - t1) * 1e3
                     for (i, r, slot, a, tree, rows, draft_ms), so in zip(meta, scored):
                         res = acc.accept(so.logits, tree, r.sampling, r.round_seed)
-                        self.engine.commit(slot, list(range(a)) + [a + j for j in res.path])
+                        start = self.engine.length(slot)
+                        kept = list(range(a)) + [a + j for j in res.path]
+                        self.engine.commit(slot, kept)
+                        self._store_features(slot, start, so.hidden, kept)
                         ent = 0.0
                         if r.want_entropy:
                             ent = float(acc.entropy(torch.softmax(so.logits[:1].float(), -1))[0])
@@ -199,7 +239,7 @@ class EngineVerifier:
             if slot is None:
                 slot = self.pool.allocate(session_id)
             self.engine.reset(slot)
-            self.engine.prefill(slot, list(tokens))
+            self._append(slot, list(tokens))
             return self.engine.length(slot)
 
     def release(self, session_id: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see specmesh/__init__.py
+
 import pytest
 import torch
 

@@ -1,0 +1,1 @@
+"""Trained block drafter (DFlash-style): data, model, losses, training, floor, trees, serving."""

@@ -1,0 +1,257 @@
+"""CLI for the block drafter: ``distill-data``, ``train-drafter``, ``floor``.
+
+``train-drafter`` prints per-slot accuracy, the held-out acceptance histogram
+with its ceiling bin and preflight verdict, expected τ, and writes the checkpoint
+(drafter.safetensors, config.json, calibration.json, metrics.json) plus a
+histogram PNG. Knows nothing about gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+M = "specmesh.blockdraft.cli"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("distill-data", help="target self-distillation data (resumable shards)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--out", default="data/distill")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.add_argument("--slots", type=int, default=16, help="sessions decoded together per forward")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.set_defaults(module=M, func="distill_main")
+
+    p = sub.add_parser("train-drafter", help="train the DFlash-style block drafter")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--data", default="data/distill")
+    p.add_argument("--out", default="checkpoints/block-drafter")
+    p.add_argument("--block", type=int, default=8)
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--feature-layers", default="2,14,27")
+    p.add_argument("--n-keep", type=int, default=8192)
+    p.add_argument("--context-window", type=int, default=256)
+    p.add_argument("--loss", default="ce", choices=["ce", "auf", "focal", "dpace"])
+    p.add_argument("--gamma", type=float, default=4.0, help="position weight exp(-(k-1)/gamma) for --loss ce")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--anchors", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, help="start from this checkpoint")
+    p.add_argument("--expand-block", type=int, default=None, help="DBloom: continue --init at a larger block")
+    p.add_argument("--compare-losses", default=None, help="e.g. ce,auf,dpace: train each briefly, print held-out tau")
+    p.set_defaults(module=M, func="train_main")
+
+    p = sub.add_parser("floor", help="per-slot information floor and the drafter's model gap")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--data", default="data/distill")
+    p.add_argument("--drafter", default=None, help="checkpoint whose model gap to measure")
+    p.add_argument("--contexts", type=int, default=16)
+    p.add_argument("--rollouts", type=int, default=16)
+    p.add_argument("--slots", type=int, default=7)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--out", default="floor.png")
+    p.set_defaults(module=M, func="floor_main")
+
+
+def distill_main(args) -> int:
+    from ..runtime import Runtime
+    from .data import generate_shards
+
+    rt = Runtime(args.model, dtype="fp32", n_slots=args.slots, max_seq_len=1024)
+    out = generate_shards(rt, Path(args.out), args.max_new_tokens, limit=args.limit)
+    print(f"wrote {out}")
+    return 0
+
+
+def _examples(args, engine, layers):
+    from .data import load_records
+    from .train import prepare
+
+    train_recs = load_records(Path(args.data), "train")
+    held = load_records(Path(args.data), "heldout")
+    if not train_recs:
+        raise SystemExit(f"no training records in {args.data}; run `specmesh distill-data --out {args.data}` first")
+    return train_recs, prepare(engine, train_recs, layers, "target features (train)"), \
+        prepare(engine, held, layers, "target features (held-out)")
+
+
+def _verdict(ev: dict) -> str:
+    c = ev["ceiling_fraction"]
+    if c > 0.10:
+        return f"ceiling bin {c:.1%} > 10%: the block size binds; a longer block (--expand-block) should pay"
+    return f"ceiling bin {c:.1%} <= 10%: the block size does not bind"
+
+
+def _report(ev: dict, label: str) -> None:
+    print(f"[{label}] per-slot accuracy (given earlier slots correct): "
+          + " ".join(f"{a:.2f}" for a in ev["slot_accuracy"]))
+    print(f"[{label}] accepted-length histogram: {ev['accept_hist']} (last bin = ceiling)")
+    print(f"[{label}] expected tau {ev['tau_expected']:.3f}, measured tau {ev['tau_measured']:.3f}")
+    print(f"[{label}] preflight: {_verdict(ev)}")
+
+
+def _calibrate(model, examples, width: int = 3, seed: int = 2):
+    """(slot, prob, accepted | parent accepted) samples on held-out -> Calibration."""
+    import torch
+
+    from .losses import IGNORE
+    from .train import _anchors, block_batch
+    from .tree import Calibration
+
+    rng = random.Random(seed)
+    samples = []
+    with torch.no_grad():
+        for ex in examples:
+            anchors = _anchors(ex, 16, rng)
+            if not anchors:
+                continue
+            logits, tgt = block_batch(model, ex, anchors)
+            top = torch.topk(torch.softmax(logits, -1), width, -1)
+            for a in range(len(anchors)):
+                for k in range(logits.shape[1]):
+                    if tgt[a, k] == IGNORE:
+                        break
+                    for p, i in zip(top.values[a, k], top.indices[a, k]):
+                        samples.append((k, float(p), bool(i == tgt[a, k])))
+                    if not bool((top.indices[a, k] == tgt[a, k]).any()):
+                        break  # deeper slots: parent not in the tree
+    return Calibration.fit(samples, logits.shape[1])
+
+
+def plot_hist(hist, path, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    colors = ["tab:blue"] * (len(hist) - 1) + ["tab:red"]
+    ax.bar(range(len(hist)), hist, color=colors)
+    ax.set_xlabel("accepted draft tokens per round (red = ceiling bin)")
+    ax.set_ylabel("rounds")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def train_main(args) -> int:
+    import torch
+
+    from ..engine import LlamaEngine
+    from ..models.loading import load_config, load_state_dict, resolve_model
+    from .model import BlockDrafterConfig, load_block_drafter, save_block_drafter
+    from .train import evaluate, expand_block, keep_ids_from, new_model, train
+
+    t0 = time.time()
+    torch.manual_seed(args.seed)
+    target_dir = resolve_model(args.model)
+    tsd = load_state_dict(target_dir)
+    engine = LlamaEngine.from_pretrained(str(target_dir), dtype="fp32", n_slots=1, max_seq_len=1024, quiet=True)
+    if args.init:
+        model = load_block_drafter(Path(args.init), tsd)
+        layers = model.cfg.feature_layers
+    else:
+        layers = [int(x) for x in args.feature_layers.split(",")]
+        model = None
+    train_recs, train_ex, held_ex = _examples(args, engine, layers)
+    del engine
+    curriculum = None
+    if model is None:
+        tcfg = load_config(target_dir)
+        cfg = BlockDrafterConfig(block=args.block, n_layers=args.layers, hidden=tcfg["hidden_size"],
+                                 n_heads=tcfg["num_attention_heads"], vocab_size=tcfg["vocab_size"],
+                                 feature_layers=layers, context_window=args.context_window, target=args.model,
+                                 n_keep=args.n_keep)
+        keep = keep_ids_from(train_recs, args.n_keep, cfg.vocab_size)
+        model = new_model(cfg, tsd, keep)
+    if args.expand_block:
+        curriculum = model.cfg.block - 1
+        model = expand_block(model, args.expand_block, tsd)
+    print(f"drafter: {model.n_params() / 1e6:.2f}M trainable+buffers params, block {model.cfg.block}, "
+          f"{len(train_ex)} train / {len(held_ex)} held-out sequences")
+    if args.compare_losses:
+        rows = []
+        for loss in args.compare_losses.split(","):
+            torch.manual_seed(args.seed)
+            m = new_model(model.cfg, tsd, model.keep_ids)
+            train(m, train_ex, args.steps, loss=loss, lr=args.lr, batch=args.batch, anchors_per_seq=args.anchors,
+                  gamma=args.gamma, seed=args.seed)
+            ev = evaluate(m, held_ex)
+            rows.append((loss, ev))
+            _report(ev, loss)
+        print("\nloss   held-out tau (expected / measured)")
+        for loss, ev in rows:
+            print(f"{loss:6s} {ev['tau_expected']:.3f} / {ev['tau_measured']:.3f}")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "train.log", "a") as logf:
+        curve = train(model, train_ex, args.steps, loss=args.loss, lr=args.lr, batch=args.batch,
+                      anchors_per_seq=args.anchors, gamma=args.gamma, seed=args.seed,
+                      curriculum_from=curriculum, log=lambda s: logf.write(s + "\n"))
+    ev = evaluate(model, held_ex)
+    _report(ev, "held-out")
+    cal = _calibrate(model, held_ex)
+    save_block_drafter(model, out)
+    (out / "calibration.json").write_text(json.dumps(cal.to_dict()))
+    cmd = "specmesh " + " ".join(sys.argv[1:])
+    metrics = dict(ev, loss=args.loss, steps=args.steps, final_loss=sum(curve[-20:]) / max(1, len(curve[-20:])),
+                   minutes=(time.time() - t0) / 60, command=cmd)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    plot_hist(ev["accept_hist"], out / "accept_hist.png", f"held-out acceptance, block {model.cfg.block}")
+    print(f"saved {out} in {(time.time() - t0) / 60:.1f} min")
+    return 0
+
+
+def floor_main(args) -> int:
+    from tqdm import tqdm
+
+    from ..runtime import Runtime
+    from .data import load_records
+    from .floor import floors, measured_rejection, model_gap, plot_floor, sample_rollouts
+
+    rt = Runtime(args.model, dtype="fp32", n_slots=8, max_seq_len=1024, quiet=True)
+    recs = load_records(Path(args.data), "heldout")[: args.contexts]
+    if not recs:
+        raise SystemExit(f"no held-out records in {args.data}")
+    rng = random.Random(0)
+    contexts = []
+    for r in recs:
+        cut = rng.randrange(0, max(1, len(r["response_ids"]) - args.slots))
+        contexts.append(r["prompt_ids"] + r["response_ids"][:cut])
+    bar = tqdm(total=len(contexts), desc="target rollouts", file=sys.stderr)
+    rolls = sample_rollouts(rt.verifier, contexts, args.rollouts, args.slots, args.temperature,
+                            progress=bar.update)
+    bar.close()
+    res = floors(rolls)
+    if args.drafter:
+        from .serve import BlockSelfDrafter
+        from ..types import DraftContext
+
+        d = BlockSelfDrafter.from_checkpoint(rt.verifier, args.drafter)
+        preds = []
+        for i, ctx in enumerate(contexts):
+            sid = f"floor-pred-{i}"
+            rt.verifier.prefill(sid, ctx[:-1])
+            lg = d.slot_logits(DraftContext(sid, ctx, len(ctx)))
+            rt.verifier.release(sid)
+            preds.append([int(d.model.keep_ids[j]) for j in lg.argmax(-1)][: args.slots])
+        res["measured"] = measured_rejection(rolls, preds)
+        res["gap_order0"] = model_gap(res["measured"], res["order0"])
+    print("slot  floor(order0)  floor(order1)" + ("  measured  gap" if args.drafter else ""))
+    for k in range(len(res["order0"])):
+        line = f"{k + 1:4d}  {res['order0'][k]:13.3f}  {res['order1'][k]:13.3f}"
+        if args.drafter:
+            line += f"  {res['measured'][k]:8.3f}  {res['gap_order0'][k]:+.3f}"
+        print(line)
+    plot_floor(res, args.out)
+    Path(args.out).with_suffix(".json").write_text(json.dumps(res, indent=2))
+    print(f"wrote {args.out}")
+    return 0
