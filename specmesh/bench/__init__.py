@@ -1,0 +1,100 @@
+"""Benchmarks: ``specmesh bench`` (in-process, one stream) and ``specmesh bench-sweep``
+(concurrency sweep through the gRPC services).
+
+``register(subparsers)`` adds both subcommands to the ``specmesh`` CLI; their
+functions import the heavy modules lazily so ``specmesh --help`` stays fast.
+
+  workloads  find and read bench/workloads/*.jsonl
+  systems    the system contract and our systems (ours_*)
+  peers      Hugging Face and llama.cpp systems (hf_*, llamacpp_*)
+  harness    one-process run, alternating systems per prompt; records
+  report     report.md with the table and verdict lines
+  charts     PNG charts
+  sweep      concurrency sweep over gRPC (1, 4, 8 streams)
+
+This package knows nothing about gRPC except in ``sweep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SYSTEMS_HELP = ("comma list of systems or groups (all, ours, hf, llamacpp). ours_ar, ours_prompt_lookup, "
+                "ours_suffix, ours_draft_lm, ours_layerskip (append _fp32/_bf16/_int8 to run on another engine "
+                "dtype, e.g. ours_ar_fp32,ours_suffix_fp32 for the greedy-identity check), hf_ar, hf_pld, "
+                "hf_assisted, llamacpp_ar, llamacpp_pld. Default: all")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark our decoding vs HF generate and llama.cpp on workloads",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="alias or local Hugging Face model directory")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"], help="our engine's dtype")
+    p.add_argument("--workloads", default="", help="comma list of workloads (default: all in --workloads-dir)")
+    p.add_argument("--workloads-dir", default=None, help="directory of *.jsonl workloads (default: bench/workloads)")
+    p.add_argument("--systems", default="all", help=SYSTEMS_HELP)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default: all)")
+    p.add_argument("--budget", type=int, default=8, help="draft tokens per round for ours_* systems")
+    p.add_argument("--slots", type=int, default=2, help="KV slots of our engine")
+    p.add_argument("--max-seq-len", type=int, default=2048, help="KV positions per slot of our engine")
+    p.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads (default: torch's)")
+    p.add_argument("--out", default="bench-out", help="output directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    p.set_defaults(module="specmesh.bench", func="main")
+
+    s = subparsers.add_parser("bench-sweep", help="concurrency sweep through the gRPC services (1/4/8 streams)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .sweep import add_arguments
+
+    add_arguments(s)
+    s.set_defaults(module="specmesh.bench", func="sweep_main")
+
+
+def config_from_args(args):
+    from .harness import BenchConfig
+
+    split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None  # noqa: E731
+    return BenchConfig(workloads=split(args.workloads), systems=split(args.systems) or ["all"],
+                       max_new_tokens=args.max_new_tokens, prompts=args.prompts, dtype=args.dtype,
+                       budget=args.budget, out=args.out, model=args.model, workloads_dir=args.workloads_dir,
+                       slots=args.slots, max_seq_len=args.max_seq_len, threads=args.threads,
+                       progress=not args.no_progress, charts=not args.no_charts)
+
+
+def run(cfg, log=print, runtimes=None) -> dict:
+    """Run the benchmark described by ``cfg`` (a ``BenchConfig``) and write its reports
+    into ``cfg.out``; returns the result dict (meta, records, outputs). ``runtimes``
+    maps a dtype to an already loaded ``Runtime`` to reuse."""
+    from pathlib import Path
+
+    from . import report
+    from .harness import Bench, save
+
+    result = Bench(cfg, log=log, runtimes=runtimes).run()
+    out = Path(cfg.out)
+    save(result, out)
+    report.write(result, out)
+    if cfg.charts:
+        from . import charts
+
+        charts.write_all(result["records"], out)
+    return result
+
+
+def main(args) -> int:
+    from . import report
+
+    cfg = config_from_args(args)
+    result = run(cfg)
+    print(f"wrote {cfg.out}/results.json, report.md" + (", *.png" if cfg.charts else ""))
+    for v, text in report.verdicts(result["records"], result["meta"]):
+        print(f"  {v:4}  {text}")
+    return 0
+
+
+def sweep_main(args) -> int:
+    from .sweep import main as _main
+
+    return _main(args)

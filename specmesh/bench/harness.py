@@ -1,0 +1,280 @@
+"""Run a benchmark in one process: build the systems, warm each up, then run every
+prompt on every system back to back (the order rotates per prompt) so machine
+drift hits all systems alike, and aggregate one record per (system, workload).
+
+Records carry new tokens, seconds, tokens/s, speedup over the system's own AR
+(measured side by side in this run), τ, the acceptance histogram, token identity
+with the reference AR (per prompt, all identical) and the process-wide peak RSS
+at the time the record's last prompt finished.
+
+This module knows nothing about report formats or charts (``report``, ``charts``)
+or about gRPC (``sweep``).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..types import InvalidArgument
+from . import workloads as wl
+from .peers import HFModels, llamacpp_unavailable, make_hf, make_llamacpp
+from .systems import DEFAULT_SYSTEMS, RunOutput, System, expand, make_ours, parse_ours
+
+WARMUP_PROMPT = "Say hello and name three colours."
+RECORD_FIELDS = ("system", "workload", "prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_own_ar",
+                 "tau", "acceptance_hist", "identical_to_ar", "identical_prompts", "token_agreement", "reference",
+                 "draft_s", "verify_s", "peak_rss_mb", "dtype", "budget")
+
+
+@dataclass
+class BenchConfig:
+    workloads: Optional[list[str]] = None  # None = every file in the workloads directory
+    systems: list[str] = field(default_factory=lambda: list(DEFAULT_SYSTEMS))
+    max_new_tokens: int = 128
+    prompts: Optional[int] = None  # per workload; None = all
+    dtype: str = "bf16"
+    budget: int = 8
+    out: str = "bench-out"
+    model: str = "smollm2-135m-instruct"
+    workloads_dir: Optional[str] = None
+    slots: int = 2
+    max_seq_len: int = 2048
+    threads: Optional[int] = None
+    progress: bool = True
+    charts: bool = True
+
+
+def peak_rss_mb() -> float:
+    """Process-wide peak resident set size (max of VmHWM and ru_maxrss), MiB."""
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak_kb = max(peak_kb, int(line.split()[1]))
+    except OSError:
+        pass
+    return peak_kb / 1024.0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Bench:
+    """One benchmark run; ``run()`` returns ``{"meta": ..., "records": [...], "outputs": [...]}``."""
+
+    def __init__(self, cfg: BenchConfig, log=print, runtimes: Optional[dict] = None):
+        """``runtimes``: already loaded ``Runtime`` objects by dtype to reuse (tests)."""
+        self.cfg = cfg
+        self.log = log
+        self.runtimes: dict = dict(runtimes or {})
+        self.systems: list[System] = []
+        self.skipped: dict[str, str] = {}
+        self.rss_stages: list[dict] = []
+
+    # ------------------------------------------------------------ setup
+    def runtime(self, dtype: str):
+        if dtype not in self.runtimes:
+            from ..runtime import Runtime
+
+            main = self.runtimes.get(self.cfg.dtype)
+            self.runtimes[dtype] = Runtime(self.cfg.model, dtype=dtype, n_slots=self.cfg.slots,
+                                           max_seq_len=main.max_seq_len if main else self.cfg.max_seq_len,
+                                           quiet=True)
+        return self.runtimes[dtype]
+
+    def _stage(self, what: str) -> None:
+        self.rss_stages.append({"stage": what, "peak_rss_mb": round(peak_rss_mb(), 1)})
+
+    def build(self, names: list[str]) -> None:
+        from ..runtime import default_draft_model
+
+        main = self.runtime(self.cfg.dtype)
+        ours = [n for n in names if n.startswith("ours_")]
+        peers = [n for n in names if not n.startswith("ours_")]
+        for n in ours:
+            self.systems.append(make_ours(n, self.runtime(parse_ours(n, self.cfg.dtype)[1]), self.cfg.budget,
+                                          self.cfg.dtype))
+        self._stage("specmesh systems loaded")
+        self._warmup(self.systems)
+        self._stage("specmesh systems warmed up (before any peer is loaded)")
+        hf = HFModels(main.model_dir, lambda: default_draft_model(self.cfg.model))
+        threads = self.cfg.threads or _torch_threads()
+        first_peer = len(self.systems)
+        for n in peers:
+            if n.startswith("hf_"):
+                self.systems.append(make_hf(n, hf, main.stop_ids))
+            else:
+                why = llamacpp_unavailable(self.cfg.model, main.model_dir)
+                if why:
+                    self.skipped[n] = why
+                    self.log(f"note: skipping {n}: {why}")
+                    continue
+                self.systems.append(make_llamacpp(n, self.cfg.model, main.model_dir, main.stop_ids, threads,
+                                                  self.cfg.max_seq_len))
+        self._warmup(self.systems[first_peer:])
+        self._stage("all systems loaded and warmed up")
+
+    def _warmup(self, systems: list[System]) -> None:
+        if not systems:
+            return
+        ids = self.runtime(self.cfg.dtype).encode(WARMUP_PROMPT)
+        for s in systems:
+            s.run(ids, min(16, self.cfg.max_new_tokens))
+
+    # ------------------------------------------------------------ run
+    def run(self) -> dict:
+        cfg = self.cfg
+        if cfg.dtype not in ("fp32", "bf16", "int8"):
+            raise InvalidArgument("dtype", f"must be fp32, bf16 or int8, got {cfg.dtype!r}")
+        if cfg.max_new_tokens <= 0:
+            raise InvalidArgument("max_new_tokens", f"must be positive, got {cfg.max_new_tokens}")
+        if cfg.budget <= 0:
+            raise InvalidArgument("budget", f"must be positive, got {cfg.budget}")
+        names = expand(cfg.systems)
+        loads = wl.load(cfg.workloads, cfg.prompts, Path(cfg.workloads_dir) if cfg.workloads_dir else None)
+        if not cfg.threads:
+            return self._run(cfg, names, loads)
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(cfg.threads)  # process-wide; restored afterwards
+        try:
+            return self._run(cfg, names, loads)
+        finally:
+            torch.set_num_threads(before)
+
+    def _run(self, cfg: BenchConfig, names: list[str], loads: dict) -> dict:
+        t_start = time.time()
+        main = self.runtime(cfg.dtype)
+        encoded = {w: [(p, main.encode(p.prompt, p.messages)) for p in ps] for w, ps in loads.items()}
+        longest = max(len(ids) for ps in encoded.values() for _, ids in ps)
+        if longest + cfg.max_new_tokens + cfg.budget + 2 > main.max_seq_len:
+            raise InvalidArgument("max_new_tokens", f"prompt ({longest} tokens) + max_new_tokens exceeds "
+                                                    f"max_seq_len {main.max_seq_len}")
+        self.build(names)
+        runs: dict[tuple[str, str], list[tuple[str, RunOutput, float]]] = {}
+        total = sum(len(v) for v in encoded.values()) * len(self.systems)
+        bar = _progress(total, cfg.progress)
+        k = 0
+        for w, items in encoded.items():
+            for p, ids in items:
+                order = self.systems[k % len(self.systems):] + self.systems[: k % len(self.systems)]
+                k += 1
+                for s in order:
+                    bar.set_description(f"{w} {p.id} {s.name}")
+                    out = s.run(ids, p.budget(cfg.max_new_tokens))
+                    runs.setdefault((s.name, w), []).append((p.id, out, peak_rss_mb()))
+                    bar.update(1)
+        bar.close()
+        self._stage("end of run")
+        records = self.aggregate(list(encoded), runs)
+        outputs = [{"system": s, "workload": w, "id": pid, "tokens": o.tokens, "seconds": round(o.seconds, 4),
+                    "text": main.decode(o.tokens)} for (s, w), rs in runs.items() for pid, o, _ in rs]
+        meta = {
+            "config": asdict(cfg), "systems": [s.name for s in self.systems], "skipped": self.skipped,
+            "workloads": {w: len(v) for w, v in encoded.items()}, "verifier": _info(main),
+            "rss_stages": self.rss_stages, "peak_rss_mb": round(peak_rss_mb(), 1),
+            "torch_threads": _torch_threads(), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
+            "wall_s": round(time.time() - t_start, 1), "python": sys.version.split()[0],
+            "hf_pld_tokens": 10,
+        }
+        return {"meta": meta, "records": records, "outputs": outputs}
+
+    def aggregate(self, workloads: list[str], runs: dict) -> list[dict]:
+        by_name = {s.name: s for s in self.systems}
+        tokens = {key: {pid: o.tokens for pid, o, _ in rs} for key, rs in runs.items()}
+        records = []
+        for s in self.systems:
+            for w in workloads:
+                rs = runs.get((s.name, w), [])
+                new = sum(len(o.tokens) for _, o, _ in rs)
+                secs = sum(o.seconds for _, o, _ in rs)
+                rec = {"system": s.name, "workload": w, "prompts": len(rs), "new_tokens": new,
+                       "seconds": round(secs, 4), "tokens_per_s": round(new / secs, 3) if secs > 0 else 0.0,
+                       "dtype": s.dtype, "budget": s.budget, "reference": s.reference,
+                       "peak_rss_mb": round(max((m for _, _, m in rs), default=peak_rss_mb()), 1)}
+                dt = sum(o.decode_tokens or 0 for _, o, _ in rs)
+                df = sum(o.decode_forwards or 0 for _, o, _ in rs)
+                have_tau = all(o.decode_forwards is not None for _, o, _ in rs) and df > 0
+                rec["tau"] = round(dt / df, 4) if have_tau else None
+                hists = [o.accept_hist for _, o, _ in rs]
+                rec["acceptance_hist"] = _sum_hists(hists) if s.speculative and hists and all(
+                    h is not None for h in hists) else None
+                for key in ("draft_s", "verify_s"):
+                    vals = [getattr(o, key) for _, o, _ in rs]
+                    rec[key] = round(sum(vals), 4) if vals and all(v is not None for v in vals) else None
+                ref = tokens.get((s.reference, w)) if s.reference in by_name else None
+                if ref is None:
+                    rec.update(identical_to_ar=None, identical_prompts=None, token_agreement=None)
+                else:
+                    same = [tokens[(s.name, w)][pid] == ref[pid] for pid, _, _ in rs]
+                    agree = sum(_common_prefix(tokens[(s.name, w)][pid], ref[pid]) for pid, _, _ in rs)
+                    ref_len = sum(len(ref[pid]) for pid, _, _ in rs)
+                    rec.update(identical_to_ar=all(same), identical_prompts=sum(same),
+                               token_agreement=round(agree / ref_len, 4) if ref_len else 1.0)
+                records.append(rec)
+        tps = {(r["system"], r["workload"]): r["tokens_per_s"] for r in records}
+        for r in records:
+            base = tps.get((by_name[r["system"]].reference, r["workload"]))
+            r["speedup_vs_own_ar"] = round(r["tokens_per_s"] / base, 4) if base else None
+        return [{k: r.get(k) for k in RECORD_FIELDS} for r in records]
+
+
+def _sum_hists(hists: list[list[int]]) -> list[int]:
+    out = [0] * max((len(h) for h in hists), default=0)
+    for h in hists:
+        for i, c in enumerate(h):
+            out[i] += c
+    return out
+
+
+def _info(runtime) -> dict:
+    i = runtime.verifier.info()
+    return {k: i.get(k) for k in ("model", "dtype", "vocab_size", "slots_total", "max_seq_len", "kv_bytes_per_slot",
+                                  "kv_bytes_total", "weight_bytes", "self_drafters")}
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+class _NoBar:
+    def set_description(self, *_a): pass
+
+    def update(self, *_a): pass
+
+    def close(self): pass
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="gen", file=sys.stderr, dynamic_ncols=True)
+
+
+def save(result: dict, out_dir: Path) -> Path:
+    """results.json (meta + records) and outputs.jsonl (every generation's tokens and text)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps({"meta": result["meta"], "records": result["records"]},
+                                                     indent=2))
+    with open(out_dir / "outputs.jsonl", "w", encoding="utf-8") as f:
+        for o in result["outputs"]:
+            f.write(json.dumps(o) + "\n")
+    return out_dir / "results.json"

@@ -1,0 +1,169 @@
+"""``report.md`` from a benchmark result: the table, the KV cache, and verdict lines.
+
+Verdicts are pass/fail text about the project's speed targets, computed from
+the records of one run (ratios measured side by side); a target whose systems
+were not run reads "n/a". They are not tests.
+
+This module knows nothing about models or how the numbers were measured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+OPEN_WRITING = ("code_write", "chat_multiturn")
+RSS_LIMIT_MB = 2048
+
+
+def _fmt(v, nd=2, suffix="") -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{nd}f}{suffix}"
+    return f"{v}{suffix}"
+
+
+def _mb(b: Optional[int]) -> str:
+    return "–" if b is None else f"{b / 2**20:.1f} MiB"
+
+
+class _Idx:
+    def __init__(self, records: list[dict]):
+        self.r = {(x["system"], x["workload"]): x for x in records}
+        self.systems = list(dict.fromkeys(x["system"] for x in records))
+        self.workloads = list(dict.fromkeys(x["workload"] for x in records))
+
+    def get(self, system: str, workload: str, key: str):
+        rec = self.r.get((system, workload))
+        return None if rec is None else rec.get(key)
+
+
+def verdicts(records: list[dict], meta: dict) -> list[tuple[str, str]]:
+    """[(PASS|FAIL|n/a, text)] for each target."""
+    ix = _Idx(records)
+    dt = meta.get("config", {}).get("dtype", "bf16")
+    spec = [s for s in ix.systems if s.startswith("ours_") and s != "ours_ar" and not s.endswith(("_fp32", "_bf16", "_int8"))]
+    ours_all = [s for s in ix.systems if s.startswith("ours_") and not s.endswith(("_fp32", "_bf16", "_int8"))]
+    out: list[tuple[str, str]] = []
+
+    def line(ok: Optional[bool], text: str) -> None:
+        out.append(("n/a" if ok is None else ("PASS" if ok else "FAIL"), text))
+
+    # 1. our best strategy's speedup over our AR >= HF PLD's speedup over HF AR, per workload
+    for w in ix.workloads:
+        cands = [(ix.get(s, w, "speedup_vs_own_ar"), s) for s in spec]
+        best = max(((v, s) for v, s in cands if v is not None), default=(None, None))
+        hf = ix.get("hf_pld", w, "speedup_vs_own_ar")
+        if best[0] is None or hf is None:
+            line(None, f"{w}: best ours speedup vs ours_ar >= hf_pld speedup vs hf_ar (needs ours_<drafter>, hf_pld, both ARs)")
+        else:
+            line(best[0] >= hf, f"{w}: best ours speedup {best[0]:.2f}x ({best[1]}) vs hf_pld {hf:.2f}x")
+    # 2. our tokens/s >= 2x HF fp32 AR tokens/s, per workload
+    for w in ix.workloads:
+        best = max(((ix.get(s, w, "tokens_per_s") or 0.0, s) for s in ours_all), default=(None, None))
+        hf = ix.get("hf_ar", w, "tokens_per_s")
+        if best[0] is None or not hf:
+            line(None, f"{w}: ours tokens/s >= 2x hf_ar (needs ours_* and hf_ar)")
+        else:
+            line(best[0] >= 2 * hf, f"{w}: ours {best[0]:.1f} tok/s ({best[1]}) = {best[0] / hf:.2f}x hf_ar {hf:.1f} tok/s (target 2x)")
+    # 3. our bf16 plain decoding >= 1.8x HF fp32 generate
+    ar_bf16 = "ours_ar" if dt == "bf16" else ("ours_ar_bf16" if "ours_ar_bf16" in ix.systems else None)
+    ratios = [(w, ix.get(ar_bf16, w, "tokens_per_s"), ix.get("hf_ar", w, "tokens_per_s")) for w in ix.workloads] if ar_bf16 else []
+    ratios = [(w, a / h) for w, a, h in ratios if a and h]
+    if not ratios:
+        line(None, "ours bf16 plain decoding >= 1.8x hf_ar fp32 (needs a bf16 ours_ar and hf_ar)")
+    else:
+        worst = min(ratios, key=lambda x: x[1])
+        line(worst[1] >= 1.8, f"ours bf16 AR vs hf_ar fp32: " + ", ".join(f"{w} {r:.2f}x" for w, r in ratios)
+             + f" (worst {worst[1]:.2f}x, target 1.8x)")
+    # 4. prompt lookup or suffix >= 2x ours AR on code_edit, >= 0.95x on open writing
+    for w, target in [("code_edit", 2.0)] + [(w, 0.95) for w in OPEN_WRITING]:
+        if w not in ix.workloads:
+            continue
+        cands = [(ix.get(s, w, "speedup_vs_own_ar"), s) for s in ("ours_prompt_lookup", "ours_suffix")]
+        cands = [c for c in cands if c[0] is not None]
+        if not cands:
+            line(None, f"{w}: prompt lookup or suffix >= {target}x ours_ar (needs ours_prompt_lookup/ours_suffix and ours_ar)")
+        else:
+            b = max(cands)
+            line(b[0] >= target, f"{w}: {b[1]} {b[0]:.2f}x ours_ar (target {target}x; "
+                 + ", ".join(f"{s} {v:.2f}x" for v, s in cands) + ")")
+    # 5. every specmesh output identical to our AR under greedy (one line per engine dtype)
+    ours_recs = [r for r in records if r["system"].startswith("ours_") and r["identical_to_ar"] is not None
+                 and r["system"] != r.get("reference")]
+    if not ours_recs:
+        line(None, "every specmesh output identical to ours AR (needs ours_ar and an ours_<drafter>)")
+    for d in sorted({r["dtype"] for r in ours_recs}):
+        rs = [r for r in ours_recs if r["dtype"] == d]
+        bad = [r for r in rs if not r["identical_to_ar"]]
+        text = (f"{d}: specmesh outputs token-identical to ours AR of the same dtype: "
+                f"{sum(r['identical_prompts'] for r in rs)}/{sum(r['prompts'] for r in rs)} generations")
+        if bad:
+            text += ("; differing: " + ", ".join(f"{r['system']}/{r['workload']}" for r in bad)
+                     + f"; lowest prefix agreement {min(r['token_agreement'] for r in bad):.1%}")
+            if d != "fp32":
+                text += " (bf16/int8 near-ties can flip; greedy identity is a fp32 claim: add ours_*_fp32 systems)"
+        line(not bad, text)
+    # 6. peak RSS <= 2 GB: judged on specmesh alone (measured before any peer model is loaded)
+    peak = meta.get("peak_rss_mb")
+    own = next((s["peak_rss_mb"] for s in meta.get("rss_stages", []) if "before any peer" in s["stage"]), None)
+    if own is None and peak is None:
+        line(None, "peak RSS <= 2 GB (not measured)")
+    else:
+        judged = own if own is not None else peak
+        line(judged <= RSS_LIMIT_MB, f"specmesh peak RSS {judged:.0f} MiB (limit {RSS_LIMIT_MB} MiB; measured "
+             f"before any peer model was loaded); whole benchmark process incl. HF models: {_fmt(peak, 0)} MiB")
+    return out
+
+
+def render(result: dict) -> str:
+    meta, records = result["meta"], result["records"]
+    cfg = meta.get("config", {})
+    ix = _Idx(records)
+    L = ["# specmesh benchmark", ""]
+    L.append(f"model `{cfg.get('model')}`, our engine dtype **{cfg.get('dtype')}**, greedy, "
+             f"max_new_tokens {cfg.get('max_new_tokens')}, draft budget {cfg.get('budget')} tokens/round "
+             f"(hf_pld/llamacpp_pld: {meta.get('hf_pld_tokens')}), torch threads {meta.get('torch_threads')}, "
+             f"started {meta.get('started')}, wall {meta.get('wall_s')} s.")
+    L.append("All systems ran in one process, alternating per prompt (rotating order) after one warm-up each; "
+             "speedups are ratios to the system's own AR measured side by side in this run. "
+             "τ = tokens per target forward after the prefill. Identity is per prompt against the reference AR "
+             "(ours_* vs ours_ar of the same dtype, hf_* vs hf_ar, llamacpp_* vs llamacpp_ar).")
+    if meta.get("skipped"):
+        L += [""] + [f"- skipped `{k}`: {v}" for k, v in meta["skipped"].items()]
+    L += ["", "## Verdicts", ""]
+    L += [f"- **{v}** {t}" for v, t in verdicts(records, meta)]
+    L += ["", "## Speedup vs own AR (tokens/s ratio)", ""]
+    L.append("| system | " + " | ".join(ix.workloads) + " |")
+    L.append("|---|" + "---|" * len(ix.workloads))
+    for s in ix.systems:
+        L.append(f"| {s} | " + " | ".join(_fmt(ix.get(s, w, "speedup_vs_own_ar"), 2, "x") for w in ix.workloads) + " |")
+    L += ["", "## All records", ""]
+    L.append("| system | workload | prompts | new tokens | seconds | tok/s | vs own AR | τ | identical | agreement | peak RSS MiB |")
+    L.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        ident = "–" if r["identical_to_ar"] is None else f"{r['identical_prompts']}/{r['prompts']}"
+        L.append(f"| {r['system']} | {r['workload']} | {r['prompts']} | {r['new_tokens']} | {_fmt(r['seconds'], 1)} | "
+                 f"{_fmt(r['tokens_per_s'], 1)} | {_fmt(r['speedup_vs_own_ar'], 2, 'x')} | {_fmt(r['tau'], 2)} | "
+                 f"{ident} | {_fmt(r['token_agreement'] * 100 if r['token_agreement'] is not None else None, 1, '%')} | "
+                 f"{_fmt(r['peak_rss_mb'], 0)} |")
+    v = meta.get("verifier", {})
+    L += ["", "## Memory", ""]
+    L.append(f"- KV cache ({v.get('dtype')}, max_seq_len {v.get('max_seq_len')}): {_mb(v.get('kv_bytes_per_slot'))} per "
+             f"slot, {_mb(v.get('kv_bytes_total'))} total for {v.get('slots_total')} slots; target weights "
+             f"{_mb(v.get('weight_bytes'))}.")
+    for st in meta.get("rss_stages", []):
+        L.append(f"- peak RSS after {st['stage']}: {st['peak_rss_mb']:.0f} MiB")
+    L.append("- peak RSS is process-wide (VmHWM / ru_maxrss): every record's value includes all systems loaded so far.")
+    L += ["", "## Charts", "", "![speedup](speedup.png)", "![tokens/s](tokens_per_s.png)",
+          "![acceptance](acceptance.png)", ""]
+    return "\n".join(L)
+
+
+def write(result: dict, out_dir: Path) -> Path:
+    p = Path(out_dir) / "report.md"
+    p.write_text(render(result), encoding="utf-8")
+    return p

@@ -1,0 +1,123 @@
+"""The systems a benchmark compares, behind one small contract, and their names.
+
+A system turns prompt token ids into greedy output token ids and says how long
+that took and how many target forwards it used. ``ours_*`` systems run the one
+draft–verify loop (``specmesh.loop``) over an in-process ``Runtime``:
+
+  ours_ar             plain decoding through the verifier (no drafter)
+  ours_prompt_lookup  n-gram prompt lookup drafter
+  ours_suffix         suffix-tree drafter (learns from earlier outputs)
+  ours_draft_lm       small draft LM made of a few target layers
+  ours_layerskip      self-speculation inside the verifier (first E layers)
+
+A ``_fp32`` / ``_bf16`` / ``_int8`` suffix runs the same system on an engine of
+that dtype (default: the run's ``--dtype``); its reference AR is ``ours_ar`` with
+the same suffix. Peer systems (Hugging Face, llama.cpp) live in ``peers``.
+
+This module knows nothing about workloads, timing policy or reports.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from ..loop import generate_tokens
+from ..types import GenerationStats, InvalidArgument
+
+OURS_STRATEGIES = ("ar", "prompt_lookup", "suffix", "draft_lm", "layerskip")
+HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
+LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld")
+DTYPES = ("fp32", "bf16", "int8")
+DEFAULT_SYSTEMS = tuple(f"ours_{s}" for s in OURS_STRATEGIES) + HF_SYSTEMS + LLAMACPP_SYSTEMS
+GROUPS = {
+    "all": DEFAULT_SYSTEMS,
+    "ours": tuple(f"ours_{s}" for s in OURS_STRATEGIES),
+    "hf": HF_SYSTEMS,
+    "llamacpp": LLAMACPP_SYSTEMS,
+}
+
+
+@dataclass
+class RunOutput:
+    """One generation. ``decode_tokens / decode_forwards`` is τ (tokens per target
+    forward after the prefill); ``accept_hist`` is None where a system cannot tell."""
+
+    tokens: list[int]
+    seconds: float
+    decode_tokens: Optional[int] = None
+    decode_forwards: Optional[int] = None
+    accept_hist: Optional[list[int]] = None
+    draft_s: Optional[float] = None
+    verify_s: Optional[float] = None
+
+
+@dataclass
+class System:
+    name: str
+    family: str  # "ours" | "hf" | "llamacpp"
+    reference: str  # the AR system of the same family (and dtype) used for speedup and identity
+    run: Callable[[Sequence[int], int], RunOutput]
+    dtype: str = "fp32"
+    budget: Optional[int] = None  # draft tokens per round (ceiling bin of the acceptance histogram)
+    speculative: bool = True
+    info: dict = field(default_factory=dict)
+
+
+def parse_ours(name: str, default_dtype: str) -> tuple[str, str, str]:
+    """``ours_<strategy>[_<dtype>]`` -> (strategy, dtype, dtype suffix or "")."""
+    rest = name[len("ours_"):]
+    suffix = ""
+    for dt in DTYPES:
+        if rest.endswith("_" + dt):
+            rest, suffix = rest[: -len(dt) - 1], "_" + dt
+            break
+    if rest not in OURS_STRATEGIES:
+        raise InvalidArgument("systems", f"unknown system {name!r}; ours_* strategies: {list(OURS_STRATEGIES)}")
+    return rest, (suffix[1:] if suffix else default_dtype), suffix
+
+
+def expand(names: Sequence[str]) -> list[str]:
+    """Expand group names (all, ours, hf, llamacpp), drop duplicates, validate."""
+    out: list[str] = []
+    for n in names:
+        n = n.strip()
+        if not n:
+            continue
+        for m in GROUPS.get(n, (n,)):
+            if m not in out:
+                out.append(m)
+    for n in out:
+        if n.startswith("ours_"):
+            parse_ours(n, "fp32")
+        elif n not in HF_SYSTEMS + LLAMACPP_SYSTEMS:
+            raise InvalidArgument("systems", f"unknown system {n!r}; known: {list(DEFAULT_SYSTEMS)} "
+                                             f"(+ _fp32/_bf16/_int8 on ours_*) or groups {list(GROUPS)}")
+    if not out:
+        raise InvalidArgument("systems", "is empty")
+    return out
+
+
+def make_ours(name: str, runtime, budget: int, default_dtype: str) -> System:
+    """An ``ours_*`` system over ``runtime`` (whose dtype must match the name's)."""
+    strategy, dtype, suffix = parse_ours(name, default_dtype)
+    drafter = None
+    self_draft = None
+    if strategy == "layerskip":
+        self_draft = "layerskip"
+    elif strategy != "ar":
+        drafter = runtime.drafter(strategy)  # one instance for the whole run (suffix keeps its global tree)
+
+    def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
+        stats = GenerationStats()
+        t0 = time.perf_counter()
+        out, stats = generate_tokens(drafter, runtime.verifier, list(prompt_ids), max_new_tokens=max_new_tokens,
+                                     stop_ids=runtime.stop_ids, budget=budget, self_draft=self_draft, stats=stats)
+        dt = time.perf_counter() - t0
+        return RunOutput(out, dt, stats.accepted_tokens + stats.rounds, stats.rounds, list(stats.accept_hist),
+                         stats.draft_s, stats.verify_s)
+
+    return System(name, "ours", "ours_ar" + suffix, run, dtype=dtype,
+                  budget=budget if strategy != "ar" else None, speculative=strategy != "ar",
+                  info={"strategy": strategy, "engine_dtype": dtype})

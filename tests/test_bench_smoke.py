@@ -1,0 +1,142 @@
+"""The benchmark harness: workloads are well formed, verdicts and reports render from
+records, and (slow) one tiny real run writes every field of results.json and the charts.
+Nothing here asserts on wall-clock numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specmesh.bench import report, sweep, workloads
+from specmesh.bench.harness import RECORD_FIELDS, BenchConfig
+from specmesh.bench.systems import expand, parse_ours
+from specmesh.types import InvalidArgument
+
+WORKLOADS = ("code_edit", "code_write", "summarize_quotes", "chat_multiturn", "reasoning")
+SMOKE_SYSTEMS = ["ours_ar", "ours_prompt_lookup", "ours_suffix", "hf_ar", "hf_pld"]
+
+
+def test_workloads_are_well_formed():
+    assert set(WORKLOADS) <= set(workloads.available())
+    loaded = workloads.load()
+    for name in WORKLOADS:
+        recs = loaded[name]
+        assert len(recs) >= 8, name
+        assert len({r.id for r in recs}) == len(recs), f"duplicate ids in {name}"
+    assert all("```" in r.prompt for r in loaded["code_edit"])  # the code to edit is in the prompt
+    assert all("step by step" in r.prompt.lower() for r in loaded["reasoning"])
+    for r in loaded["chat_multiturn"]:
+        assert [m["role"] for m in r.messages] == ["user", "assistant", "user"]
+    assert [len(v) for v in workloads.load(["reasoning"], per_workload=2).values()] == [2]
+
+
+def test_bad_workloads_and_systems_are_rejected(tmp_path):
+    with pytest.raises(InvalidArgument, match="unknown workload"):
+        workloads.load(["nope"])
+    (tmp_path / "w.jsonl").write_text('{"id": "a"}\n')
+    with pytest.raises(InvalidArgument, match="prompt"):
+        workloads.load(directory=tmp_path)
+    with pytest.raises(InvalidArgument, match="unknown system"):
+        expand(["ours_magic"])
+    assert expand(["ours", "hf_ar", "ours_ar"])[:2] == ["ours_ar", "ours_prompt_lookup"]
+    assert parse_ours("ours_suffix_fp32", "bf16") == ("suffix", "fp32", "_fp32")
+    assert parse_ours("ours_draft_lm", "bf16") == ("draft_lm", "bf16", "")
+
+
+def _rec(system, workload, tps, speedup, ref, identical=True):
+    return {"system": system, "workload": workload, "prompts": 2, "new_tokens": 100, "seconds": 100 / tps,
+            "tokens_per_s": tps, "speedup_vs_own_ar": speedup, "tau": 1.5, "acceptance_hist": [3, 1, 2],
+            "identical_to_ar": identical, "identical_prompts": 2 if identical else 1,
+            "token_agreement": 1.0 if identical else 0.6, "reference": ref, "draft_s": 0.1, "verify_s": 1.0,
+            "peak_rss_mb": 900.0, "dtype": "bf16", "budget": 8}
+
+
+def test_verdicts_from_synthetic_records():
+    recs = [_rec("ours_ar", "code_edit", 50, 1.0, "ours_ar"), _rec("ours_prompt_lookup", "code_edit", 120, 2.4, "ours_ar"),
+            _rec("ours_suffix", "code_edit", 90, 1.8, "ours_ar", identical=False),
+            _rec("hf_ar", "code_edit", 24, 1.0, "hf_ar"), _rec("hf_pld", "code_edit", 25, 1.04, "hf_ar")]
+    meta = {"config": {"dtype": "bf16"}, "peak_rss_mb": 2500.0,
+            "rss_stages": [{"stage": "specmesh systems warmed up (before any peer is loaded)", "peak_rss_mb": 800.0}]}
+    v = report.verdicts(recs, meta)
+    text = "\n".join(f"{a} {b}" for a, b in v)
+    assert "PASS code_edit: best ours speedup 2.40x (ours_prompt_lookup)" in text
+    assert "PASS code_edit: ours 120.0 tok/s" in text
+    assert "PASS ours bf16 AR vs hf_ar fp32" in text
+    assert "PASS code_edit: ours_prompt_lookup 2.40x ours_ar" in text
+    assert "FAIL bf16: specmesh outputs token-identical" in text and "ours_suffix/code_edit" in text
+    assert "PASS specmesh peak RSS 800 MiB" in text
+    md = report.render({"meta": meta, "records": recs})
+    assert "| ours_prompt_lookup | code_edit | 2 | 100 |" in md and "## Verdicts" in md
+    # a target whose systems did not run is n/a, not a failure
+    only_ours = report.verdicts([r for r in recs if r["system"].startswith("ours_")], meta)
+    assert all(v != "FAIL" for v, t in only_ours if "hf_" in t)
+
+
+class _FakeStream:
+    """Stands in for specmesh.client.Stream: yields text chunks of given token counts."""
+
+    def __init__(self, sizes, gap_s):
+        self.sizes, self.gap_s, self.token_ids, self.result = sizes, gap_s, [], None
+
+    def __iter__(self):
+        import time
+        from types import SimpleNamespace
+
+        for k in self.sizes:
+            time.sleep(self.gap_s)
+            self.token_ids += [1] * k
+            yield "x" * k
+        self.result = SimpleNamespace(token_ids=list(self.token_ids),
+                                      stats=SimpleNamespace(tau=2.0, rounds=len(self.sizes)))
+
+
+class _FakeClient:
+    def stream(self, prompt=None, *, strategy="", **kw):
+        return _FakeStream([1, 3, 2] if strategy == "external" else [1, 1, 1, 1], 0.001)
+
+
+def test_sweep_cell_metrics_with_a_fake_client():
+    assert sweep.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0
+    assert sweep.percentile([5.0], 99) == 5.0
+    assert sweep.parse_systems("autoregressive, external:suffix") == [("autoregressive", ""), ("external", "suffix")]
+    with pytest.raises(InvalidArgument):
+        sweep.parse_systems("warp:9")
+    reqs = [{"prompt": f"p{i}"} for i in range(5)]
+    cells = [sweep.run_cell(_FakeClient(), reqs, s, 2, 16, None, 10.0) for s in (("autoregressive", ""), ("external", "prompt_lookup"))]
+    plain, spec = cells
+    assert plain["requests"] == spec["requests"] == 5 and not plain["errors"]
+    assert plain["new_tokens"] == 20 and spec["new_tokens"] == 30
+    assert spec["tau"] == 2.0 and plain["itl_p50_ms"] > 0 and plain["itl_p99_ms"] >= plain["itl_p50_ms"]
+    md = sweep.render(cells, {"target": "fake", "max_new_tokens": 16, "requests": 5, "workloads": ["x"]})
+    assert "| external:prompt_lookup | 2 | 5 | 30 |" in md
+
+
+@pytest.mark.slow
+def test_bench_smoke_real_model(tmp_path, runtime):
+    """One prompt per workload, 8 tokens, fp32: every record has every field, greedy
+    speculation is token-identical to its AR, and the reports and charts are written."""
+    from specmesh.bench import run
+
+    # one torch thread: steadier on shared cores (the harness restores the thread count afterwards)
+    cfg = BenchConfig(systems=SMOKE_SYSTEMS, max_new_tokens=8, prompts=1, dtype="fp32", out=str(tmp_path),
+                      progress=False, threads=1)
+    run(cfg, log=lambda *a: None, runtimes={"fp32": runtime})
+    data = json.loads((tmp_path / "results.json").read_text())
+    recs = data["records"]
+    assert {(r["system"], r["workload"]) for r in recs} == {(s, w) for s in SMOKE_SYSTEMS for w in WORKLOADS}
+    for r in recs:
+        assert set(RECORD_FIELDS) <= set(r), r["system"]
+        assert r["prompts"] == 1 and 0 < r["new_tokens"] <= 8 and r["seconds"] > 0 and r["tokens_per_s"] > 0
+        assert r["speedup_vs_own_ar"] > 0 and r["tau"] >= 1.0 and r["peak_rss_mb"] > 0
+        assert r["identical_to_ar"] is True, (r["system"], r["workload"])  # fp32 greedy: lossless
+        if r["system"] in ("ours_prompt_lookup", "ours_suffix"):
+            assert sum(r["acceptance_hist"]) > 0
+    assert data["meta"]["verifier"]["kv_bytes_per_slot"] > 0 and data["meta"]["torch_threads"] == 1
+    md = (tmp_path / "report.md").read_text()
+    assert "## Verdicts" in md and "KV cache" in md
+    for png in ("speedup.png", "tokens_per_s.png", "acceptance.png"):
+        p = Path(tmp_path / png)
+        assert p.exists() and p.stat().st_size > 1000, png
+    assert len((tmp_path / "outputs.jsonl").read_text().splitlines()) == len(SMOKE_SYSTEMS) * len(WORKLOADS)
