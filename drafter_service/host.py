@@ -4,7 +4,9 @@
 (truncate to ``keep_len``, append the new tokens: rollback costs nothing on the
 wire), a bounded number of sessions (least recently used evicted), and builds
 the core drafters by name on first use (``prompt_lookup``, ``suffix``,
-``draft_lm``). Every input is validated before any state changes; a
+``adaptive_lookup``, ``cache``, ``draft_lm``). ``seed`` adds texts to the cache
+drafter's per-conversation caches (proactive anticipation, SSR early answers).
+Every input is validated before any state changes; a
 ``keep_len`` beyond what it holds raises ``SessionLost`` (the caller resends
 from 0). Each drafter runs under its own lock (the draft LM's KV slots are not
 thread-safe).
@@ -22,6 +24,11 @@ from typing import Callable, Optional, Sequence
 
 from specmesh.drafters.base import Drafter
 from specmesh.types import DraftContext, InvalidArgument, SamplingParams, SessionLost, TokenTree
+
+
+CACHE_DRAFTER = "cache"
+MAX_CACHE_ID = 128
+MAX_SEED_TOKENS = 65536
 
 
 @dataclass
@@ -66,10 +73,13 @@ class DrafterHost:
         return held[:keep_len] + list(append)
 
     def propose(self, session_id: str, drafter: str, keep_len: int, append: Sequence[int], prompt_len: int,
-                sampling: SamplingParams, budget: int) -> tuple[TokenTree, int, float]:
-        """Sync the session and draft; returns (tree, tokens held, draft ms)."""
+                sampling: SamplingParams, budget: int, cache_id: str = "") -> tuple[TokenTree, int, float]:
+        """Sync the session and draft; returns (tree, tokens held, draft ms). ``cache_id``
+        names the draft cache the "cache" drafter reads."""
         if drafter not in self.factories:
             raise InvalidArgument("drafter", f"unknown drafter {drafter!r}; available: {self.names}")
+        if len(cache_id.encode()) > MAX_CACHE_ID:
+            raise InvalidArgument("cache_id", f"longer than {MAX_CACHE_ID} bytes")
         if not 0 <= budget <= self.max_tree_nodes:
             raise InvalidArgument("budget", f"must be in [0, {self.max_tree_nodes}], got {budget}")
         with self._lock:
@@ -94,8 +104,29 @@ class DrafterHost:
         d = self._drafter(drafter)
         t0 = time.perf_counter()
         with self._locks[drafter]:
-            tree = d.propose(DraftContext(session_id, tokens, prompt_len, sampling), budget)
+            tree = d.propose(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), budget)
         return tree, len(tokens), (time.perf_counter() - t0) * 1e3
+
+    def seed(self, cache_id: str, texts: Sequence[Sequence[int]], ttl_s: float = 0.0,
+             replace: bool = False) -> tuple[int, int]:
+        """Add token texts to a draft cache of the "cache" drafter; returns (texts, tokens) held."""
+        if CACHE_DRAFTER not in self.factories:
+            raise InvalidArgument("cache_id", "this drafter service has no cache drafter")
+        if not cache_id or len(cache_id.encode()) > MAX_CACHE_ID:
+            raise InvalidArgument("cache_id", f"must be non-empty and at most {MAX_CACHE_ID} bytes")
+        if ttl_s < 0:
+            raise InvalidArgument("ttl_s", f"must be >= 0, got {ttl_s}")
+        total = 0
+        for i, t in enumerate(texts):
+            total += len(t)
+            for x in t:
+                if x < 0 or x >= self.vocab_size:
+                    raise InvalidArgument("texts", f"text {i} has token id {x} outside [0, {self.vocab_size})")
+        if total > MAX_SEED_TOKENS:
+            raise InvalidArgument("texts", f"{total} tokens exceed the limit {MAX_SEED_TOKENS} per call")
+        d = self._drafter(CACHE_DRAFTER)
+        with self._locks[CACHE_DRAFTER]:
+            return d.seed(cache_id, texts, ttl_s or None, replace)
 
     def release(self, session_id: str, finished: bool = False, keep_len: int = 0, append: Sequence[int] = (),
                 prompt_len: int = 0) -> bool:
@@ -122,6 +153,15 @@ class DrafterHost:
                 d.finish(session_id, final[0], final[1])
             else:
                 d.release(session_id)
+
+    def reset(self, names: Sequence[str]) -> None:
+        """Drop the named drafters (rebuilt on next use): forgets what they learned
+        across sessions, e.g. suffix decoding's global tree (benchmarks use it so
+        repeated prompts do not draft from each other's outputs)."""
+        for name in names:
+            if name in self._locks:
+                with self._locks[name]:
+                    self._drafters.pop(name, None)
 
     def info(self) -> dict:
         with self._lock:

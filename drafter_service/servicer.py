@@ -3,7 +3,9 @@
 Thin: converts protos to the host's arguments and the draft tree back.
 Validation and session state live in ``host``; errors become status codes in
 the interceptors. ``drafter_service(settings)`` builds the host with the core
-drafters (prompt_lookup, suffix and, loaded on first use, draft_lm).
+drafters (prompt_lookup, suffix, the cache drafter and, loaded on first use,
+adaptive_lookup with the target's embedding table and draft_lm). ``Seed`` adds
+texts to a draft cache.
 
 It knows nothing about the verifier, strategies or tokenizers.
 """
@@ -31,9 +33,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         sampling = convert.sampling_from_proto(request.sampling)
         tree, held, draft_ms = self.host.propose(
             check_session_id(request.session_id), request.drafter, request.sync.keep_len,
-            list(request.sync.append_tokens), request.prompt_len, sampling, request.budget)
+            list(request.sync.append_tokens), request.prompt_len, sampling, request.budget, request.cache_id)
         return drafter_pb2.ProposeResponse(tree=convert.tree_to_proto(tree), held_len=held, draft_ms=draft_ms,
-                                           server_ms=(time.perf_counter() - t0) * 1e3)
+                                           server_ms=(time.perf_counter() - t0) * 1e3, source=tree.source)
 
     def Release(self, request, context):
         released = self.host.release(check_session_id(request.session_id), request.finished,
@@ -43,9 +45,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def Info(self, request, context):
         return drafter_pb2.DrafterInfo(**self.host.info())
 
+    def Seed(self, request, context):
+        texts, tokens = self.host.seed(request.cache_id, [list(t.tokens) for t in request.texts], request.ttl_s,
+                                       request.replace)
+        return drafter_pb2.SeedResponse(texts=texts, tokens=tokens)
+
 
 def default_factories(settings: ServeSettings) -> dict:
-    from specmesh.drafters import PromptLookupDrafter, SuffixDrafter
+    from specmesh.drafters import CacheDrafter, PromptLookupDrafter, SuffixDrafter
+    from specmesh.types import InvalidArgument
 
     def draft_lm():
         from specmesh.drafters.model_drafters import DraftLMDrafter
@@ -56,7 +64,18 @@ def default_factories(settings: ServeSettings) -> dict:
         return DraftLMDrafter(LlamaEngine.from_pretrained(path, dtype=settings.dtype, n_slots=settings.n_slots,
                                                           max_seq_len=settings.max_seq_len, quiet=True))
 
-    return {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter, "draft_lm": draft_lm}
+    def adaptive_lookup():
+        from specmesh.drafters.adaptive_lookup import AdaptiveLookupDrafter, embedding_table
+        from specmesh.models.loading import ModelNotFound, load_config, resolve_model
+
+        try:  # the target's input embedding table, read alone from its safetensors
+            return AdaptiveLookupDrafter(embeddings=embedding_table(settings.model))
+        except (ModelNotFound, InvalidArgument, OSError):
+            cfg = load_config(resolve_model(settings.model, quiet=True))
+            return AdaptiveLookupDrafter(vocab_size=int(cfg["vocab_size"]))  # hashed bag-of-tokens sketch
+
+    return {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter, "draft_lm": draft_lm,
+            "adaptive_lookup": adaptive_lookup, "cache": CacheDrafter}
 
 
 def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,

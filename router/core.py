@@ -12,9 +12,16 @@ greedy output never changes). ``Generation.cancel()`` (client cancelled, or
 deadline passed) stops it between rounds and releases the session on the
 verifier and the drafter.
 
-Strategies now: ``autoregressive``, ``external`` (drafter = prompt_lookup |
-suffix | draft_lm), ``self`` (layerskip inside the verifier) and ``auto``
-(external when the drafter is up, else autoregressive).
+Strategies: ``autoregressive``, ``external`` (drafter = prompt_lookup | suffix
+| adaptive_lookup | draft_lm), ``self`` (layerskip inside the verifier),
+``proactive`` (the conversation's anticipation cache and warm KV), ``ssr``
+(reasoning requests) and ``auto`` (chosen from features and measured speedups);
+their choice and adapters live in ``router/strategies.py``, the algorithms in
+``specmesh/strategies/``. Every real request preempts idle anticipation work.
+
+``Router.observer`` (``specmesh.observability.requests``) watches each request:
+its ``specmesh.generate`` span, one ``specmesh.round`` span per round (through
+the loop's ``round_scope``) and, once instrumented, the router metrics.
 
 It knows nothing about protos or servers; tokenization goes through ``codec``
 (``encode(prompt, messages, chat)``, ``decode(ids)``, ``stop_ids``).
@@ -31,22 +38,18 @@ from typing import Callable, Iterator, Optional, Union
 
 import grpc
 
-from specmesh.loop import speculative_generate
-from specmesh.serving.adapters import DOWN, Calls, Peer, RemoteDrafter, RemoteVerifier, ReplicaSet
+from specmesh.observability.requests import RouterObserver
+from specmesh.serving.adapters import DOWN, Calls, Peer, ReplicaSet
 from specmesh.serving.convert import RouterStats
 from specmesh.serving.settings import ServeSettings
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
 
+from specmesh.strategies.ssr import reasoning_messages
+
+from .strategies import EXTERNAL_DRAFTERS, SELF_DRAFTERS, STRATEGIES, Strategies  # noqa: F401 - re-exported
+
 log = logging.getLogger("specmesh.router")
 
-STRATEGIES = {
-    "autoregressive": "plain decoding through the verifier (baseline and fallback)",
-    "external": "a drafter service proposes, the verifier verifies (drafter: prompt_lookup | suffix | draft_lm)",
-    "self": "layer-skip drafting with the target's own first layers inside the verifier (no drafter hop)",
-    "auto": "external with the default drafter while the drafter service is up, else autoregressive",
-}
-EXTERNAL_DRAFTERS = ("prompt_lookup", "suffix", "draft_lm")
-SELF_DRAFTERS = ("layerskip",)
 ROLES = ("system", "user", "assistant")
 
 
@@ -62,6 +65,9 @@ class GenerateSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     draft_budget: Optional[int] = None
     raw_prompt: bool = False
+    conversation_id: str = ""
+    reasoning: bool = False
+    thinking_budget: Optional[int] = None
 
 
 @dataclass
@@ -88,6 +94,11 @@ class Plan:
     max_new_tokens: int
     budget: int
     sampling: SamplingParams
+    conversation_id: str = ""
+    reasoning: bool = False
+    thinking_budget: Optional[int] = None
+    messages: Optional[list[dict]] = None  # the conversation (for anticipation after the turn)
+    client: str = ""
 
 
 class TextStream:
@@ -155,35 +166,18 @@ class Router:
                  vocab_size: int, token: Optional[str] = None):
         self.s, self.codec, self.replicas, self.drafter = settings, codec, replicas, drafter
         self.vocab_size, self.token = vocab_size, token
+        self.observer = RouterObserver(settings.model)  # request/round spans; metrics once instrumented
+        self.runner = Strategies(self)  # strategy choice and plumbing (router/strategies.py)
         self._clients: dict[str, int] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ validation
-    def _strategy(self, spec: GenerateSpec) -> tuple[str, str, Optional[str], Optional[str]]:
-        name = spec.strategy or ("external" if spec.drafter else self.s.default_strategy)
-        reason = "requested" if spec.strategy else "default"
-        if name not in STRATEGIES:
-            raise InvalidArgument("strategy", f"unknown strategy {spec.strategy!r}; known: {sorted(STRATEGIES)}")
-        if name == "auto":
-            up = self.drafter is not None and self.drafter.health.available()
-            name, reason = ("external", "auto: drafter up") if up else ("autoregressive", "auto: no drafter up")
-        if name == "self":
-            if spec.drafter not in ("",) + SELF_DRAFTERS:
-                raise InvalidArgument("drafter", f"the self strategy drafts with {list(SELF_DRAFTERS)}, "
-                                      f"got {spec.drafter!r}")
-            return name, reason, None, spec.drafter or SELF_DRAFTERS[0]
-        if name == "external":
-            d = spec.drafter or self.s.default_drafter
-            if d not in EXTERNAL_DRAFTERS:
-                raise InvalidArgument("drafter", f"unknown drafter {d!r}; known: {list(EXTERNAL_DRAFTERS)}")
-            if self.drafter is None:
-                raise InvalidArgument("strategy", "external needs a drafter service and this router has none")
-            return name, reason, d, None
-        if spec.drafter and spec.strategy == "autoregressive":
-            raise InvalidArgument("drafter", "strategy 'autoregressive' takes no drafter")
-        return name, reason, None, None
+    def _strategy(self, spec: GenerateSpec, ids: list[int], reasoning: bool) -> tuple[str, str, Optional[str],
+                                                                                      Optional[str]]:
+        r = self.runner.resolve(spec, ids, reasoning)
+        return r.strategy, r.reason, r.drafter, r.self_draft
 
-    def _prompt_ids(self, spec: GenerateSpec) -> list[int]:
+    def _prompt_ids(self, spec: GenerateSpec, reasoning: bool = False) -> list[int]:
         if spec.prompt and spec.messages:
             raise InvalidArgument("prompt", "give prompt or messages, not both")
         if not spec.prompt and not spec.messages:
@@ -195,7 +189,13 @@ class Router:
         chars = len(spec.prompt) + sum(len(m.get("content", "")) for m in spec.messages or [])
         if chars > 32 * limit:  # cheap guard before tokenizing
             raise InvalidArgument("prompt", f"{chars} characters is far over max_prompt_tokens {limit}")
-        ids = self.codec.encode(spec.prompt or None, spec.messages, chat=not spec.raw_prompt)
+        if reasoning and not spec.raw_prompt:  # system instruction + an opened thinking section
+            msgs = reasoning_messages(spec.messages or [{"role": "user", "content": spec.prompt}])
+            ids = list(self.codec.encode(None, msgs)) + list(self.runner.think_format().open_ids)
+        else:
+            ids = self.codec.encode(spec.prompt or None, spec.messages, chat=not spec.raw_prompt)
+            if reasoning:
+                ids = list(ids) + list(self.runner.think_format().open_ids)
         if not ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
         if len(ids) > limit:
@@ -204,7 +204,7 @@ class Router:
 
     def plan(self, spec: GenerateSpec) -> Plan:
         """Validate every field (INVALID_ARGUMENT naming it); nothing changes."""
-        strategy, reason, drafter, self_draft = self._strategy(spec)
+        self.runner.check(spec)
         n = self.s.default_max_new_tokens if spec.max_new_tokens is None else spec.max_new_tokens
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument("max_new_tokens", f"must be a positive integer, got {n!r}")
@@ -213,15 +213,22 @@ class Router:
         budget = self.s.draft_budget if spec.draft_budget is None else spec.draft_budget
         if not 1 <= budget <= self.s.max_tree_nodes:
             raise InvalidArgument("draft_budget", f"must be in [1, {self.s.max_tree_nodes}], got {budget}")
-        ids = self._prompt_ids(spec)
+        if spec.thinking_budget is not None and spec.thinking_budget > n:
+            raise InvalidArgument("thinking_budget", f"{spec.thinking_budget} exceeds max_new_tokens {n}")
+        reasoning = spec.reasoning or spec.strategy == "ssr"
+        ids = self._prompt_ids(spec, reasoning)
         if len(ids) + n + 1 > self.s.max_seq_len:
             raise InvalidArgument("max_new_tokens", f"prompt ({len(ids)} tokens) + {n} new tokens exceed the "
                                   f"context of {self.s.max_seq_len} tokens")
-        return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling)
+        strategy, reason, drafter, self_draft = self._strategy(spec, ids, reasoning)
+        messages = spec.messages or ([{"role": "user", "content": spec.prompt}] if not spec.raw_prompt else None)
+        return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
+                    reasoning or strategy == "ssr", spec.thinking_budget, messages)
 
     # ------------------------------------------------------------ generation
     def start(self, spec: GenerateSpec, client: str = "", deadline: Optional[float] = None) -> Generation:
         plan = self.plan(spec)
+        plan.client = client
         cancelled = threading.Event()
         return Generation(self._events(plan, client, deadline, cancelled), cancelled)
 
@@ -247,20 +254,19 @@ class Router:
     def _events(self, plan: Plan, client: str, deadline: Optional[float],
                 cancelled: threading.Event) -> Iterator[Union[Delta, Final]]:
         self._acquire(client)
+        obs, err, run = None, None, None
         try:
             sid = uuid.uuid4().hex
             calls = Calls(self.token, self.s.verifier_timeout_s, deadline, cancelled)
-            verifier = RemoteVerifier(self.replicas, self.vocab_size, calls, self.s.verifier_retry_s)
-            drafter = RemoteDrafter(self.drafter, plan.drafter, calls, self.s.drafter_timeout_s) \
-                if plan.drafter else None
+            run = self.runner.prepare(plan, sid, calls)  # adapters of the strategy; enters the idle-work gate
+            sid, verifier, drafter = run.sid, run.verifier, run.drafter
             stats = RouterStats(strategy=plan.strategy, strategy_reason=plan.reason,
                                 drafter=plan.drafter or plan.self_draft or "")
             text = TextStream(self.codec.decode)
             out_ids: list[int] = []
             pieces: list[str] = []
-            rounds = speculative_generate(drafter, verifier, plan.ids, plan.sampling, plan.max_new_tokens,
-                                          self.codec.stop_ids, sid, plan.budget, stats, plan.self_draft,
-                                          self._drafter_error, self.s.max_new_tokens)
+            obs = self.observer.request(plan, sid, stats, verifier, drafter)
+            rounds = run.rounds(stats, self._drafter_error, round_scope=obs.round_scope)
             try:
                 for chunk in rounds:
                     out_ids += chunk
@@ -274,23 +280,42 @@ class Router:
             if tail:
                 pieces.append(tail)
                 yield Delta([], tail)
-            stats.network_s = verifier.network_s + (drafter.network_s if drafter else 0.0)
+            stats.network_s = run.network_s()
             stats.fallbacks += drafter.skipped if drafter else 0  # rounds undrafted while the drafter was down
             stats.verifier, stats.reprefills = verifier.address, verifier.reprefills
+            run.finish(stats, "".join(pieces), cancelled.is_set())
+            obs.finish(stats)
             yield Final("".join(pieces), out_ids, stats, sid)
+        except BaseException as e:
+            err = e
+            raise
         finally:
+            if obs is not None:
+                obs.end(err)
+            if run is not None:
+                run.close()
             self._release(client)
 
     # ------------------------------------------------------------ listing
     def strategies(self) -> list[dict]:
         up = self.drafter is not None and self.drafter.health.available()
-        avail = {"autoregressive": True, "external": up, "self": True, "auto": True}
-        drafters = {"external": list(EXTERNAL_DRAFTERS), "self": list(SELF_DRAFTERS),
-                    "auto": [self.s.default_drafter], "autoregressive": []}
+        avail = {"autoregressive": True, "external": up, "self": True, "proactive": up, "ssr": up, "auto": True}
+        drafters = {"external": list(EXTERNAL_DRAFTERS), "self": list(SELF_DRAFTERS), "proactive": ["cache"],
+                    "ssr": ["cache"], "auto": list(EXTERNAL_DRAFTERS) + ["cache"] + list(SELF_DRAFTERS),
+                    "autoregressive": []}
         return [{"name": k, "description": v, "drafters": drafters[k], "available": avail[k]}
                 for k, v in STRATEGIES.items()]
 
+    def anticipate(self, conversation_id: str, messages: list[dict], max_tokens: int = 0, next_turns: int = 0,
+                   wait: bool = False, timeout: Optional[float] = None) -> dict:
+        """Queue the idle conversation's anticipation (proactive strategy)."""
+        return self.runner.anticipate(conversation_id, messages, max_tokens, next_turns, wait, timeout)
+
+    def anticipation(self, conversation_id: str) -> Optional[dict]:
+        return self.runner.anticipation(conversation_id)
+
     def close(self) -> None:
+        self.runner.close()
         self.replicas.close()
         if self.drafter is not None:
             self.drafter.channel.close()

@@ -3,8 +3,8 @@
 Thin: converts GenerateRequest to a ``GenerateSpec``, starts the generation in
 ``router.core``, streams its events as GenerateResponse messages, and cancels
 it (freeing the session's KV slot and drafter state) when the call ends early:
-client cancel or deadline. Anticipate answers UNIMPLEMENTED until the proactive
-strategy lands. ``router_service(settings)`` wires the router to its drafter
+client cancel or deadline. Anticipate / GetAnticipation queue and report a
+conversation's idle-time anticipation (proactive strategy). ``router_service(settings)`` wires the router to its drafter
 and verifier replicas.
 
 It knows nothing about models, KV caches or acceptance rules.
@@ -30,7 +30,9 @@ def spec_from_proto(m: router_pb2.GenerateRequest) -> GenerateSpec:
         prompt=m.prompt, messages=convert.messages_from_proto(m.messages), strategy=m.strategy, drafter=m.drafter,
         max_new_tokens=m.max_new_tokens if m.HasField("max_new_tokens") else None,
         sampling=convert.sampling_from_proto(m.sampling),
-        draft_budget=m.draft_budget if m.HasField("draft_budget") else None, raw_prompt=m.raw_prompt)
+        draft_budget=m.draft_budget if m.HasField("draft_budget") else None, raw_prompt=m.raw_prompt,
+        conversation_id=m.conversation_id, reasoning=m.reasoning,
+        thinking_budget=m.thinking_budget if m.HasField("thinking_budget") else None)
 
 
 def event_to_proto(ev) -> router_pb2.GenerateResponse:
@@ -38,6 +40,12 @@ def event_to_proto(ev) -> router_pb2.GenerateResponse:
         return router_pb2.GenerateResponse(delta=router_pb2.TokenDelta(token_ids=ev.token_ids, text=ev.text))
     return router_pb2.GenerateResponse(final=router_pb2.GenerateFinal(
         text=ev.text, token_ids=ev.token_ids, stats=convert.stats_to_proto(ev.stats), session_id=ev.session_id))
+
+
+def anticipation_to_proto(d: dict) -> router_pb2.AnticipateResponse:
+    return router_pb2.AnticipateResponse(accepted=d["accepted"], detail=d["detail"], state=d["state"],
+                                         predicted_turns=d["predicted_turns"], texts=d["texts"], tokens=d["tokens"],
+                                         preemptions=d["preemptions"], warm=d["warm"])
 
 
 def client_of(context) -> str:
@@ -60,7 +68,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             yield event_to_proto(ev)
 
     def Anticipate(self, request, context):
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Anticipate: the proactive strategy is not implemented yet")
+        d = self.router.anticipate(request.conversation_id, convert.messages_from_proto(request.messages) or [],
+                                   request.max_tokens, request.next_turns, request.wait, time_left(context))
+        return anticipation_to_proto(d)
+
+    def GetAnticipation(self, request, context):
+        d = self.router.anticipation(request.conversation_id)
+        if d is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"conversation_id: no anticipation for "
+                          f"{request.conversation_id!r}")
+        return anticipation_to_proto(d)
 
     def ListStrategies(self, request, context):
         return router_pb2.ListStrategiesResponse(

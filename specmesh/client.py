@@ -51,7 +51,8 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
                   drafter: str = "", max_new_tokens: Optional[int] = None, temperature: Optional[float] = None,
                   top_p: Optional[float] = None, top_k: Optional[int] = None, seed: Optional[int] = None,
                   acceptance: Optional[str] = None, draft_budget: Optional[int] = None,
-                  raw_prompt: bool = False) -> router_pb2.GenerateRequest:
+                  raw_prompt: bool = False, conversation_id: str = "", reasoning: bool = False,
+                  thinking_budget: Optional[int] = None) -> router_pb2.GenerateRequest:
     """A GenerateRequest; unset options take the router's defaults (the router validates)."""
     sp = common_pb2.SamplingParams()
     if temperature is not None:
@@ -65,12 +66,21 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     if acceptance is not None:
         sp.acceptance = acceptance
     req = router_pb2.GenerateRequest(prompt=prompt or "", messages=messages_to_proto(messages), strategy=strategy,
-                                     drafter=drafter, sampling=sp, raw_prompt=raw_prompt)
+                                     drafter=drafter, sampling=sp, raw_prompt=raw_prompt,
+                                     conversation_id=conversation_id, reasoning=reasoning)
+    if thinking_budget is not None:
+        req.thinking_budget = thinking_budget
     if max_new_tokens is not None:
         req.max_new_tokens = max_new_tokens
     if draft_budget is not None:
         req.draft_budget = draft_budget
     return req
+
+
+def anticipate_request(conversation_id: str, messages: Sequence[dict], max_tokens: int = 0, next_turns: int = 0,
+                       wait: bool = False) -> router_pb2.AnticipateRequest:
+    return router_pb2.AnticipateRequest(conversation_id=conversation_id, messages=messages_to_proto(messages),
+                                        max_tokens=max_tokens, next_turns=next_turns, wait=wait)
 
 
 class _Collector:
@@ -182,6 +192,23 @@ class Client(_Base):
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
+    def anticipate(self, conversation_id: str, messages: Sequence[dict], *, max_tokens: int = 0, next_turns: int = 0,
+                   wait: bool = False, timeout: Optional[float] = None) -> router_pb2.AnticipateResponse:
+        """Let the router prepare the conversation's next turn while it is idle
+        (``wait``: return when that is done)."""
+        try:
+            return self._stub.Anticipate(anticipate_request(conversation_id, messages, max_tokens, next_turns, wait),
+                                         timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def get_anticipation(self, conversation_id: str, timeout: Optional[float] = None) -> router_pb2.AnticipateResponse:
+        try:
+            return self._stub.GetAnticipation(router_pb2.GetAnticipationRequest(conversation_id=conversation_id),
+                                              timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
     def close(self) -> None:
         self._channel.close()
 
@@ -223,6 +250,16 @@ class AsyncClient(_Base):
         try:
             return await self._get_stub().ListStrategies(router_pb2.ListStrategiesRequest(),
                                                          timeout=self._timeout(timeout), metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def anticipate(self, conversation_id: str, messages: Sequence[dict], *, max_tokens: int = 0,
+                         next_turns: int = 0, wait: bool = False,
+                         timeout: Optional[float] = None) -> router_pb2.AnticipateResponse:
+        try:
+            return await self._get_stub().Anticipate(
+                anticipate_request(conversation_id, messages, max_tokens, next_turns, wait),
+                timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 

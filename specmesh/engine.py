@@ -59,6 +59,12 @@ class Linear:
             return y if self.b is None else y + self.b
         return F.linear(x, self.w, self.b)
 
+    def rows_fp32(self, idx: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``idx`` [...] as fp32 [..., in_features] (dequantised in int8 mode)."""
+        if self.mode == "int8":
+            return self.w[idx].float() * self.scale[idx].float()[..., None]
+        return self.w[idx].float()
+
     def nbytes(self) -> int:
         n = self.w.numel() * self.w.element_size()
         return n + (self.scale.numel() * 2 if self.mode == "int8" else 0)
@@ -80,11 +86,10 @@ class ScoreOutput:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [n, H] float32
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (one fused op; statistics in fp32 for low-precision inputs)."""
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """RMSNorm of the fp32 residual stream (one fused op), cast to the matmul dtype."""
+    y = F.rms_norm(x, (x.shape[-1],), w, eps)
+    return y if out_dtype == torch.float32 else y.to(out_dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -192,6 +197,15 @@ class LlamaEngine:
     def kv_bytes_per_slot(self) -> int:
         return 2 * self.n_layers * self.n_kv * self.max_seq_len * self.head_dim * self.k_cache.element_size()
 
+    def _refine_top(self, logits: torch.Tensor, hn: torch.Tensor, k: int = 4) -> torch.Tensor:
+        """Recompute the top-k logits of each row exactly (fp32 hidden x fp32 copy of the
+        weight rows). A bf16 output is rounded to 1/8 at typical logit sizes, which
+        turns near-ties into coin flips between a 1-token and a k-token forward;
+        exact top logits keep greedy choices consistent across the two."""
+        idx = logits.topk(k, -1).indices  # [n, k]
+        exact = torch.einsum("nh,nkh->nk", hn, self.head.rows_fp32(idx))
+        return logits.scatter(-1, idx, exact)
+
     # ------------------------------------------------------------------ slot API
     def length(self, slot: int) -> int:
         return self.lengths[slot]
@@ -282,12 +296,13 @@ class LlamaEngine:
         posi = torch.tensor(pos, dtype=torch.long, device=self.device)
         cos = self.cos[posi][:, None]  # [N, 1, hd]
         sin = self.sin[posi][:, None]
-        x = self.embed[ids]  # [N, H]
+        x = self.embed[ids].float()  # [N, H] residual stream, fp32 in every dtype mode
+        ad = self.act_dtype
         hidden: dict[int, torch.Tensor] = {}
         nq, nk, hd = self.n_heads, self.n_kv, self.head_dim
         for li in range(n_layers):
             L = self.layers[li]
-            h = rms_norm(x, L.ln1, self.eps)
+            h = rms_norm(x, L.ln1, self.eps, ad)
             qkv = L.qkv(h)  # [N, (nq + 2nk) * hd]
             qk = rope(qkv[:, : (nq + nk) * hd].view(-1, nq + nk, hd), cos, sin)  # [N, nq + nk, hd]
             q = qk[:, :nq].transpose(0, 1)  # [nq, N, hd]
@@ -304,7 +319,7 @@ class LlamaEngine:
                 outs.append(o[0])  # [nq, n, hd]
             a = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
             x = x + L.o(a.transpose(0, 1).reshape(-1, nq * hd))
-            h = rms_norm(x, L.ln2, self.eps)
+            h = rms_norm(x, L.ln2, self.eps, ad)
             gu = L.gate_up(h)
             g_, u_ = gu.chunk(2, -1)
             x = x + L.down(F.silu(g_) * u_)
@@ -313,7 +328,9 @@ class LlamaEngine:
         results = []
         for (slot, s, n, base, mask), r in zip(segs, rows):
             sel = torch.arange(s, s + n) if r is None else torch.tensor(list(r), dtype=torch.long) + s
-            hx = rms_norm(x[sel], self.norm, self.eps)
-            logits = self.head(hx).float()
+            hn = rms_norm(x[sel], self.norm, self.eps)  # fp32
+            logits = self.head(hn.to(ad) if ad != torch.float32 else hn).float()
+            if ad != torch.float32:
+                logits = self._refine_top(logits, hn)
             results.append(ScoreOutput(logits, {k: v[s: s + n] for k, v in hidden.items()}))
         return results

@@ -122,16 +122,20 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
                          budget: int | BudgetPolicy = 6, stats: Optional[GenerationStats] = None,
                          self_draft: Optional[str] = None, on_drafter_error: Optional[Callable] = None,
                          max_new_limit: Optional[int] = None,
-                         round_scope: Optional[Callable[[int], ContextManager[dict]]] = None) -> Iterator[list[int]]:
+                         round_scope: Optional[Callable[[int], ContextManager[dict]]] = None,
+                         draft_first: bool = False) -> Iterator[list[int]]:
     """Yield lists of new tokens, one per round, until ``max_new_tokens`` or a stop id
     (not yielded). ``stats`` is filled in place. ``drafter`` None and ``self_draft``
-    None is plain autoregressive decoding through the same verifier.
+    None is plain autoregressive decoding through the same verifier. ``draft_first``:
+    the first round drafts too (worth it when the verifier already holds most of
+    the prompt, e.g. a resumed session); it still counts as the prefill, so its
+    drafts are not in the round counters (tau, histograms).
 
     ``round_scope(index)`` (optional) is entered around each round (index 0 is the
     prefill) — drafting and verifying run inside it, so a tracing span opened there
     parents the RPCs — and the dict it yields is filled with the round's facts:
-    drafted, accepted, tree_size, draft_ms, verify_ms (server side), wall_ms,
-    batch_size, prefill."""
+    drafted, accepted, depth (of the draft tree), tree_size, draft_ms, verify_ms
+    (server side), wall_ms, batch_size, prefill."""
     prompt_ids = list(prompt_ids)
     validate_request(prompt_ids, max_new_tokens, verifier.vocab_size, max_new_limit)
     stats = stats if stats is not None else GenerationStats()
@@ -168,7 +172,7 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
             with scope as facts:
                 tree, draft_s, want = TokenTree(), 0.0, 0
                 sd = None
-                if not first:
+                if not first or draft_first:
                     remaining = max_new_tokens - n_new
                     want = max(0, min(policy.next(), remaining - 1))
                     if want > 0 and self_draft is not None:
@@ -205,9 +209,9 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
                                   max(dt - res.draft_ms / 1e3, 1e-6))
                 if facts is not None:
                     facts.update(prefill=first, drafted=res.drafted, accepted=len(res.accepted),
-                                 tree_size=res.tree_size, draft_ms=draft_s * 1e3 + res.draft_ms,
-                                 verify_ms=res.verify_ms, wall_ms=(draft_s + dt) * 1e3,
-                                 batch_size=res.batch_size)
+                                 depth=0 if first else depth, tree_size=res.tree_size,
+                                 draft_ms=draft_s * 1e3 + res.draft_ms, verify_ms=res.verify_ms,
+                                 wall_ms=(draft_s + dt) * 1e3, batch_size=res.batch_size)
             index += 1
             new = list(res.accepted) + [res.next_token]
             kv_len = len(tokens) + len(res.accepted)

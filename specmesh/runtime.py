@@ -12,6 +12,7 @@ It knows nothing about gRPC.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -23,6 +24,18 @@ from .types import InvalidArgument
 from .verifier import EngineVerifier
 
 DEFAULT_DRAFT_LAYERS = (0, 1, 2, 29)
+# The trained block drafter committed with the project (see checkpoints/*/metrics.json
+# for the command that reproduced it); SPECMESH_BLOCK_DRAFTER overrides, "" disables.
+BUNDLED_BLOCK_DRAFTERS = {"smollm2-135m-instruct": Path(__file__).resolve().parents[1] / "checkpoints"
+                          / "smollm2-block-drafter"}
+
+
+def block_drafter_path(model: str) -> Optional[Path]:
+    env = os.environ.get("SPECMESH_BLOCK_DRAFTER")
+    if env is not None:
+        return Path(env) if env else None
+    p = BUNDLED_BLOCK_DRAFTERS.get(model.lower())
+    return p if p is not None and (p / "drafter.safetensors").exists() else None
 
 
 def make_draft_model(target: str, layers: Sequence[int], out_dir: Path) -> Path:
@@ -65,7 +78,7 @@ def default_draft_model(target: str = DEFAULT_MODEL) -> Path:
 
 class Runtime:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048,
-                 draft_model: Optional[str] = None, layerskip_exit: int = 24, quiet: bool = False):
+                 draft_model: Optional[str] = None, layerskip_exit: Optional[int] = None, quiet: bool = False):
         self.model_dir = resolve_model(model, quiet=quiet)
         self.model_name = model
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -75,9 +88,22 @@ class Runtime:
         self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.draft_model = draft_model
+        if layerskip_exit is None:  # the exit chosen by `specmesh calibrate-layerskip`, else 24
+            from .strategies.calibrate import calibrated_exit
+
+            layerskip_exit = calibrated_exit(model, dtype) or min(24, self.engine.n_layers - 1)
         self.layerskip_exit = layerskip_exit
         self.verifier.self_drafters["layerskip"] = LayerSkipDrafter(self.verifier, layerskip_exit)
         self._draft_lm: Optional[DraftLMDrafter] = None
+        self.block_drafter = None
+        bd = block_drafter_path(model)
+        if bd is not None:  # the `self` strategy's trained drafter ("block"), fed by kept hidden states
+            from .blockdraft.serve import BlockSelfDrafter
+
+            self.block_drafter = BlockSelfDrafter.from_checkpoint(self.verifier, bd)
+            self.verifier.self_drafters["block"] = self.block_drafter
+            self.verifier.self_drafters["block_tree"] = BlockSelfDrafter(
+                self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration)
         self.stop_ids = sorted({i for i in [self.tokenizer.eos_token_id,
                                              self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
                                              self.tokenizer.convert_tokens_to_ids("<end_of_turn>")]
@@ -121,9 +147,11 @@ class Runtime:
                                                   max_seq_len=self.max_seq_len, quiet=True)
                 self._draft_lm = DraftLMDrafter(eng)
             return self._draft_lm
+        if name == "adaptive_lookup" and "embeddings" not in kw and "vocab_size" not in kw:
+            return make_drafter(name, embeddings=self.engine.embed, **kw)  # the target's own embedding table
         if name not in DRAFTERS:
             raise InvalidArgument("drafter", f"unknown drafter {name!r}; known: {sorted(DRAFTER_NAMES)}")
         return make_drafter(name, **kw)
 
 
-DRAFTER_NAMES = ("prompt_lookup", "suffix", "draft_lm", "layerskip")
+DRAFTER_NAMES = ("prompt_lookup", "suffix", "adaptive_lookup", "cache", "draft_lm", "layerskip")

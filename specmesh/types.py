@@ -84,6 +84,7 @@ class TokenTree:
     parents: list[int] = field(default_factory=list)
     q_ids: Optional[list[list[int]]] = None
     q_probs: Optional[list[list[float]]] = None
+    source: str = ""  # where the drafter found it ("lexical", "retrieval", "cache", ...): stats only
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -148,12 +149,14 @@ class DraftContext:
     tokens      : all committed tokens of the session (prompt + generated so far);
                   the last one is the "pending" token the next verify will score.
     prompt_len  : how many of ``tokens`` are the prompt.
+    cache_id    : the draft cache (anticipated or SSR texts) the cache drafter reads.
     """
 
     session_id: str
     tokens: list[int]
     prompt_len: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_id: str = ""  # draft cache to read (proactive / SSR texts); "" = none
 
 
 @dataclass
@@ -226,6 +229,17 @@ class GenerationStats:
     finish_reason: str = ""
     lossy: bool = False
     fallbacks: int = 0
+    # draft caches (proactive / ssr): drafted and accepted tokens whose draft came from the cache
+    cache_hit: bool = False
+    cache_drafted_tokens: int = 0
+    cache_accepted_tokens: int = 0
+    warm_prefix_tokens: int = 0  # prompt tokens whose KV was already warm (not prefilled by this request)
+    # reasoning requests: the answer phase (after the end of thinking) and SSR side branches
+    thinking_tokens: int = 0
+    answer_tokens: int = 0
+    answer_s: float = 0.0
+    side_branches: int = 0
+    side_tokens: int = 0
 
     @property
     def tau(self) -> float:

@@ -242,6 +242,35 @@ class EngineVerifier:
             self._append(slot, list(tokens))
             return self.engine.length(slot)
 
+    def fork(self, source_id: str, session_id: str, n: int) -> int:
+        """Start ``session_id`` as a copy of the first ``n`` committed tokens of
+        ``source_id``'s KV (clamped to what it holds) without a forward — a side
+        branch of a running session (SSR) costs no re-prefill and leaves the source
+        untouched. Returns the tokens the new session holds."""
+        with self.lock:
+            if not session_id or session_id == source_id:
+                raise InvalidArgument("session_id", "must be non-empty and differ from the forked session")
+            if n < 0:
+                raise InvalidArgument("fork_len", f"must be >= 0, got {n}")
+            src = self.pool.get(source_id)
+            if src is None:
+                raise SessionLost(f"session {source_id!r} to fork is not on this verifier")
+            n = min(n, self.engine.length(src))
+            self.pool.busy.add(source_id)  # not evicted to make room for its own branch
+            try:
+                dst = self.pool.get(session_id)
+                if dst is None:
+                    dst = self.pool.allocate(session_id)
+            finally:
+                self.pool.busy.discard(source_id)
+            e = self.engine
+            e.k_cache[:, dst, :, :n] = e.k_cache[:, src, :, :n]
+            e.v_cache[:, dst, :, :n] = e.v_cache[:, src, :, :n]
+            if getattr(self, "features", None) is not None:
+                self.features[dst, :n] = self.features[src, :n]
+            e.lengths[dst] = n
+            return n
+
     def release(self, session_id: str) -> None:
         with self.lock:
             slot = self.pool.release(session_id)

@@ -537,8 +537,8 @@ def test_router_bad_requests(cluster):
         assert e.value.field == "strategy"
         names = [s.name for s in c.list_strategies().strategies]
         assert {"autoregressive", "external", "self", "auto"} <= set(names)
-    c, _ = code_of(lambda: cluster.stub.Anticipate(router_pb2.AnticipateRequest(conversation_id="c"), timeout=5))
-    assert c == grpc.StatusCode.UNIMPLEMENTED
+    c, d = code_of(lambda: cluster.stub.Anticipate(router_pb2.AnticipateRequest(conversation_id="c"), timeout=5))
+    assert c == grpc.StatusCode.INVALID_ARGUMENT and d.startswith("messages"), (c, d)  # no conversation given
 
 
 def test_cancel_and_deadline_free_the_slot(cluster):

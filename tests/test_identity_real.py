@@ -65,3 +65,16 @@ def test_sampled_speculation_runs_and_is_seeded(runtime):
     a, _ = generate_tokens(d, runtime.verifier, ids, sampling=s, max_new_tokens=24, stop_ids=runtime.stop_ids)
     b, _ = generate_tokens(d, runtime.verifier, ids, sampling=s, max_new_tokens=24, stop_ids=runtime.stop_ids)
     assert a == b and a
+
+
+@pytest.mark.parametrize("method", ["block", "block_tree"])
+def test_trained_block_drafter_through_self_is_identical(runtime, references, method):
+    """The committed block drafter (checkpoints/smollm2-block-drafter) in the verifier."""
+    assert method in runtime.verifier.self_drafters, "the bundled block drafter checkpoint was not attached"
+    drafted = 0
+    for ids, ref in references[:3]:
+        out, st = generate_tokens(None, runtime.verifier, ids, max_new_tokens=N, stop_ids=runtime.stop_ids,
+                                  budget=7 if method == "block" else 12, self_draft=method)
+        assert out == ref
+        drafted += st.drafted_tokens
+    assert drafted > 0

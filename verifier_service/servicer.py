@@ -19,6 +19,7 @@ from specmesh.serving.batcher import VerifyBatcher
 from specmesh.serving.convert import check_session_id
 from specmesh.serving.server import Service, time_left
 from specmesh.serving.settings import ServeSettings
+from specmesh.types import InvalidArgument
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -27,7 +28,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.batcher = batcher
 
     def Prefill(self, request, context):
-        n = self.verifier.prefill(check_session_id(request.session_id), list(request.tokens))
+        sid = check_session_id(request.session_id)
+        if request.fork_from:
+            if len(request.tokens):
+                raise InvalidArgument("tokens", "must be empty when fork_from is set")
+            n = self.verifier.fork(check_session_id(request.fork_from), sid, request.fork_len)
+            return verifier_pb2.PrefillResponse(cache_len=n)
+        n = self.verifier.prefill(sid, list(request.tokens))
         return verifier_pb2.PrefillResponse(cache_len=n)
 
     def Verify(self, request, context):

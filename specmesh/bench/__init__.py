@@ -35,7 +35,8 @@ def register(subparsers) -> None:
     p.add_argument("--systems", default="all", help=SYSTEMS_HELP)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default: all)")
-    p.add_argument("--budget", type=int, default=8, help="draft tokens per round for ours_* systems")
+    p.add_argument("--budget", type=int, default=8, help="max draft tokens per round for ours_* systems")
+    p.add_argument("--fixed-budget", action="store_true", help="ours_*: always draft --budget (default: adaptive)")
     p.add_argument("--slots", type=int, default=2, help="KV slots of our engine")
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV positions per slot of our engine")
     p.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads (default: torch's)")
@@ -58,7 +59,7 @@ def config_from_args(args):
     split = lambda v: [x.strip() for x in v.split(",") if x.strip()] if v else None  # noqa: E731
     return BenchConfig(workloads=split(args.workloads), systems=split(args.systems) or ["all"],
                        max_new_tokens=args.max_new_tokens, prompts=args.prompts, dtype=args.dtype,
-                       budget=args.budget, out=args.out, model=args.model, workloads_dir=args.workloads_dir,
+                       budget=args.budget, adaptive=not args.fixed_budget, out=args.out, model=args.model, workloads_dir=args.workloads_dir,
                        slots=args.slots, max_seq_len=args.max_seq_len, threads=args.threads,
                        progress=not args.no_progress, charts=not args.no_charts)
 

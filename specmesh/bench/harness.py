@@ -40,6 +40,7 @@ class BenchConfig:
     prompts: Optional[int] = None  # per workload; None = all
     dtype: str = "bf16"
     budget: int = 8
+    adaptive: bool = True  # ours_*: AdaptiveBudget(budget) (what users run); False = always draft budget
     out: str = "bench-out"
     model: str = "smollm2-135m-instruct"
     workloads_dir: Optional[str] = None
@@ -105,7 +106,7 @@ class Bench:
         peers = [n for n in names if not n.startswith("ours_")]
         for n in ours:
             self.systems.append(make_ours(n, self.runtime(parse_ours(n, self.cfg.dtype)[1]), self.cfg.budget,
-                                          self.cfg.dtype))
+                                          self.cfg.dtype, adaptive=self.cfg.adaptive))
         self._stage("specmesh systems loaded")
         self._warmup(self.systems)
         self._stage("specmesh systems warmed up (before any peer is loaded)")

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..loop import generate_tokens
+from ..loop import AdaptiveBudget, generate_tokens
 from ..types import GenerationStats, InvalidArgument
 
 OURS_STRATEGIES = ("ar", "prompt_lookup", "suffix", "draft_lm", "layerskip")
@@ -99,8 +99,10 @@ def expand(names: Sequence[str]) -> list[str]:
     return out
 
 
-def make_ours(name: str, runtime, budget: int, default_dtype: str) -> System:
-    """An ``ours_*`` system over ``runtime`` (whose dtype must match the name's)."""
+def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: bool = True) -> System:
+    """An ``ours_*`` system over ``runtime`` (whose dtype must match the name's). With
+    ``adaptive`` each generation gets a fresh ``AdaptiveBudget(budget)`` (draft length
+    from measured acceptance and cost; speculation off where it does not pay)."""
     strategy, dtype, suffix = parse_ours(name, default_dtype)
     drafter = None
     self_draft = None
@@ -112,8 +114,9 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str) -> System:
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         stats = GenerationStats()
         t0 = time.perf_counter()
+        policy = AdaptiveBudget(budget) if adaptive else budget
         out, stats = generate_tokens(drafter, runtime.verifier, list(prompt_ids), max_new_tokens=max_new_tokens,
-                                     stop_ids=runtime.stop_ids, budget=budget, self_draft=self_draft, stats=stats)
+                                     stop_ids=runtime.stop_ids, budget=policy, self_draft=self_draft, stats=stats)
         dt = time.perf_counter() - t0
         return RunOutput(out, dt, stats.accepted_tokens + stats.rounds, stats.rounds, list(stats.accept_hist),
                          stats.draft_s, stats.verify_s)

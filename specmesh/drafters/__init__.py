@@ -11,13 +11,25 @@ from typing import Callable
 
 from ..types import InvalidArgument
 from .base import Drafter, DrafterBase
+from .cache import CacheDrafter
 from .prompt_lookup import PromptLookupDrafter
 from .suffix import SuffixDrafter
+
+
+def _adaptive_lookup(**kwargs) -> Drafter:
+    from .adaptive_lookup import AdaptiveLookupDrafter  # imports torch: only when used
+
+    return AdaptiveLookupDrafter(**kwargs)
+
 
 # name -> callable(**kwargs) returning a Drafter.
 DRAFTERS: dict[str, Callable[..., Drafter]] = {
     "prompt_lookup": PromptLookupDrafter,
     "suffix": SuffixDrafter,
+    # lexical lookup + embedding retrieval + branched trees; needs embeddings=[V, D] or vocab_size=V
+    "adaptive_lookup": _adaptive_lookup,
+    # per-conversation draft caches (proactive / SSR texts), read by DraftContext.cache_id
+    "cache": CacheDrafter,
     # "draft_lm": ...   (small draft language model; added by its module's owner)
     # "layerskip": ...  (self-speculative layer skip; added by its module's owner)
 }
@@ -31,4 +43,5 @@ def make_drafter(name: str, **kwargs) -> Drafter:
     return factory(**kwargs)
 
 
-__all__ = ["DRAFTERS", "Drafter", "DrafterBase", "PromptLookupDrafter", "SuffixDrafter", "make_drafter"]
+__all__ = ["DRAFTERS", "CacheDrafter", "Drafter", "DrafterBase", "PromptLookupDrafter",
+           "SuffixDrafter", "make_drafter"]

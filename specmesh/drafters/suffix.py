@@ -195,7 +195,9 @@ class SuffixDrafter(DrafterBase):
                 best_g = self._draft(self._global, occ_g, m_g, budget, None)
         best_r = self._draft(idx, occ_r, m_r, budget, len(query)) if m_r and m_r >= m_g else None
         best = best_r if best_g is None or (best_r is not None and best_r[2] >= best_g[2]) else best_g
-        return TokenTree(best[0], best[1]) if best is not None else TokenTree()
+        if best is None:
+            return TokenTree()
+        return TokenTree(best[0], best[1], source="global" if best is best_g else "request")
 
     def release(self, session_id: str) -> None:
         self._sessions.pop(session_id)

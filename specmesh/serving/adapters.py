@@ -109,8 +109,9 @@ class Calls:
 class RemoteDrafter:
     """The drafter contract over the Drafter service (one instance per generation)."""
 
-    def __init__(self, peer: Peer, drafter: str, calls: Calls, timeout_s: float = 2.0):
+    def __init__(self, peer: Peer, drafter: str, calls: Calls, timeout_s: float = 2.0, cache_id: str = ""):
         self.peer, self.name, self.calls, self.timeout_s = peer, drafter, calls, timeout_s
+        self.cache_id = cache_id  # draft cache the "cache" drafter reads
         self._held: dict[str, list[int]] = {}  # session -> tokens the service holds
         self.network_s = 0.0
         self.skipped = 0  # rounds without drafting while the drafter was down
@@ -125,7 +126,8 @@ class RemoteDrafter:
         while True:
             req = drafter_pb2.ProposeRequest(
                 session_id=sid, drafter=self.name, sync=convert.sync_to_proto(keep, tokens[keep:]),
-                prompt_len=ctx.prompt_len, sampling=convert.sampling_to_proto(ctx.sampling), budget=budget)
+                prompt_len=ctx.prompt_len, sampling=convert.sampling_to_proto(ctx.sampling), budget=budget,
+                cache_id=ctx.cache_id or self.cache_id)
             t0 = time.perf_counter()
             try:
                 resp = self.peer.stub.Propose(req, timeout=self.calls.timeout(self.timeout_s),
@@ -141,7 +143,9 @@ class RemoteDrafter:
         self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
         self.peer.health.ok()
         self._held[sid] = list(tokens)
-        return convert.tree_from_proto(resp.tree)
+        tree = convert.tree_from_proto(resp.tree)
+        tree.source = resp.source
+        return tree
 
     def _release(self, session_id: str, finished: bool, tokens: Sequence[int] = (), prompt_len: int = 0) -> None:
         held = self._held.pop(session_id, None)
@@ -221,6 +225,20 @@ class RemoteVerifier:
         if self.peer not in self._touched:
             self._touched.append(self.peer)
         return self.peer
+
+    def prefer(self, address: str) -> bool:
+        """Pin this generation to the replica at ``address`` (one holding a warm KV
+        for its session) before the first call; False when there is no such replica."""
+        if self.peer is not None:
+            return self.peer.address == address
+        for p in self.replicas.peers:
+            if p.address == address:
+                with self.replicas._lock:
+                    p.load += 1
+                self.peer = p
+                self._touched.append(p)
+                return True
+        return False
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
         peer = self.peer or self._pin(req.session_id)

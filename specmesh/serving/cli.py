@@ -57,6 +57,8 @@ _FLAGS = [
     ("--peer-key", "peer_key", str, "router: client key for mTLS to drafter/verifier"),
     ("--auth-token-file", "auth_token_file", str, "bearer token file (or env SPECMESH_AUTH_TOKEN)"),
     ("--drain-s", "drain_s", float, "grace period on SIGTERM"),
+    ("--metrics", "metrics", str, "serve Prometheus /metrics over HTTP: true | false (default true)"),
+    ("--metrics-port", "metrics_port", int, "/metrics port of a single service (0 = any free port)"),
 ]
 
 
@@ -83,14 +85,23 @@ def register(sub) -> None:
     for svc in SERVICES:
         p.add_argument(f"--{svc}-port", dest=f"{svc}_port", type=int, default=argparse.SUPPRESS,
                        help=f"port of the {svc} when starting all three (0 = any free port)")
+        p.add_argument(f"--{svc}-metrics-port", dest=f"{svc}_metrics_port", type=int, default=argparse.SUPPRESS,
+                       help=f"/metrics port of the {svc} when starting all three (0 = any free port)")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--ray", action="store_true",
+                   help="run the three as Ray Serve deployments on a local Ray cluster; --config is then a Serve "
+                        "config or RayAppConfig YAML (specmesh.ray_app)")
     p.set_defaults(module="specmesh.serving.cli", func="serve_main")
 
     g = sub.add_parser("generate", help="stream a generation from a running router")
     g.add_argument("prompt", help="prompt text (one user turn with the chat template unless --raw)")
     g.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", "127.0.0.1:50051"))
-    g.add_argument("--strategy", default="", help="autoregressive | external | self | auto (default: router's)")
-    g.add_argument("--drafter", default="", help="external drafter: prompt_lookup | suffix | draft_lm")
+    g.add_argument("--strategy", default="",
+                   help="autoregressive | external | self | proactive | ssr | auto (default: router's)")
+    g.add_argument("--drafter", default="", help="external drafter: prompt_lookup | suffix | adaptive_lookup | draft_lm")
+    g.add_argument("--conversation-id", default="", help="conversation (proactive strategy)")
+    g.add_argument("--reasoning", action="store_true", help="think inside <think>...</think> first")
+    g.add_argument("--thinking-budget", type=int, default=None, help="maximum thinking tokens (reasoning)")
     g.add_argument("--max-new-tokens", type=int, default=None)
     g.add_argument("--temperature", type=float, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -112,6 +123,10 @@ def register(sub) -> None:
 def serve_main(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if getattr(args, "ray", False):
+        from specmesh.ray_app.cli import serve_ray
+
+        return serve_ray(args)
     settings = settings_from_args(args)
     if args.service is None:
         return serve_all(settings)
@@ -119,9 +134,11 @@ def serve_main(args) -> int:
 
 
 def serve_one(service: str, s) -> int:
+    from ..observability import tracing
     from .server import build_server, serve_until_signal
 
-    cleanup = None
+    tracing.setup_from_env(f"specmesh-{service}")  # OTEL_* variables; off unless asked for
+    cleanup, router = None, None
     if service == "verifier":
         from verifier_service.servicer import verifier_service
 
@@ -136,15 +153,32 @@ def serve_one(service: str, s) -> int:
 
         svc, router = router_service(s)
         cleanup = router.close
+    metrics = None
+    if s.metrics:
+        from ..observability.wiring import instrument
+
+        metrics = instrument(service, svc, router)
     running = build_server(s, [svc], s.port_of(service))
     mode = "tls" if running.tls else "insecure"
     auth = "token" if s.token() else "no auth"
     print(f"specmesh {service} listening on {running.address} ({mode}, {auth})", flush=True)
+    if metrics is not None:
+        mhost = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
+        try:
+            mport = metrics.serve(s.metrics_port_of(service), s.host)
+            print(f"specmesh {service} metrics on http://{mhost}:{mport}/metrics", flush=True)
+        except OSError as e:  # metrics are auxiliary: serve without them rather than not at all
+            metrics = None
+            print(f"specmesh {service}: WARNING no /metrics, port {s.metrics_port_of(service)} on {mhost}: {e} "
+                  f"(set --metrics-port, or --metrics false)", flush=True)
     try:
         serve_until_signal(running, s.drain_s)
     finally:
         if cleanup:
             cleanup()
+        if metrics is not None:
+            metrics.stop()
+        tracing.shutdown()
     return 0
 
 
@@ -157,7 +191,7 @@ def _free_port(host: str) -> int:
 def _settings_env(s) -> dict:
     """The resolved settings as SPECMESH_* variables (auth_token stays in the parent's env)."""
     env = {}
-    for name, value in s.model_dump(exclude={"auth_token", "port"}).items():
+    for name, value in s.model_dump(exclude={"auth_token", "port", "metrics_port"}).items():
         if value is None:
             continue
         if isinstance(value, list):
@@ -235,6 +269,14 @@ def format_stats(st) -> str:
         f"time: prefill {st.prefill_s:.3f} s, draft {st.draft_s:.3f} s, verify {st.verify_s:.3f} s, "
         f"network {st.network_s:.3f} s",
     ]
+    if getattr(st, "strategy_reason", ""):
+        lines.insert(1, f"why: {st.strategy_reason}")
+    if getattr(st, "cache_drafted_tokens", 0) or getattr(st, "warm_prefix_tokens", 0):
+        lines.append(f"cache hit {st.cache_hit}: {st.cache_accepted_tokens}/{st.cache_drafted_tokens} cached draft "
+                     f"tokens accepted; warm prefix {st.warm_prefix_tokens} tokens")
+    if getattr(st, "thinking_tokens", 0) or getattr(st, "answer_tokens", 0):
+        lines.append(f"reasoning: {st.thinking_tokens} thinking tokens, answer {st.answer_tokens} tokens in "
+                     f"{st.answer_s:.2f} s; side branches {st.side_branches} ({st.side_tokens} tokens)")
     return "\n".join("-- " + x for x in lines)
 
 
@@ -249,7 +291,8 @@ def generate_main(args) -> int:
                     private_key=args.key, certificate_chain=args.cert)
     kw = dict(strategy=args.strategy, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-              draft_budget=args.draft_budget, raw_prompt=args.raw)
+              draft_budget=args.draft_budget, raw_prompt=args.raw, conversation_id=args.conversation_id,
+              reasoning=args.reasoning, thinking_budget=args.thinking_budget)
     try:
         s = client.stream(args.prompt, **kw)
         for piece in s:

@@ -124,7 +124,8 @@ def verify_result_from_proto(m: verifier_pb2.VerifyResponse) -> VerifyResult:
 _STAT_FIELDS = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_tokens", "rounds", "target_forwards",
                 "drafted_tokens", "accepted_tokens", "accept_hist", "position_drafted", "position_accepted",
                 "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "finish_reason", "lossy",
-                "fallbacks", "verifier", "reprefills")
+                "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens",
+                "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens")
 
 
 def stats_to_proto(s: GenerationStats) -> common_pb2.GenerationStats:

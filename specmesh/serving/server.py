@@ -2,7 +2,8 @@
 
 ``build_server`` adds the standard services every specmesh server has
 (``grpc.health.v1`` health checking, SERVING per service, and server
-reflection), the interceptors (bearer-token auth, size limit, error mapping),
+reflection), the interceptors (tracing and metrics, bearer-token auth, size
+limit, error mapping),
 message-size options and TLS (server certificate, optional client CA for mutual
 TLS), binds ``host:port`` (loopback by default; port 0 picks a free one) and
 starts it. ``serve_until_signal`` blocks until SIGTERM/SIGINT, then drains:
@@ -10,7 +11,8 @@ health turns NOT_SERVING, new calls are refused, in-flight calls get
 ``drain_s`` to finish.
 
 ``peer_channel`` builds the router's channels to the drafter and verifiers
-from the ``peer_*`` settings (see ``channels``).
+from the ``peer_*`` settings (see ``channels``), with the client interceptor
+that propagates trace context (``observability.rpc``).
 
 This module knows nothing about what the servicers do.
 """
@@ -29,6 +31,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ..observability.rpc import ServerInterceptor, intercept
 from .channels import channel, channel_credentials
 from .interceptors import AuthInterceptor, ErrorInterceptor
 from .settings import ServeSettings
@@ -44,6 +47,7 @@ class Service:
     name: str
     add: Callable
     servicer: object
+    observer: object = None  # metrics fed by the server interceptor (observability.wiring.instrument)
 
 
 @dataclass
@@ -92,8 +96,10 @@ def build_server(s: ServeSettings, services: Sequence[Service], port: int, host:
                  token: Optional[str] = ...) -> RunningServer:
     """Create, bind and start a server. ``token`` defaults to ``s.token()``."""
     token = s.token() if token is ... else token
+    observer = next((svc.observer for svc in services if svc.observer is not None), None)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="specmesh-grpc"),
-                         interceptors=[AuthInterceptor(token), ErrorInterceptor(s.max_message_bytes)],
+                         interceptors=[ServerInterceptor(observer), AuthInterceptor(token),
+                                       ErrorInterceptor(s.max_message_bytes)],
                          options=grpc_options(s))
     hs = health.HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
@@ -138,4 +144,4 @@ def peer_channel(s: ServeSettings, target: str) -> grpc.Channel:
     creds = None
     if s.peer_ca or s.peer_cert:
         creds = channel_credentials(s.peer_ca, s.peer_key, s.peer_cert)
-    return channel(target, creds, max(2 * s.max_message_bytes, 8 << 20))
+    return intercept(channel(target, creds, max(2 * s.max_message_bytes, 8 << 20)), target)

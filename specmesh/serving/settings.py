@@ -47,7 +47,8 @@ class ServeSettings(BaseSettings):
     dtype: Literal["fp32", "bf16", "int8"] = "fp32"
     n_slots: int = Field(8, ge=1, description="KV slots of the verifier")
     max_seq_len: int = Field(2048, ge=16)
-    layerskip_exit: int = Field(24, ge=1)
+    layerskip_exit: Optional[int] = Field(None, ge=1, description="layer-skip exit layer; None = the calibrated "
+                                          "one (specmesh calibrate-layerskip), else 24")
     draft_model: Optional[str] = Field(None, description="draft LM directory for draft_lm (default: derived)")
 
     # ---- limits
@@ -60,9 +61,19 @@ class ServeSettings(BaseSettings):
     max_drafter_sessions: int = Field(1024, ge=1)
 
     # ---- strategies
-    default_strategy: Literal["autoregressive", "external", "self", "auto"] = "external"
-    default_drafter: Literal["prompt_lookup", "suffix", "draft_lm"] = "prompt_lookup"
+    default_strategy: Literal["autoregressive", "external", "self", "proactive", "ssr", "auto"] = "external"
+    default_drafter: Literal["prompt_lookup", "suffix", "adaptive_lookup", "draft_lm"] = "prompt_lookup"
     draft_budget: int = Field(6, ge=1)
+    auto_anticipate: bool = Field(False, description="anticipate every finished turn that has a conversation_id")
+    anticipate_tokens: int = Field(512, ge=1, description="idle tokens per anticipation (upper limit)")
+    anticipate_next_turns: int = Field(2, ge=0, le=8, description="predicted next user turns per anticipation")
+    anticipate_reply_tokens: int = Field(96, ge=1, description="tokens of each anticipated reply")
+    anticipate_ttl_s: float = Field(600.0, gt=0, description="lifetime of an anticipation and its draft cache")
+    anticipate_max_conversations: int = Field(64, ge=1)
+    anticipate_max_warm: int = Field(2, ge=0, description="warm KV sessions held for idle conversations")
+    ssr_side_tokens: int = Field(24, ge=1, description="tokens of each SSR side-branch answer")
+    ssr_fractions: str = Field("0.5,0.75", description="comma list of fractions of the thinking budget where "
+                               "SSR branches (each in (0, 1))")
 
     # ---- batching / threads
     batch_window_ms: float = Field(2.0, ge=0)
@@ -76,6 +87,14 @@ class ServeSettings(BaseSettings):
     verifier_retry_s: float = Field(15.0, ge=0, description="how long the router retries unreachable verifiers")
     drafter_backoff_s: float = Field(1.0, gt=0, description="first wait before retrying an unhealthy drafter")
     drafter_backoff_max_s: float = Field(30.0, gt=0)
+
+    # ---- observability (tracing is configured by the OTEL_* variables, see docs/observability.md)
+    metrics: bool = Field(True, description="serve Prometheus /metrics over HTTP")
+    metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="/metrics port of a single service "
+                                        "(0 = any free port); default: <service>_metrics_port")
+    router_metrics_port: int = Field(9451, ge=0, le=65535)
+    drafter_metrics_port: int = Field(9452, ge=0, le=65535)
+    verifier_metrics_port: int = Field(9453, ge=0, le=65535)
 
     # ---- security
     tls_cert: Optional[Path] = Field(None, description="server certificate chain (PEM); enables TLS")
@@ -102,6 +121,20 @@ class ServeSettings(BaseSettings):
         if isinstance(v, str):
             return [a.strip() for a in v.split(",") if a.strip()]
         return v
+
+    @field_validator("ssr_fractions")
+    @classmethod
+    def _fractions(cls, v: str) -> str:
+        try:
+            fs = [float(a) for a in v.split(",") if a.strip()]
+        except ValueError:
+            raise ValueError(f"ssr_fractions: not a comma list of numbers: {v!r}") from None
+        if any(not 0 < f < 1 for f in fs):
+            raise ValueError("ssr_fractions must lie in (0, 1)")
+        return v
+
+    def ssr_fraction_list(self) -> list[float]:
+        return [float(a) for a in self.ssr_fractions.split(",") if a.strip()]
 
     @model_validator(mode="after")
     def _check(self) -> "ServeSettings":
@@ -140,6 +173,9 @@ class ServeSettings(BaseSettings):
 
     def port_of(self, service: str) -> int:
         return self.port if self.port is not None else getattr(self, f"{service}_port")
+
+    def metrics_port_of(self, service: str) -> int:
+        return self.metrics_port if self.metrics_port is not None else getattr(self, f"{service}_metrics_port")
 
 
 def load_settings(config: Optional[str | os.PathLike] = None, **overrides) -> ServeSettings:

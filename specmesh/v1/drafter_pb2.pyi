@@ -8,32 +8,62 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "drafter", "sync", "prompt_len", "sampling", "budget")
+    __slots__ = ("session_id", "drafter", "sync", "prompt_len", "sampling", "budget", "cache_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
     sync: _common_pb2.SessionSync
     prompt_len: int
     sampling: _common_pb2.SamplingParams
     budget: int
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ...) -> None: ...
+    cache_id: str
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., cache_id: _Optional[str] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("tree", "held_len", "draft_ms", "server_ms")
+    __slots__ = ("tree", "held_len", "draft_ms", "server_ms", "source")
     TREE_FIELD_NUMBER: _ClassVar[int]
     HELD_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     SERVER_MS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.TokenTree
     held_len: int
     draft_ms: float
     server_ms: float
-    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., held_len: _Optional[int] = ..., draft_ms: _Optional[float] = ..., server_ms: _Optional[float] = ...) -> None: ...
+    source: str
+    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., held_len: _Optional[int] = ..., draft_ms: _Optional[float] = ..., server_ms: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+
+class TokenList(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SeedRequest(_message.Message):
+    __slots__ = ("cache_id", "texts", "ttl_s", "replace")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    texts: _containers.RepeatedCompositeFieldContainer[TokenList]
+    ttl_s: float
+    replace: bool
+    def __init__(self, cache_id: _Optional[str] = ..., texts: _Optional[_Iterable[_Union[TokenList, _Mapping]]] = ..., ttl_s: _Optional[float] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class SeedResponse(_message.Message):
+    __slots__ = ("texts", "tokens")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    texts: int
+    tokens: int
+    def __init__(self, texts: _Optional[int] = ..., tokens: _Optional[int] = ...) -> None: ...
 
 class DrafterReleaseRequest(_message.Message):
     __slots__ = ("session_id", "finished", "sync", "prompt_len")

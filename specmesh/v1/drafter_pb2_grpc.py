@@ -50,6 +50,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.DrafterInfoRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
                 _registered_method=True)
+        self.Seed = channel.unary_unary(
+                '/specmesh.v1.Drafter/Seed',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.SeedRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.SeedResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -77,6 +82,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Seed(self, request, context):
+        """Add texts to a draft cache (read by the "cache" drafter with
+        ProposeRequest.cache_id): anticipated replies, SSR early answers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +107,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.DrafterInfoRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.DrafterInfo.SerializeToString,
+            ),
+            'Seed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Seed,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.SeedRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.SeedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -177,6 +195,33 @@ class Drafter:
             '/specmesh.v1.Drafter/Info',
             specmesh_dot_v1_dot_drafter__pb2.DrafterInfoRequest.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Seed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Drafter/Seed',
+            specmesh_dot_v1_dot_drafter__pb2.SeedRequest.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.SeedResponse.FromString,
             options,
             channel_credentials,
             insecure,

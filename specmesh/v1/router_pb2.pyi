@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id")
+    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id", "reasoning", "thinking_budget")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,8 @@ class GenerateRequest(_message.Message):
     DRAFT_BUDGET_FIELD_NUMBER: _ClassVar[int]
     RAW_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    THINKING_BUDGET_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     strategy: str
@@ -27,7 +29,9 @@ class GenerateRequest(_message.Message):
     draft_budget: int
     raw_prompt: bool
     conversation_id: str
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ...) -> None: ...
+    reasoning: bool
+    thinking_budget: int
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., reasoning: _Optional[bool] = ..., thinking_budget: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text")
@@ -58,22 +62,44 @@ class GenerateResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ...) -> None: ...
 
 class AnticipateRequest(_message.Message):
-    __slots__ = ("conversation_id", "messages", "max_tokens")
+    __slots__ = ("conversation_id", "messages", "max_tokens", "next_turns", "wait")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TURNS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     max_tokens: int
-    def __init__(self, conversation_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    next_turns: int
+    wait: bool
+    def __init__(self, conversation_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., next_turns: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
+
+class GetAnticipationRequest(_message.Message):
+    __slots__ = ("conversation_id",)
+    CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    conversation_id: str
+    def __init__(self, conversation_id: _Optional[str] = ...) -> None: ...
 
 class AnticipateResponse(_message.Message):
-    __slots__ = ("accepted", "detail")
+    __slots__ = ("accepted", "detail", "state", "predicted_turns", "texts", "tokens", "preemptions", "warm")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    WARM_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     detail: str
-    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ...) -> None: ...
+    state: str
+    predicted_turns: _containers.RepeatedScalarFieldContainer[str]
+    texts: int
+    tokens: int
+    preemptions: int
+    warm: bool
+    def __init__(self, accepted: _Optional[bool] = ..., detail: _Optional[str] = ..., state: _Optional[str] = ..., predicted_turns: _Optional[_Iterable[str]] = ..., texts: _Optional[int] = ..., tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., warm: _Optional[bool] = ...) -> None: ...
 
 class ListStrategiesRequest(_message.Message):
     __slots__ = ()

@@ -44,6 +44,11 @@ class RouterStub:
                 request_serializer=specmesh_dot_v1_dot_router__pb2.AnticipateRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_router__pb2.AnticipateResponse.FromString,
                 _registered_method=True)
+        self.GetAnticipation = channel.unary_unary(
+                '/specmesh.v1.Router/GetAnticipation',
+                request_serializer=specmesh_dot_v1_dot_router__pb2.GetAnticipationRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_router__pb2.AnticipateResponse.FromString,
+                _registered_method=True)
         self.ListStrategies = channel.unary_unary(
                 '/specmesh.v1.Router/ListStrategies',
                 request_serializer=specmesh_dot_v1_dot_router__pb2.ListStrategiesRequest.SerializeToString,
@@ -63,7 +68,16 @@ class RouterServicer:
 
     def Anticipate(self, request, context):
         """Tell the router a conversation is idle so it can prepare the next turn
-        (the "proactive" strategy). Not implemented yet: UNIMPLEMENTED.
+        (the "proactive" strategy): warm its KV, predict likely next user turns and
+        pre-generate the replies into the conversation's draft cache. Idle work
+        runs only while no Generate is active and is preempted by every one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAnticipation(self, request, context):
+        """The anticipation state of a conversation (NOT_FOUND when there is none).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +101,11 @@ def add_RouterServicer_to_server(servicer, server):
             'Anticipate': grpc.unary_unary_rpc_method_handler(
                     servicer.Anticipate,
                     request_deserializer=specmesh_dot_v1_dot_router__pb2.AnticipateRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_router__pb2.AnticipateResponse.SerializeToString,
+            ),
+            'GetAnticipation': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAnticipation,
+                    request_deserializer=specmesh_dot_v1_dot_router__pb2.GetAnticipationRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_router__pb2.AnticipateResponse.SerializeToString,
             ),
             'ListStrategies': grpc.unary_unary_rpc_method_handler(
@@ -148,6 +167,33 @@ class Router:
             target,
             '/specmesh.v1.Router/Anticipate',
             specmesh_dot_v1_dot_router__pb2.AnticipateRequest.SerializeToString,
+            specmesh_dot_v1_dot_router__pb2.AnticipateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAnticipation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Router/GetAnticipation',
+            specmesh_dot_v1_dot_router__pb2.GetAnticipationRequest.SerializeToString,
             specmesh_dot_v1_dot_router__pb2.AnticipateResponse.FromString,
             options,
             channel_credentials,

@@ -16,12 +16,16 @@ class SelfDraft(_message.Message):
     def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "tokens")
+    __slots__ = ("session_id", "tokens", "fork_from", "fork_len")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FORK_FROM_FIELD_NUMBER: _ClassVar[int]
+    FORK_LEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    fork_from: str
+    fork_len: int
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., fork_from: _Optional[str] = ..., fork_len: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("cache_len",)

@@ -61,7 +61,8 @@ class VerifierServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
-        """Warm a session's KV with tokens (no sampling); replaces what it held.
+        """Warm a session's KV with tokens (no sampling), or fork it from another
+        session's KV prefix; replaces what it held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

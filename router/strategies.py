@@ -1,0 +1,403 @@
+"""The router's strategy plumbing: which strategy a request gets, and how each
+one's drafter, verifier and rounds are put together over the remote services.
+
+- ``resolve`` validates the strategy/drafter fields and, for ``auto``, asks
+  ``specmesh.strategies.auto.choose`` with the request's features (prompt
+  length, turns, copy cues, reasoning, a ready anticipation, drafter health,
+  layer-skip calibration) and the session's live stats.
+- ``Run`` (from ``Strategies.prepare``) owns one generation's adapters:
+  ``external`` (a remote drafter; trees depth-capped by the target's entropy
+  under adaptive budgets), ``self`` (in-verifier drafting), ``proactive`` (the
+  conversation's draft cache, and its warm KV session when the anticipation
+  left one), ``ssr`` and any request with reasoning on (the two-phase driver of
+  ``specmesh.strategies.ssr``; SSR adds side branches on separate verifier
+  sessions and seeds a per-request cache on the drafter service).
+  ``Run.finish`` fills the cache/warm stats, feeds the session book (EMA of τ
+  and measured speedup per session and strategy) and, with
+  ``auto_anticipate``, queues the finished turn's anticipation.
+- ``RemoteBackend`` is the proactive worker's backend over the services.
+
+Every real request enters the anticipation ``Gate`` for its whole life, so idle
+work stops at its next round. Knows nothing about protos or servers.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+from specmesh.drafters.prompt_lookup import common_prefix_len
+from specmesh.loop import AdaptiveBudget, BudgetPolicy, speculative_generate
+from specmesh.serving import convert
+from specmesh.serving.adapters import Calls, RemoteDrafter, RemoteVerifier
+from specmesh.strategies import auto
+from specmesh.strategies.adapt import CacheMeter, ResumePrefix, TreeBudget
+from specmesh.strategies.proactive import Anticipator, Config, Gate, cache_id
+from specmesh.strategies.ssr import ThinkFormat, reasoning_generate
+from specmesh.types import InvalidArgument
+from specmesh.v1 import drafter_pb2, verifier_pb2
+
+log = logging.getLogger("specmesh.router")
+
+STRATEGIES = {
+    "autoregressive": "plain decoding through the verifier (baseline and fallback)",
+    "external": "a drafter service proposes, the verifier verifies "
+                "(drafter: prompt_lookup | suffix | adaptive_lookup | draft_lm)",
+    "self": "layer-skip drafting with the target's own first layers inside the verifier (no drafter hop)",
+    "proactive": "drafts from the conversation's anticipation cache (replies pre-generated while it was idle) "
+                 "and continues its warm KV; needs conversation_id",
+    "ssr": "reasoning: early answers from partial thinking seed a cache that drafts the final answer",
+    "auto": "picks one of the above from the request's features and the session's measured speedups",
+}
+EXTERNAL_DRAFTERS = ("prompt_lookup", "suffix", "adaptive_lookup", "draft_lm")
+CHEAP_DRAFTERS = ("prompt_lookup", "suffix", "adaptive_lookup", "cache")
+SELF_DRAFTERS = ("layerskip", "block", "block_tree")  # block*: the trained block drafter, when the verifier has it
+THINK_DRAFTER = "suffix"  # drafts the thinking of ssr requests (and their side branches)
+SSR_CACHE_TTL_S = 300.0
+
+
+def _drafter_up(router) -> bool:
+    return router.drafter is not None and router.drafter.health.available()
+
+
+@dataclass
+class Resolved:
+    strategy: str
+    reason: str
+    drafter: Optional[str]
+    self_draft: Optional[str]
+
+
+class RemoteBackend:
+    """``proactive.Backend`` over the router's services (runs in the worker thread)."""
+
+    def __init__(self, router):
+        self.router = router
+        self.stop_ids = list(router.codec.stop_ids)
+        self._where: dict[str, object] = {}  # warm session -> replica peer
+
+    def _calls(self) -> Calls:
+        return Calls(self.router.token, self.router.s.verifier_timeout_s)
+
+    def encode(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
+        if generation_prompt:
+            return list(self.router.codec.encode(None, messages))
+        enc = self.router.codec.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+                                                              return_dict=True)
+        return list(enc["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.router.codec.decode(list(ids))
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str) -> Iterator[list[int]]:
+        r = self.router
+        calls = self._calls()
+        verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
+        drafter = RemoteDrafter(r.drafter, "prompt_lookup", calls, r.s.drafter_timeout_s) if _drafter_up(r) else None
+        return speculative_generate(drafter, verifier, prompt_ids, max_new_tokens=max_new_tokens,
+                                    stop_ids=self.stop_ids, session_id=session_id, budget=AdaptiveBudget(8))
+
+    def seed(self, cache: str, texts: list[list[int]], ttl_s: float, replace: bool) -> None:
+        r = self.router
+        req = drafter_pb2.SeedRequest(cache_id=cache, texts=[drafter_pb2.TokenList(tokens=t) for t in texts],
+                                      ttl_s=ttl_s, replace=replace)
+        r.drafter.stub.Seed(req, timeout=r.s.drafter_timeout_s * 5, metadata=self._calls().metadata)
+
+    def warm(self, session_id: str, tokens: list[int]) -> Optional[str]:
+        r = self.router
+        if len(tokens) >= r.s.max_seq_len:
+            return None
+        peer = r.replicas.pin(session_id)
+        r.replicas.unpin(peer)  # the next turn's generation pins it (RemoteVerifier.prefer)
+        try:
+            peer.stub.Prefill(verifier_pb2.PrefillRequest(session_id=session_id, tokens=tokens),
+                              timeout=r.s.verifier_timeout_s, metadata=self._calls().metadata)
+        except Exception as e:  # noqa: BLE001 - warming is an optimisation
+            log.info("warming %s failed: %s", session_id, e)
+            return None
+        self._where[session_id] = peer
+        return peer.address
+
+    def forget(self, session_id: str) -> None:
+        self._where.pop(session_id, None)
+
+    def release(self, session_id: str) -> None:
+        peer = self._where.pop(session_id, None)
+        if peer is not None:
+            peer.stub.Release(verifier_pb2.VerifierReleaseRequest(session_id=session_id), timeout=2.0,
+                              metadata=self._calls().metadata)
+
+
+@dataclass
+class Run:
+    """One generation's adapters (built by ``Strategies.prepare``)."""
+
+    owner: "Strategies"
+    plan: object
+    sid: str
+    verifier: RemoteVerifier  # the raw adapters: network time, replica, re-prefills
+    drafter: Optional[RemoteDrafter]
+    loop_verifier: object
+    loop_drafter: object
+    policy: Callable[[], BudgetPolicy]
+    meter: Optional[CacheMeter] = None
+    resumed: Optional[ResumePrefix] = None
+    side: list = field(default_factory=list)  # SSR side-branch adapters (network time)
+    policies: list = field(default_factory=list)  # adaptive budget policies made (one per phase)
+    entered: bool = False
+
+    def rounds(self, stats, on_drafter_error, round_scope=None) -> Iterator[list[int]]:
+        p, s = self.plan, self.owner.router.s
+        stop_ids = self.owner.router.codec.stop_ids
+        if not p.reasoning:
+            return speculative_generate(self.loop_drafter, self.loop_verifier, p.ids, p.sampling, p.max_new_tokens,
+                                        stop_ids, self.sid, self.policy(), stats, p.self_draft, on_drafter_error,
+                                        s.max_new_tokens, round_scope=round_scope,
+                                        draft_first=p.strategy == "proactive")  # cached replies start at once
+        fmt = self.owner.think_format()
+        kw = {}
+        if p.strategy == "ssr":
+            cid = f"ssr:{self.sid}"
+            kw = dict(side_answer=self._side_answer, seed=lambda texts: self.owner.seed(cid, texts, SSR_CACHE_TTL_S),
+                      fractions=s.ssr_fraction_list())
+        return reasoning_generate(self.loop_verifier, p.ids, fmt, sampling=p.sampling, max_new_tokens=p.max_new_tokens,
+                                  thinking_budget=p.thinking_budget, stop_ids=stop_ids, session_id=self.sid,
+                                  drafter=self.loop_drafter if p.strategy != "ssr" else self._think_drafter(),
+                                  answer_drafter=self.loop_drafter, budget=self.policy, stats=stats,
+                                  self_draft=p.self_draft, on_drafter_error=on_drafter_error,
+                                  max_new_limit=s.max_new_tokens, round_scope=round_scope, **kw)
+
+    def _think_drafter(self):
+        r = self.owner.router
+        d = RemoteDrafter(r.drafter, THINK_DRAFTER, self.verifier.calls, r.s.drafter_timeout_s)
+        self.side.append(d)
+        return d
+
+    def _side_answer(self, context: list[int], shared: int, main_session: str) -> list[int]:
+        """One SSR side branch: fork the main session's KV prefix on its replica (no
+        re-prefill; the main KV is untouched), decode the short answer, release."""
+        r = self.owner.router
+        calls = self.verifier.calls
+        v = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
+        d = RemoteDrafter(r.drafter, THINK_DRAFTER, calls, r.s.drafter_timeout_s)
+        self.side += [v, d]
+        sid = f"{main_session}-side-{len(self.side)}"
+        loop_v = v
+        main = self.verifier.peer
+        if main is not None and v.prefer(main.address):
+            try:
+                n = main.stub.Prefill(verifier_pb2.PrefillRequest(session_id=sid, fork_from=main_session,
+                                                                  fork_len=shared),
+                                      timeout=calls.timeout(), metadata=calls.metadata).cache_len
+                loop_v = ResumePrefix(v, n)
+            except Exception as e:  # noqa: BLE001 - no fork: the branch prefills its context itself
+                log.info("fork of %s failed (%s); side branch prefills", main_session, e)
+        out: list[int] = []
+        for chunk in speculative_generate(d, loop_v, context, max_new_tokens=r.s.ssr_side_tokens,
+                                          stop_ids=r.codec.stop_ids, session_id=sid, budget=AdaptiveBudget(8)):
+            out += chunk
+        return out
+
+    def network_s(self) -> float:
+        return self.verifier.network_s + (self.drafter.network_s if self.drafter else 0.0) + \
+            sum(a.network_s for a in self.side)
+
+    def finish(self, stats, text: str, cancelled: bool) -> None:
+        """Stats only the strategy knows; session book; auto-anticipation."""
+        p = self.plan
+        if self.meter is not None:
+            self.meter.fill(stats)
+        if self.resumed is not None:
+            stats.warm_prefix_tokens = self.resumed.used
+        self.owner.learn(p, stats, self.policies[-1].alpha if self.policies else None)
+        r = self.owner.router
+        if r.s.auto_anticipate and p.conversation_id and p.messages and not cancelled and _drafter_up(r):
+            try:
+                self.owner.anticipator().submit(p.conversation_id,
+                                                p.messages + [{"role": "assistant", "content": text}])
+            except InvalidArgument as e:
+                log.info("auto-anticipation skipped: %s", e)
+
+    def close(self) -> None:
+        if self.entered:
+            self.entered = False
+            self.owner.gate.exit()
+
+
+class Strategies:
+    """Strategy choice and plumbing for one ``Router`` (see module docstring)."""
+
+    def __init__(self, router):
+        self.router = router
+        self.gate = Gate()
+        self.book = auto.SessionBook()
+        self._anticipator: Optional[Anticipator] = None
+        self._fmt: Optional[ThinkFormat] = None
+        self._calibration = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ shared pieces
+    def think_format(self) -> ThinkFormat:
+        if self._fmt is None:
+            tok = self.router.codec.tokenizer
+            self._fmt = ThinkFormat.from_encode(lambda t: tok.encode(t, add_special_tokens=False))
+        return self._fmt
+
+    def anticipator(self) -> Anticipator:
+        with self._lock:
+            if self._anticipator is None:
+                s = self.router.s
+                cfg = Config(next_turns=s.anticipate_next_turns, reply_tokens=s.anticipate_reply_tokens,
+                             token_budget=s.anticipate_tokens, ttl_s=s.anticipate_ttl_s,
+                             max_conversations=s.anticipate_max_conversations, max_warm=s.anticipate_max_warm,
+                             warm=s.anticipate_max_warm > 0)
+                self._anticipator = Anticipator(RemoteBackend(self.router), self.gate, cfg).start()
+            return self._anticipator
+
+    def anticipation_ready(self, conversation_id: str) -> bool:
+        return bool(conversation_id) and self._anticipator is not None and self._anticipator.ready(conversation_id)
+
+    def layerskip_speedup(self) -> Optional[float]:
+        if self._calibration is None:
+            from specmesh.strategies.calibrate import load_calibration, speedup_of
+
+            s = self.router.s
+            rec = load_calibration(s.model, s.dtype)
+            self._calibration = (speedup_of(rec, s.layerskip_exit),)
+        return self._calibration[0]
+
+    def seed(self, cache: str, texts: list[list[int]], ttl_s: float, replace: bool = False) -> None:
+        RemoteBackend(self.router).seed(cache, texts, ttl_s, replace)
+
+    def close(self) -> None:
+        if self._anticipator is not None:
+            self._anticipator.stop()
+
+    # ------------------------------------------------------------ choice
+    def check(self, spec) -> None:
+        """Field checks that need no tokenizer (strategy and drafter names)."""
+        name = spec.strategy or ("external" if spec.drafter else self.router.s.default_strategy)
+        if name not in STRATEGIES:
+            raise InvalidArgument("strategy", f"unknown strategy {spec.strategy!r}; known: {sorted(STRATEGIES)}")
+        if len(spec.conversation_id.encode()) > convert.MAX_SESSION_ID:
+            raise InvalidArgument("conversation_id", f"longer than {convert.MAX_SESSION_ID} bytes")
+        if name == "proactive" and not spec.conversation_id:
+            raise InvalidArgument("conversation_id", "the proactive strategy needs a conversation_id")
+        if spec.thinking_budget is not None and not spec.thinking_budget >= 1:
+            raise InvalidArgument("thinking_budget", f"must be >= 1, got {spec.thinking_budget}")
+
+    def resolve(self, spec, ids: list[int], reasoning: bool) -> Resolved:
+        r = self.router
+        name = spec.strategy or ("external" if spec.drafter else r.s.default_strategy)
+        reason = "requested" if spec.strategy else "default"
+        if name == "auto":
+            msgs = spec.messages or []
+            text = spec.prompt or "\n".join(m.get("content", "") for m in msgs)
+            f = auto.features_from(ids, text, max(1, len(msgs)), reasoning,
+                                   self.anticipation_ready(spec.conversation_id), _drafter_up(r),
+                                   self.layerskip_speedup())
+            c = auto.choose(f, self.book.get(self.session_key(spec.conversation_id)))
+            return Resolved(c.strategy, c.reason, c.drafter if c.strategy in ("external", "proactive", "ssr") else None,
+                            c.drafter if c.strategy == "self" else None)
+        if name == "self":
+            if spec.drafter not in ("",) + SELF_DRAFTERS:
+                raise InvalidArgument("drafter", f"the self strategy drafts with {list(SELF_DRAFTERS)}, "
+                                      f"got {spec.drafter!r}")
+            return Resolved(name, reason, None, spec.drafter or SELF_DRAFTERS[0])
+        if name in ("external", "proactive", "ssr"):
+            if name == "external":
+                d = spec.drafter or r.s.default_drafter
+                if d not in EXTERNAL_DRAFTERS:
+                    raise InvalidArgument("drafter", f"unknown drafter {d!r}; known: {list(EXTERNAL_DRAFTERS)}")
+            else:
+                if spec.drafter not in ("", "cache"):
+                    raise InvalidArgument("drafter", f"the {name} strategy drafts from its cache, got {spec.drafter!r}")
+                d = "cache"
+            if r.drafter is None:
+                raise InvalidArgument("strategy", f"{name} needs a drafter service and this router has none")
+            return Resolved(name, reason, d, None)
+        if spec.drafter and spec.strategy == "autoregressive":
+            raise InvalidArgument("drafter", "strategy 'autoregressive' takes no drafter")
+        return Resolved(name, reason, None, None)
+
+    def session_key(self, conversation_id: str, client: str = "") -> str:
+        return f"conv:{conversation_id}" if conversation_id else f"client:{client}"
+
+    # ------------------------------------------------------------ one generation
+    def prepare(self, plan, sid: str, calls: Calls) -> Run:
+        r = self.router
+        verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
+        drafter, loop_v, meter, resumed = None, verifier, None, None
+        adaptive = plan.strategy in ("proactive", "ssr") or plan.reason.startswith("auto")
+        key = self.session_key(plan.conversation_id, plan.client)
+        alpha0 = self.book.initial_alpha(key, auto.label(plan.strategy, plan.drafter or plan.self_draft or ""))
+
+        if plan.drafter:
+            cid = ""
+            if plan.strategy == "proactive":
+                cid = cache_id(plan.conversation_id)
+            elif plan.strategy == "ssr":
+                cid = f"ssr:{sid}"
+            drafter = RemoteDrafter(r.drafter, plan.drafter, calls, r.s.drafter_timeout_s, cache_id=cid)
+        loop_d = drafter
+        if plan.strategy in ("proactive", "ssr") and loop_d is not None:
+            loop_d = meter = CacheMeter(loop_d)  # outermost: counts what the verifier is sent
+        if plan.strategy == "proactive" and self._anticipator is not None:
+            warm_sid, warm_toks, address = self._anticipator.claim_warm(plan.conversation_id)
+            if warm_sid:
+                backend = self._anticipator.backend
+                n = min(common_prefix_len(warm_toks, plan.ids), len(plan.ids) - 1)
+                if n > 0 and verifier.prefer(address):
+                    backend.forget(warm_sid)  # this generation releases it
+                    sid = warm_sid
+                    loop_v = resumed = ResumePrefix(verifier, n)
+                else:
+                    backend.release(warm_sid)
+        policies: list = []
+
+        def policy() -> BudgetPolicy:  # one per phase; the draft size follows the phase's entropy
+            if not adaptive:
+                return BudgetPolicy(plan.budget)
+            # draft length by the cost model where drafting costs (model drafters); n-gram, suffix and cache
+            # drafts are nearly free and bound themselves: full length, capped by entropy
+            pol = TreeBudget(plan.budget, alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS)
+            policies.append(pol)
+            return pol
+
+        run = Run(self, plan, sid, verifier, drafter, loop_v, loop_d, policy, meter, resumed,
+                  policies=policies)
+        self.gate.enter()
+        run.entered = True
+        return run
+
+    def learn(self, plan, stats, alpha: Optional[float] = None) -> None:
+        key = self.session_key(plan.conversation_id, plan.client)
+        if plan.strategy == "autoregressive":
+            self.book.record_ar(stats.new_tokens, stats.total_s, stats.ttft_s)
+        sp = auto.measured_speedup(stats.new_tokens, stats.total_s, stats.ttft_s, self.book.ar_token_s,
+                                   stats.verify_s, stats.rounds, stats.drafted_tokens)
+        self.book.record(key, auto.label(plan.strategy, plan.drafter or plan.self_draft or ""), stats.tau, sp, alpha)
+
+    # ------------------------------------------------------------ anticipation API
+    def anticipate(self, conversation_id: str, messages: list[dict], max_tokens: int = 0, next_turns: int = 0,
+                   wait: bool = False, timeout: Optional[float] = None) -> dict:
+        if self.router.drafter is None:
+            raise InvalidArgument("conversation_id", "anticipation needs a drafter service and this router has none")
+        if len(conversation_id.encode()) > convert.MAX_SESSION_ID:
+            raise InvalidArgument("conversation_id", f"longer than {convert.MAX_SESSION_ID} bytes")
+        for i, m in enumerate(messages):
+            if m.get("role") not in ("system", "user", "assistant"):
+                raise InvalidArgument("messages", f"entry {i} has role {m.get('role')!r}")
+        limit = self.router.s.max_prompt_tokens
+        if messages and len(self.router.codec.encode(None, messages)) > limit:
+            raise InvalidArgument("messages", f"the conversation exceeds max_prompt_tokens {limit}")
+        e = self.anticipator().submit(conversation_id, messages, max_tokens, next_turns)
+        if wait:
+            e.done.wait(timeout)
+        return dict(e.summary(), accepted=True)
+
+    def anticipation(self, conversation_id: str) -> Optional[dict]:
+        e = self._anticipator.get(conversation_id) if self._anticipator is not None else None
+        return None if e is None else dict(e.summary(), accepted=True)

@@ -1,0 +1,212 @@
+"""The router's view of a request: the ``specmesh.generate`` span, one
+``specmesh.round`` span per round, and the router metrics — all from the facts
+the draft–verify loop reports.
+
+``RouterObserver(model, metrics)`` lives on the router; ``request(plan, ...)``
+returns a ``RequestObservation`` whose ``round_scope`` is passed to
+``speculative_generate``. Each round scope
+
+- opens a ``specmesh.round`` span (child of the request span) and makes it
+  current, so the RPC client spans made by the drafter/verifier adapters inside
+  the round are its children (tracing on only);
+- puts a ``rpc.CallScope`` in the context: the strategy header for the peers'
+  metrics, and where client-side RPC failures are counted;
+- on exit reads the loop's facts (drafted, accepted, depth, tree_size,
+  draft_ms, verify_ms, wall_ms, batch_size, prefill) and the round's network
+  time (growth of the adapters' ``network_s``), sets them on the span and
+  records the round's metrics.
+
+Round indices count the request's rounds in order (a strategy that runs the
+loop in phases, like ssr's thinking then answer, starts the loop's own index
+again; ``specmesh.round.phase`` says which phase, each opening with a
+prefill/resume round). Work a strategy does outside the loop's rounds (ssr's
+side branches) is not a round: its RPCs hang under the Generate server span.
+
+``finish(stats)`` (just before the final message) sets the gen_ai.* usage and
+response attributes and the request-level metrics; ``end(err)`` ends the span
+and the active-session count. With tracing off no span is made.
+
+It knows nothing about gRPC, protos or tokenizers; a ``plan`` is anything with
+ids, strategy, reason, drafter, self_draft, max_new_tokens, budget, sampling.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
+
+from . import rpc, tracing
+
+
+class RouterObserver:
+    def __init__(self, model: str = "", metrics=None):
+        self.model, self.metrics = model, metrics
+
+    def request(self, plan, session_id: str, stats, verifier=None, drafter=None) -> "RequestObservation":
+        return RequestObservation(self, plan, session_id, stats, verifier, drafter)
+
+
+def _request_attributes(model: str, plan, session_id: str) -> dict:
+    sp = plan.sampling
+    a = {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "specmesh",
+         "gen_ai.request.model": model, "gen_ai.request.max_tokens": plan.max_new_tokens,
+         "gen_ai.request.temperature": float(sp.temperature), "gen_ai.request.top_p": float(sp.top_p),
+         "gen_ai.request.top_k": int(sp.top_k), "gen_ai.request.seed": int(sp.seed) & 0x7FFFFFFFFFFFFFFF,
+         "gen_ai.request.stream": True, "gen_ai.usage.input_tokens": len(plan.ids),
+         "gen_ai.response.id": session_id, "specmesh.strategy": plan.strategy,
+         "specmesh.strategy_reason": plan.reason, "specmesh.drafter": plan.drafter or plan.self_draft or "",
+         "specmesh.draft_budget": plan.budget, "specmesh.acceptance": sp.acceptance}
+    return a
+
+
+def _stats_attributes(model: str, s) -> dict:
+    a = {"gen_ai.usage.output_tokens": s.new_tokens, "gen_ai.response.model": model,
+         "gen_ai.response.finish_reasons": [s.finish_reason or "unknown"], "specmesh.rounds": s.rounds,
+         "specmesh.target_forwards": s.target_forwards, "specmesh.tau": float(s.tau),
+         "specmesh.drafted_tokens": s.drafted_tokens, "specmesh.accepted_tokens": s.accepted_tokens,
+         "specmesh.accept_hist": list(s.accept_hist), "specmesh.draft_s": s.draft_s, "specmesh.verify_s": s.verify_s,
+         "specmesh.prefill_s": s.prefill_s, "specmesh.total_s": s.total_s, "specmesh.ttft_s": s.ttft_s,
+         "specmesh.tokens_per_s": float(s.tokens_per_s), "specmesh.fallbacks": s.fallbacks,
+         "specmesh.lossy": bool(s.lossy)}
+    for k in ("network_s", "reprefills", "verifier"):
+        if hasattr(s, k):
+            a[f"specmesh.{k}"] = getattr(s, k)
+    return a
+
+
+class RequestObservation:
+    def __init__(self, owner: RouterObserver, plan, session_id: str, stats, verifier=None, drafter=None):
+        self.model, self.metrics = owner.model, owner.metrics
+        self.stats, self.verifier, self.drafter = stats, verifier, drafter
+        self.strategy = plan.strategy
+        self.drafter_name = plan.drafter or plan.self_draft or ""
+        self.block = int(plan.budget)  # the longest draft a round may have: the ceiling bin
+        self.call_scope = rpc.CallScope(plan.strategy, self.metrics)
+        self.finished = self.ended = False
+        self._generated = 0
+        self.rounds_seen = 0
+        self.phase = -1
+        self.span = self.ctx = None
+        if tracing.enabled():
+            self.span = tracing.tracer().start_span("specmesh.generate",
+                                                    attributes=_request_attributes(self.model, plan, session_id))
+            self.ctx = trace.set_span_in_context(self.span)
+        if self.metrics is not None:
+            self.metrics.request_started(self.strategy, self.drafter_name)
+
+    def round_scope(self, index: int) -> "RoundScope":
+        return RoundScope(self, index)
+
+    def network_s(self) -> tuple[float, float]:
+        """(all network seconds so far, of which the drafter's)."""
+        d = getattr(self.drafter, "network_s", 0.0) if self.drafter is not None else 0.0
+        v = getattr(self.verifier, "network_s", 0.0) if self.verifier is not None else 0.0
+        return d + v, d
+
+    def _flush_generated(self) -> None:
+        n = self.stats.new_tokens - self._generated
+        if n > 0 and self.metrics is not None:
+            self.metrics.add_generated(self.strategy, self.drafter_name, n)
+        self._generated = self.stats.new_tokens
+
+    def finish(self, stats) -> None:
+        """The generation completed (call before sending the final message)."""
+        self.finished = True
+        self._flush_generated()
+        if self.metrics is not None:
+            self.metrics.request_finished(self.strategy, self.drafter_name, stats)
+        if self.span is not None and self.span.is_recording():
+            self.span.set_attributes(_stats_attributes(self.model, stats))
+
+    def end(self, err: Optional[BaseException] = None) -> None:
+        """The generator is done (normally, cancelled or failed); idempotent."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.finished and isinstance(err, GeneratorExit):
+            err = None  # closed after the final message went out
+        if err is None and self.finished:
+            outcome = self.stats.finish_reason or "unknown"
+        elif err is None or isinstance(err, GeneratorExit):
+            outcome = "cancelled"
+        else:
+            outcome = "error"
+        self._flush_generated()
+        if self.metrics is not None:
+            self.metrics.request_ended(self.strategy, self.drafter_name, outcome)
+        if self.span is not None:
+            if not self.finished and self.span.is_recording():
+                self.span.set_attributes(_stats_attributes(self.model, self.stats))
+            if outcome == "error":
+                self.span.set_status(Status(StatusCode.ERROR, type(err).__name__))
+                self.span.record_exception(err)
+            elif outcome == "cancelled":
+                self.span.set_attribute("specmesh.cancelled", True)
+            self.span.end()
+
+
+class RoundScope:
+    """Context manager around one round; yields the dict the loop fills."""
+
+    __slots__ = ("req", "index", "loop_index", "facts", "t0", "pd0", "net0", "span", "_ctx_token", "_scope_token")
+
+    def __init__(self, req: RequestObservation, loop_index: int):
+        self.req, self.loop_index = req, loop_index
+        self.index = req.rounds_seen
+        req.rounds_seen += 1
+        if loop_index == 0:
+            req.phase += 1
+        self.span = self._ctx_token = None
+
+    def __enter__(self) -> dict:
+        req = self.req
+        req._flush_generated()
+        self.facts: dict = {}
+        self.t0 = time.perf_counter()
+        self.pd0 = sum(req.stats.position_drafted)
+        self.net0 = req.network_s()
+        self._scope_token = rpc.enter_scope(req.call_scope)
+        if req.ctx is not None:
+            self.span = tracing.tracer().start_span(
+                "specmesh.round", context=req.ctx,
+                attributes={"specmesh.round.index": self.index, "specmesh.round.phase": max(req.phase, 0),
+                            "specmesh.strategy": req.strategy, "specmesh.drafter": req.drafter_name})
+            self._ctx_token = otel_context.attach(trace.set_span_in_context(self.span))
+        return self.facts
+
+    def __exit__(self, et, ev, tb) -> bool:
+        req, f, span = self.req, self.facts, self.span
+        if self._ctx_token is not None:
+            otel_context.detach(self._ctx_token)
+        rpc.exit_scope(self._scope_token)
+        wall_s = time.perf_counter() - self.t0
+        if f:
+            depth = int(f["depth"]) if "depth" in f else sum(req.stats.position_drafted) - self.pd0
+            prefill = bool(f.get("prefill"))
+            drafted, accepted = int(f.get("drafted", 0)), int(f.get("accepted", 0))
+            if req.metrics is not None and not prefill:
+                req.metrics.record_round(req.strategy, req.drafter_name, drafted, accepted, depth, wall_s,
+                                         req.block)
+            if span is not None and span.is_recording():
+                net, dnet = req.network_s()
+                span.set_attributes({
+                    "specmesh.round.prefill": prefill, "specmesh.round.drafted": drafted,
+                    "specmesh.round.accepted": accepted, "specmesh.round.depth": depth,
+                    "specmesh.round.tree_size": int(f.get("tree_size", 0)),
+                    "specmesh.round.ceiling": depth > 0 and accepted >= max(depth, req.block),
+                    "specmesh.round.draft_ms": float(f.get("draft_ms", 0.0)),
+                    "specmesh.round.verify_ms": float(f.get("verify_ms", 0.0)),
+                    "specmesh.round.network_ms": (net - self.net0[0]) * 1e3,
+                    "specmesh.round.drafter_network_ms": (dnet - self.net0[1]) * 1e3,
+                    "specmesh.round.wall_ms": float(f.get("wall_ms", wall_s * 1e3)),
+                    "specmesh.round.batch_size": int(f.get("batch_size", 1))})
+        if span is not None:
+            if ev is not None:
+                span.set_status(Status(StatusCode.ERROR, type(ev).__name__))
+                span.record_exception(ev)
+            span.end()
+        return False
