@@ -82,8 +82,8 @@ def main(args) -> int:
             con.print(f"[dim]{label}:[/dim] {rt.decode(ref)}")
         for name in drafters:
             kw = dict(budget=args.budget if args.fixed_budget else AdaptiveBudget(args.budget))
-            if name == "layerskip":
-                drafter, kw["self_draft"] = None, "layerskip"
+            if name in rt.verifier.self_drafters:  # drafts inside the verifier (self strategy)
+                drafter, kw["self_draft"] = None, name
             else:
                 drafter = rt.drafter(name)
             out, s = generate_tokens(drafter, rt.verifier, ids, max_new_tokens=args.max_new_tokens,

@@ -307,21 +307,7 @@ def test_round_scope_without_tracing_makes_no_spans():
 
 # ---------------------------------------------------------------- tiny cluster over real gRPC
 
-def _tiny_weights(seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4, kv: int = 2, inter: int = 96):
-    g = torch.Generator().manual_seed(seed)
-    hd = hidden // heads
-    r = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731
-    sd = {"model.embed_tokens.weight": r(V, hidden), "model.norm.weight": torch.ones(hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (heads * hd, hidden), "self_attn.k_proj": (kv * hd, hidden),
-                  "self_attn.v_proj": (kv * hd, hidden), "self_attn.o_proj": (hidden, heads * hd),
-                  "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
-        sd.update({f"{p}{k}.weight": r(*shape) for k, shape in shapes.items()})
-        sd.update({f"{p}{k}.weight": torch.ones(hidden) for k in ("input_layernorm", "post_attention_layernorm")})
-    cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
-    return cfg, sd
+from test_grpc_unit import tiny_weights as _tiny_weights  # noqa: E402 - one tiny-model builder for the gRPC tests
 
 
 class _Tokenizer:
