@@ -92,6 +92,14 @@ def dense_q(tree: TokenTree, vocab: int) -> torch.Tensor:
     return q
 
 
+def _children(tree: TokenTree) -> dict[int, list[int]]:
+    """node (-1 = root) -> its children in sibling order."""
+    kids: dict[int, list[int]] = {}
+    for i, par in enumerate(tree.parents):
+        kids.setdefault(par, []).append(i)
+    return kids
+
+
 def _row(node: int) -> int:
     return node + 1  # probs row holding the distribution *after* ``node`` (-1 = pending)
 
@@ -112,9 +120,7 @@ def greedy_chain(argmax: list[int], draft: list[int]) -> Acceptance:
 def greedy_tree(argmax: list[int], tree: TokenTree) -> Acceptance:
     """Descend from the root into the child whose token equals the target's argmax;
     stop when none does and emit the argmax there. argmax has len(tree) + 1 entries."""
-    kids: dict[int, list[int]] = {}
-    for i, p in enumerate(tree.parents):
-        kids.setdefault(p, []).append(i)
+    kids = _children(tree)
     path, cur = [], -1
     while True:
         want = argmax[_row(cur)]
@@ -140,9 +146,7 @@ def rejection_tree(probs: torch.Tensor, tree: TokenTree, q: torch.Tensor,
     from the current p with u_sample[depth]. Lossless when siblings are i.i.d. draws
     from q, or distinct deterministic drafts with one-hot q.
     probs: [len(tree)+1, V]; q: [len(tree), V]."""
-    kids: dict[int, list[int]] = {}
-    for i, par in enumerate(tree.parents):
-        kids.setdefault(par, []).append(i)
+    kids = _children(tree)
     path, cur, depth = [], -1, 0
     while True:
         p = probs[_row(cur)].double()
@@ -196,9 +200,7 @@ def typical_tree(probs: torch.Tensor, tree: TokenTree, u_sample: torch.Tensor,
     p(x) > min(epsilon, delta * exp(-H(p))); take the first passing child in sibling
     order; when none passes sample from p. Output no longer follows the target
     distribution exactly; callers must label it."""
-    kids: dict[int, list[int]] = {}
-    for i, par in enumerate(tree.parents):
-        kids.setdefault(par, []).append(i)
+    kids = _children(tree)
     path, cur, depth = [], -1, 0
     while True:
         p = probs[_row(cur)].double()

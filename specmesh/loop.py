@@ -203,7 +203,7 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
                 else:
                     stats.verify_s += dt - res.draft_ms / 1e3
                     stats.draft_s += draft_s + res.draft_ms / 1e3
-                    depth = max(TokenTree(tree.tokens, tree.parents).depths(), default=-1) + 1 if len(tree) else res.drafted
+                    depth = max(tree.depths()) + 1 if len(tree) else res.drafted
                     stats.record_round(res.drafted, len(res.accepted), depth)
                     policy.update(res.drafted, len(res.accepted), res.entropy, draft_s + res.draft_ms / 1e3,
                                   max(dt - res.draft_ms / 1e3, 1e-6))

@@ -307,7 +307,7 @@ def test_round_scope_without_tracing_makes_no_spans():
 
 # ---------------------------------------------------------------- tiny cluster over real gRPC
 
-from test_grpc_unit import tiny_weights as _tiny_weights  # noqa: E402 - one tiny-model builder for the gRPC tests
+from test_grpc_unit import FakeCodec, tiny_weights as _tiny_weights  # noqa: E402 - one tiny-model builder for the gRPC tests
 
 
 class _Tokenizer:
@@ -315,17 +315,8 @@ class _Tokenizer:
         return [2 + ord(c) % (V - 2) for c in text]
 
 
-class _Codec:
-    vocab_size = V
-    stop_ids = [1]
+class _Codec(FakeCodec):
     tokenizer = _Tokenizer()  # the ssr thinking format reads its markers through it
-
-    def encode(self, prompt=None, messages=None, chat=True):
-        text = prompt if messages is None else "".join(m["content"] for m in messages)
-        return [2 + ord(c) % (V - 2) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(33 + i % 90) for i in ids if i >= 2)
 
 
 def _settings(**kw):

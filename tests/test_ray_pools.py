@@ -30,16 +30,7 @@ V = 96
 PROMPT = "abcabcabcabc hello hello hello abcabc"
 
 
-class FakeCodec:
-    vocab_size = V
-    stop_ids = [1]
-
-    def encode(self, prompt=None, messages=None, chat=True):
-        text = prompt if messages is None else "".join(m["content"] for m in messages)
-        return [2 + ord(c) % (V - 2) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(33 + i % 90) for i in ids if i >= 2)
+from test_grpc_unit import FakeCodec  # noqa: E402 - the one character codec of the gRPC tests
 
 
 def _settings(**kw):
