@@ -325,12 +325,16 @@ class LlamaEngine:
             x = x + L.down(F.silu(g_) * u_)
             if li in hidden_layers:
                 hidden[li] = x.float()
-        results = []
-        for (slot, s, n, base, mask), r in zip(segs, rows):
-            sel = torch.arange(s, s + n) if r is None else torch.tensor(list(r), dtype=torch.long) + s
-            hn = rms_norm(x[sel], self.norm, self.eps)  # fp32
-            logits = self.head(hn.to(ad) if ad != torch.float32 else hn).float()
-            if ad != torch.float32:
-                logits = self._refine_top(logits, hn)
-            results.append(ScoreOutput(logits, {k: v[s: s + n] for k, v in hidden.items()}))
+        # one head matmul for the chosen rows of every segment (reading the head's
+        # weights once per forward, not once per session)
+        sels = [list(range(s, s + n)) if r is None else [s + int(i) for i in r]
+                for (slot, s, n, base, mask), r in zip(segs, rows)]
+        hn = rms_norm(x[torch.tensor([i for sel in sels for i in sel], dtype=torch.long)], self.norm, self.eps)
+        logits = self.head(hn.to(ad) if ad != torch.float32 else hn).float()
+        if ad != torch.float32:
+            logits = self._refine_top(logits, hn)
+        results, o = [], 0
+        for (slot, s, n, base, mask), sel in zip(segs, sels):
+            results.append(ScoreOutput(logits[o: o + len(sel)], {k: v[s: s + n] for k, v in hidden.items()}))
+            o += len(sel)
         return results

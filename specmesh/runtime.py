@@ -78,7 +78,8 @@ def default_draft_model(target: str = DEFAULT_MODEL) -> Path:
 
 class Runtime:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048,
-                 draft_model: Optional[str] = None, layerskip_exit: Optional[int] = None, quiet: bool = False):
+                 draft_model: Optional[str] = None, layerskip_exit: Optional[int] = None, quiet: bool = False,
+                 block_drafter: bool = True):
         self.model_dir = resolve_model(model, quiet=quiet)
         self.model_name = model
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -96,7 +97,7 @@ class Runtime:
         self.verifier.self_drafters["layerskip"] = LayerSkipDrafter(self.verifier, layerskip_exit)
         self._draft_lm: Optional[DraftLMDrafter] = None
         self.block_drafter = None
-        bd = block_drafter_path(model)
+        bd = block_drafter_path(model) if block_drafter else None
         if bd is not None:  # the `self` strategy's trained drafter ("block"), fed by kept hidden states
             from .blockdraft.serve import BlockSelfDrafter
 

@@ -14,7 +14,7 @@ from specmesh.bench.harness import RECORD_FIELDS, BenchConfig
 from specmesh.bench.systems import expand, parse_ours
 from specmesh.types import InvalidArgument
 
-WORKLOADS = ("code_edit", "code_write", "summarize_quotes", "chat_multiturn", "reasoning")
+WORKLOADS = ("code_edit", "code_write", "summarize_quotes", "chat_multiturn", "reasoning", "open_writing")
 SMOKE_SYSTEMS = ["ours_ar", "ours_prompt_lookup", "ours_suffix", "hf_ar", "hf_pld"]
 
 

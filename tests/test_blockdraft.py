@@ -22,10 +22,11 @@ from specmesh.types import SamplingParams
 from specmesh.verifier import EngineVerifier
 
 
-def _drafter(eng, model, block=4, keep=None, seed=0):
+def _drafter(eng, model, block=4, keep=None, seed=0, fuse_last=False, fuse_norm=False):
     torch.manual_seed(seed)
     cfg = BlockDrafterConfig(block=block, n_layers=1, hidden=64, n_heads=4, ffn=96, feature_layers=[0, 2],
-                             context_window=32, vocab_size=96, n_keep=len(keep) if keep is not None else 96)
+                             context_window=32, vocab_size=96, n_keep=len(keep) if keep is not None else 96,
+                             fuse_last=fuse_last, fuse_norm=fuse_norm)
     keep = torch.arange(96) if keep is None else keep
     return new_model(cfg, model.state_dict(), keep)
 
@@ -40,9 +41,10 @@ def test_block_mask_layout():
     assert w[0, :6].tolist() == [False, False, False, True, True, False]
 
 
-def test_block_sees_no_future_and_no_other_block():
+@pytest.mark.parametrize("fuse_last,fuse_norm", [(False, False), (True, False), (True, True)])
+def test_block_sees_no_future_and_no_other_block(fuse_last, fuse_norm):
     eng, model = tiny_engine()
-    d = _drafter(eng, model).eval()
+    d = _drafter(eng, model, fuse_last=fuse_last, fuse_norm=fuse_norm).eval()
     feats = torch.randn(10, 128)
     anchors = [4, 7]
     mask = BlockDrafter.block_mask(anchors, 4, 10)
@@ -116,12 +118,12 @@ def test_best_first_tree():
     assert expected_tau([1.0, 0.5]) == 2.5
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_self_strategy_with_block_drafter_is_lossless(tree):
+@pytest.mark.parametrize("tree,fuse_last", [(False, False), (True, False), (False, True)])
+def test_self_strategy_with_block_drafter_is_lossless(tree, fuse_last):
     eng, model = tiny_engine(n_slots=3)
     ver = EngineVerifier(eng)
     ref, _ = generate_tokens(None, ver, [5, 9, 13, 2, 7], max_new_tokens=30)
-    d = _drafter(eng, model)
+    d = _drafter(eng, model, fuse_last=fuse_last)
     ver.self_drafters["block"] = BlockSelfDrafter(ver, d, tree=tree)
     out, st = generate_tokens(None, ver, [5, 9, 13, 2, 7], max_new_tokens=30, budget=4, self_draft="block")
     assert out == ref and st.drafted_tokens > 0
@@ -130,7 +132,8 @@ def test_self_strategy_with_block_drafter_is_lossless(tree):
     assert len(a) == 12
 
 
-def test_training_learns_a_copy_task_and_expands():
+@pytest.mark.parametrize("fuse_last,amp", [(False, False), (True, True)])
+def test_training_learns_a_copy_task_and_expands(fuse_last, amp):
     eng, model = tiny_engine(n_slots=1)
     torch.manual_seed(0)
     seqs = []
@@ -138,11 +141,43 @@ def test_training_learns_a_copy_task_and_expands():
         pat = [random.Random(i).randrange(10, 90) for _ in range(5)]
         toks = pat * 6
         seqs.append(Example(torch.tensor(toks), 5, torch.randn(len(toks), 128).to(torch.bfloat16)))
-    d = _drafter(eng, model, block=3)
+    d = _drafter(eng, model, block=3, fuse_last=fuse_last)
     before = evaluate(d, seqs)["tau_measured"]
-    curve = train(d, seqs, steps=60, loss="ce", lr=3e-3, batch=4, anchors_per_seq=8, quiet=True)
+    curve = train(d, seqs, steps=60, loss="ce", lr=3e-3, batch=4, anchors_per_seq=8, quiet=True, amp=amp)
     after = evaluate(d, seqs)
     assert curve[-1] < curve[0] and after["tau_measured"] > before
     big = expand_block(d, 5, model.state_dict())
     assert big.cfg.block == 5 and big(torch.tensor([11]), torch.randn(4, 128),
                                       BlockDrafter.block_mask([4], 5, 4)).shape == (1, 4, 96)
+
+
+def test_training_features_are_cached_next_to_the_data(tmp_path):
+    import argparse
+    import json
+
+    from specmesh.blockdraft.cli import _examples
+
+    eng, _ = tiny_engine(n_slots=1)
+    recs = [{"id": f"p{i}", "kind": "chat", "split": "heldout" if i == 0 else "train",
+             "prompt_ids": [1, 2, 3 + i], "response_ids": [10 + i, 11, 12, 13]} for i in range(4)]
+    (tmp_path / "shard-0000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    args = argparse.Namespace(data=str(tmp_path), feature_dtype="fp32")
+    calls = []
+
+    def engine():
+        calls.append(1)
+        return eng
+
+    _, tr, he = _examples(args, engine, [0, 2])
+    assert calls and len(tr) == 3 and len(he) == 1 and tr[0].features.shape == (7, 128)
+    calls.clear()
+
+    def no_engine():
+        raise AssertionError("features should come from the cache")
+
+    _, tr2, he2 = _examples(args, no_engine, [0, 2])
+    torch.testing.assert_close(tr2[0].features, tr[0].features)
+    recs.append({"id": "p9", "kind": "chat", "split": "train", "prompt_ids": [4], "response_ids": [5, 6, 7]})
+    (tmp_path / "shard-0001.jsonl").write_text(json.dumps(recs[-1]) + "\n")
+    _, tr3, _ = _examples(args, engine, [0, 2])  # new shard: the stale cache is not used
+    assert calls and len(tr3) == 4

@@ -9,6 +9,8 @@ draft–verify loop (``specmesh.loop``) over an in-process ``Runtime``:
   ours_suffix         suffix-tree drafter (learns from earlier outputs)
   ours_draft_lm       small draft LM made of a few target layers
   ours_layerskip      self-speculation inside the verifier (first E layers)
+  ours_block          the trained block drafter inside the verifier (chain)
+  ours_block_tree     the same drafter, best-first calibrated tree
 
 A ``_fp32`` / ``_bf16`` / ``_int8`` suffix runs the same system on an engine of
 that dtype (default: the run's ``--dtype``); its reference AR is ``ours_ar`` with
@@ -26,7 +28,8 @@ from typing import Callable, Optional, Sequence
 from ..loop import AdaptiveBudget, generate_tokens
 from ..types import GenerationStats, InvalidArgument
 
-OURS_STRATEGIES = ("ar", "prompt_lookup", "suffix", "draft_lm", "layerskip")
+OURS_STRATEGIES = ("ar", "prompt_lookup", "suffix", "draft_lm", "layerskip", "block", "block_tree")
+SELF_STRATEGIES = ("layerskip", "block", "block_tree")  # drafted inside the verifier
 HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
 LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld")
 DTYPES = ("fp32", "bf16", "int8")
@@ -106,8 +109,11 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
     strategy, dtype, suffix = parse_ours(name, default_dtype)
     drafter = None
     self_draft = None
-    if strategy == "layerskip":
-        self_draft = "layerskip"
+    if strategy in SELF_STRATEGIES:
+        if strategy not in runtime.verifier.self_drafters:
+            raise InvalidArgument("systems", f"{name}: no {strategy!r} drafter in this verifier (the block "
+                                             "drafter needs a checkpoint for this model; see `specmesh train-drafter`)")
+        self_draft = strategy
     elif strategy != "ar":
         drafter = runtime.drafter(strategy)  # one instance for the whole run (suffix keeps its global tree)
 

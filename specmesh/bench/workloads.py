@@ -39,7 +39,7 @@ def default_dir() -> Path:
     return Path.cwd() / "bench" / "workloads"
 
 
-PREFERRED_ORDER = ("code_edit", "code_write", "summarize_quotes", "chat_multiturn", "reasoning")
+PREFERRED_ORDER = ("code_edit", "code_write", "summarize_quotes", "chat_multiturn", "reasoning", "open_writing")
 
 
 def available(directory: Optional[Path] = None) -> list[str]:

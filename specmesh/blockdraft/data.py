@@ -47,42 +47,52 @@ def generate_shards(runtime, out_dir: Path, max_new_tokens: int = 160, shard_siz
     ver = runtime.verifier
     width = runtime.engine.n_slots
     stops = set(runtime.stop_ids)
-    for s0 in range(0, len(todo), shard_size):
-        shard = todo[s0: s0 + shard_size]
-        records = []
-        queue = list(shard)
-        active: dict[str, dict] = {}
-        while queue or active:
-            while queue and len(active) < width:
-                p = queue.pop(0)
-                ids = runtime.encode(p["prompt"])
-                active[p["id"]] = {"p": p, "prompt": ids, "out": [], "kv": 0}
-            reqs = []
-            for sid, st in active.items():
-                toks = st["prompt"] + st["out"]
-                reqs.append(VerifyRequest(sid, st["kv"], toks[st["kv"]:], TokenTree()))
-            results = ver.verify_batch(reqs)
-            for req, res in zip(reqs, results):
-                if isinstance(res, Exception):
-                    raise res
-                st = active[req.session_id]
-                st["kv"] = len(st["prompt"]) + len(st["out"])
-                if res.next_token in stops or len(st["out"]) + 1 >= max_new_tokens:
-                    if res.next_token not in stops:
-                        st["out"].append(res.next_token)
-                    p = st["p"]
-                    records.append({"id": p["id"], "kind": p["kind"], "split": split(p["id"]),
-                                    "prompt_ids": st["prompt"], "response_ids": st["out"]})
-                    ver.release(req.session_id)
-                    del active[req.session_id]
-                    bar.update(1)
-                else:
-                    st["out"].append(res.next_token)
+    records: list[dict] = []
+
+    def flush() -> None:  # a finished shard is written atomically; its prompts count as done
+        nonlocal n_shards, records
+        if not records:
+            return
         path = out_dir / f"shard-{n_shards:04d}.jsonl"
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         tmp.rename(path)
         n_shards += 1
+        records = []
+
+    # one continuous queue: a finished session's slot is refilled at once, so every
+    # forward stays full until the last prompts
+    queue = list(todo)
+    active: dict[str, dict] = {}
+    while queue or active:
+        while queue and len(active) < width:
+            p = queue.pop(0)
+            ids = runtime.encode(p["prompt"])
+            active[p["id"]] = {"p": p, "prompt": ids, "out": [], "kv": 0}
+        reqs = []
+        for sid, st in active.items():
+            toks = st["prompt"] + st["out"]
+            reqs.append(VerifyRequest(sid, st["kv"], toks[st["kv"]:], TokenTree()))
+        results = ver.verify_batch(reqs)
+        for req, res in zip(reqs, results):
+            if isinstance(res, Exception):
+                raise res
+            st = active[req.session_id]
+            st["kv"] = len(st["prompt"]) + len(st["out"])
+            if res.next_token in stops or len(st["out"]) + 1 >= max_new_tokens:
+                if res.next_token not in stops:
+                    st["out"].append(res.next_token)
+                p = st["p"]
+                records.append({"id": p["id"], "kind": p["kind"], "split": split(p["id"]),
+                                "prompt_ids": st["prompt"], "response_ids": st["out"]})
+                ver.release(req.session_id)
+                del active[req.session_id]
+                bar.update(1)
+                if len(records) >= shard_size:
+                    flush()
+            else:
+                st["out"].append(res.next_token)
+    flush()
     bar.close()
     return out_dir
 

@@ -4,7 +4,11 @@ Input of a block: ``[anchor token, MASK x (B-1)]`` embedded with the target's
 (frozen) embedding table, plus a learned MASK vector and block-position
 embeddings. Conditioning: the target's hidden states of the context from a few
 layers, concatenated and projected to the drafter width, injected as extra
-keys/values in every drafter layer. Attention inside a block is non-causal; a
+keys/values in every drafter layer; with ``fuse_last`` the projected features of
+the last visible context position (the one right before the anchor) are also
+added, through their own projection, to every block token's input (EAGLE-style
+fusion: the slot next to the anchor gets the target's state directly, not only
+through attention). Attention inside a block is non-causal; a
 block sees the context features strictly before its anchor and nothing later
 (no other block, no future context). Output: the target's final norm + a
 frequency-truncated slice of the target's LM head (``keep_ids``): a draft can
@@ -39,6 +43,8 @@ class BlockDrafterConfig:
     target: str = "smollm2-135m-instruct"
     vocab_size: int = 49152
     n_keep: int = 8192
+    fuse_last: bool = False  # add the last context position's projected features to the block inputs
+    fuse_norm: bool = False  # RMS-normalise the fused vector to the embeddings' scale (else it can drown the anchor)
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
@@ -95,6 +101,13 @@ class BlockDrafter(nn.Module):
         self.feat_norm = nn.RMSNorm(len(cfg.feature_layers) * h, eps=cfg.eps)
         self.feat_proj = nn.Linear(len(cfg.feature_layers) * h, h, bias=False)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.n_layers))
+        if cfg.fuse_last:
+            self.last_norm = nn.RMSNorm(h, eps=cfg.eps)
+            self.last_proj = nn.Linear(h, h, bias=False)
+            if cfg.fuse_norm:
+                self.fuse_out = nn.RMSNorm(h, eps=cfg.eps)
+                with torch.no_grad():  # start at the embeddings' per-element scale
+                    self.fuse_out.weight.fill_(float(embed.float().pow(2).mean().sqrt()))
         nn.init.normal_(self.pos_emb, std=0.02)
         nn.init.normal_(self.mask_emb, std=0.02)
 
@@ -126,8 +139,19 @@ class BlockDrafter(nn.Module):
         A = anchor_tokens.shape[0]
         x = self.mask_emb.expand(A, B, -1).clone()
         x[:, 0] = self.embed[anchor_tokens]
-        x = (x + self.pos_emb[None]).reshape(A * B, -1)
-        ctx = self.feat_proj(self.feat_norm(features.float()))
+        x = x + self.pos_emb[None]
+        ctx = self.feat_proj(self.feat_norm(features.to(self.feat_proj.weight.dtype))).to(self.feat_proj.weight.dtype)
+        if self.cfg.fuse_last and ctx.shape[0] > 0:
+            # the last context position each block may see, read off the mask (none: no fusion)
+            vis = mask[::B, : ctx.shape[0]]  # [A, C]
+            C = ctx.shape[0]
+            last = C - 1 - vis.flip(1).int().argmax(1)
+            fused = self.last_proj(self.last_norm(ctx[last]))
+            if self.cfg.fuse_norm:
+                fused = self.fuse_out(fused.float())
+            fused = fused * vis.any(1, keepdim=True)
+            x = x + fused[:, None]
+        x = x.reshape(A * B, -1)
         for layer in self.layers:
             x = layer(x, ctx, mask)
         x = F.rms_norm(x.view(A, B, -1)[:, 1:], (x.shape[-1],), self.final_norm, self.cfg.eps)

@@ -27,8 +27,11 @@ class BlockSelfDrafter(DrafterBase):
     name = "block"
 
     def __init__(self, verifier, model: BlockDrafter, tree: bool = False, tree_width: int = 3,
-                 calibration: Optional[Calibration] = None, top_k: int = 8):
+                 calibration: Optional[Calibration] = None, top_k: int = 8, amp: bool = True):
+        """``amp``: run the drafter's pass under bf16 autocast, as it was trained (a draft
+        only changes speed, never the output)."""
         self.verifier = verifier
+        self.amp = amp
         self.model = model.eval()
         self.tree = tree
         self.tree_width = tree_width
@@ -59,7 +62,8 @@ class BlockSelfDrafter(DrafterBase):
         c0 = max(0, L - cfg.context_window)
         feats = feats[c0:L]
         mask = BlockDrafter.block_mask([L], cfg.block, L - c0, ctx_start=c0, window=cfg.context_window)
-        return self.model(torch.tensor([ctx.tokens[-1]]), feats, mask)[0].float()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.amp and feats.device.type == "cpu"):
+            return self.model(torch.tensor([ctx.tokens[-1]]), feats, mask)[0].float()
 
     def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
         logits = self.slot_logits(ctx)
