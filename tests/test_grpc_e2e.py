@@ -62,19 +62,23 @@ def _wait(pred, timeout=20.0) -> bool:
 
 
 class Stack:
-    def __init__(self):
+    """Verifier, drafter and router servers in process over one Runtime; ``settings``
+    go to all three (test_strategies_e2e.py reuses this with its own)."""
+
+    def __init__(self, n_slots: int = 10, **settings):
         from drafter_service.servicer import drafter_service
         from router.servicer import router_service
         from specmesh.runtime import Runtime
         from specmesh.serving.server import build_server
         from verifier_service.servicer import verifier_service
 
-        self.rt = Runtime("smollm2-135m-instruct", n_slots=10, max_seq_len=1024, quiet=True)
-        self.s = _settings()
+        self.rt = Runtime("smollm2-135m-instruct", n_slots=n_slots, max_seq_len=1024, quiet=True)
+        self.s = _settings(n_slots=n_slots, **settings)
         vsvc, self.batcher = verifier_service(self.s, self.rt.verifier)
         self.verifier = build_server(self.s, [vsvc], 0)
         self.drafter = build_server(self.s, [drafter_service(self.s, vocab_size=self.rt.vocab_size)], 0)
-        self.rs = _settings(drafter_address=self.drafter.address, verifier_addresses=[self.verifier.address])
+        self.rs = _settings(n_slots=n_slots, drafter_address=self.drafter.address,
+                            verifier_addresses=[self.verifier.address], **settings)
         self.rsvc, self.router = router_service(self.rs, codec=self.rt)
         self.server = build_server(self.rs, [self.rsvc], 0)
         self.address = self.server.address

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from test_grpc_e2e import Stack as GrpcStack
 
 pytestmark = pytest.mark.slow
 
@@ -26,27 +27,9 @@ CONVERSATION = [{"role": "user", "content": "What is the capital of France?"},
 REASONING = "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Think step by step."
 
 
-class Stack:
+class Stack(GrpcStack):
     def __init__(self):
-        from drafter_service.servicer import drafter_service
-        from router.servicer import router_service
-        from specmesh.runtime import Runtime
-        from specmesh.serving.server import build_server
-        from verifier_service.servicer import verifier_service
-
-        from test_grpc_e2e import _settings
-
-        self.rt = Runtime("smollm2-135m-instruct", n_slots=8, max_seq_len=1024, quiet=True)
-        self.s = _settings(n_slots=8, anticipate_next_turns=1, anticipate_reply_tokens=40, anticipate_tokens=160)
-        vsvc, self.batcher = verifier_service(self.s, self.rt.verifier)
-        self.verifier = build_server(self.s, [vsvc], 0)
-        self.drafter = build_server(self.s, [drafter_service(self.s, vocab_size=self.rt.vocab_size)], 0)
-        self.rs = _settings(n_slots=8, anticipate_next_turns=1, anticipate_reply_tokens=40, anticipate_tokens=160,
-                            drafter_address=self.drafter.address, verifier_addresses=[self.verifier.address])
-        self.rsvc, self.router = router_service(self.rs, codec=self.rt)
-        self.server = build_server(self.rs, [self.rsvc], 0)
-        self.address = self.server.address
-        self.refs: dict = {}
+        super().__init__(n_slots=8, anticipate_next_turns=1, anticipate_reply_tokens=40, anticipate_tokens=160)
 
     def ref(self, n: int = N, prompt=None, messages=None) -> list[int]:
         """In-process plain greedy decoding of the same request."""
@@ -58,12 +41,6 @@ class Stack:
             self.refs[key] = generate_tokens(None, self.rt.verifier, ids, max_new_tokens=n,
                                              stop_ids=self.rt.stop_ids)[0]
         return self.refs[key]
-
-    def close(self):
-        for srv in (self.server, self.drafter, self.verifier):
-            srv.server.stop(0)
-        self.batcher.stop()
-        self.router.close()
 
 
 @pytest.fixture(scope="module")
