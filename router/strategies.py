@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 from specmesh.drafters.prompt_lookup import common_prefix_len
-from specmesh.loop import AdaptiveBudget, BudgetPolicy, speculative_generate
+from specmesh.loop import BLOCK_DRAFTERS, AdaptiveBudget, BudgetPolicy, speculative_generate
 from specmesh.serving import convert
 from specmesh.serving.adapters import Calls, RemoteDrafter, RemoteVerifier
 from specmesh.strategies import auto
@@ -362,7 +362,8 @@ class Strategies:
                 return BudgetPolicy(plan.budget)
             # draft length by the cost model where drafting costs (model drafters); n-gram, suffix and cache
             # drafts are nearly free and bound themselves: full length, capped by entropy
-            pol = TreeBudget(plan.budget, alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS)
+            pol = TreeBudget(plan.budget, alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS,
+                             per_round_draft=plan.drafter in BLOCK_DRAFTERS)
             policies.append(pol)
             return pol
 

@@ -16,7 +16,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from .loop import AdaptiveBudget, generate_tokens
+from .loop import BLOCK_DRAFTERS, AdaptiveBudget, generate_tokens
 from .runtime import Runtime
 
 REFACTOR_CODE = '''class Inventory:
@@ -81,7 +81,8 @@ def main(args) -> int:
         if args.show_text:
             con.print(f"[dim]{label}:[/dim] {rt.decode(ref)}")
         for name in drafters:
-            kw = dict(budget=args.budget if args.fixed_budget else AdaptiveBudget(args.budget))
+            kw = dict(budget=args.budget if args.fixed_budget
+                      else AdaptiveBudget(args.budget, per_round_draft=name in BLOCK_DRAFTERS))
             if name in rt.verifier.self_drafters:  # drafts inside the verifier (self strategy)
                 drafter, kw["self_draft"] = None, name
             else:

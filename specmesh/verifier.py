@@ -96,11 +96,15 @@ class EngineVerifier:
         self.feature_layers = layers
         self.features = torch.zeros(e.n_slots, e.max_seq_len, len(layers) * e.hidden, dtype=torch.bfloat16)
 
-    def session_features(self, slot: int, layers: Sequence[int]) -> torch.Tensor:
-        """[length, len(layers) * H] float32 features of the slot's committed tokens."""
+    def session_features(self, slot: int, layers: Sequence[int], start: int = 0) -> torch.Tensor:
+        """[length - start, len(layers) * H] float32 features of the slot's committed
+        tokens from position ``start`` on."""
         n, H = self.engine.length(slot), self.engine.hidden
+        rows = self.features[slot, start:n]
+        if list(layers) == self.feature_layers:
+            return rows.float()
         cols = [j for i in layers for j in range(self.feature_layers.index(i) * H, (self.feature_layers.index(i) + 1) * H)]
-        return self.features[slot, :n][:, cols].float()
+        return rows[:, cols].float()
 
     def _store_features(self, slot: int, start: int, hidden: dict, rows: Sequence[int]) -> None:
         if self.features is None or not rows:

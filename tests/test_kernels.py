@@ -378,7 +378,8 @@ def test_triton_empty_batch_and_zero_drafts():
         got = kernels.tree_accept(probs.to(DEV), tokens.to(DEV), tokens.to(DEV), None, None, ua.to(DEV),
                                   us.to(DEV), greedy, backend="triton", block_v=16)
         assert [r.tolist() for r in ref] == [g.cpu().tolist() for g in got]
-    empty = kernels.chain_accept(probs[:0], tokens[:0], None, ua[:0], us[:0], backend="triton")
+    empty = kernels.chain_accept(probs[:0].to(DEV), tokens[:0].to(DEV), None, ua[:0].to(DEV), us[:0].to(DEV),
+                                 backend="triton")
     assert empty[0].shape == (0,)
 
 

@@ -102,6 +102,32 @@ def test_draft_size_follows_entropy():
     assert a.next() == 0
 
 
+def test_adaptive_budget_alpha_and_per_round_cost_model():
+    b = AdaptiveBudget(8, alpha0=0.5, ema=0.5)
+    b.update(7, 0)  # fully rejected round
+    b.update(7, 3)  # then 3 accepted: alpha is the ratio of the EMAs, not an EMA of ratios
+    acc, tot = 0.5 * (0.5 * 0.5) + 0.5 * 3, 0.5 * 1.0 + 0.5 * 4  # EMAs after the two rounds
+    assert b.alpha == pytest.approx(acc / tot)  # an EMA of per-round ratios would say 0.5
+    # a one-pass block drafter: its cost is charged once per round, whatever the length
+    blk = AdaptiveBudget(8, alpha0=0.6, beta=0.0, per_round_draft=True)
+    blk.cost = 0.15
+    tok = AdaptiveBudget(8, alpha0=0.6, beta=0.0)
+    tok.cost = 0.15
+    assert blk.expected_speedup(8) > tok.expected_speedup(8) and blk.next() > tok.next()
+    # the extra verify cost per token is learned from short vs long rounds
+    m = AdaptiveBudget(8, per_round_draft=True, ema=1.0)
+    m.update(1, 1, verify_s=0.10)
+    m.update(7, 2, verify_s=0.16)
+    assert m.beta == pytest.approx((0.16 / 0.10 - 1) / 6)
+    m.update(7, 2, verify_s=0.09)  # long rounds as cheap as short ones (bf16 matrix units)
+    assert m.beta == 0.0
+    # switched off, it re-probes with a full block (a shorter one would not cost less)
+    off = AdaptiveBudget(8, alpha0=0.01, per_round_draft=True, probe_every=2)
+    off.cost = 0.5
+    assert [off.next() for _ in range(4)] == [0, 8, 0, 8]
+    assert AdaptiveBudget(8, alpha0=0.01, probe_every=2).next() == 0
+
+
 def test_cache_meter_counts_accepted_cache_drafts(ver):
     eng = ver.engine
     plain, _ = generate_tokens(None, ver, PROMPT, max_new_tokens=20)

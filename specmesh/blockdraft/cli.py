@@ -1,4 +1,4 @@
-"""CLI for the block drafter: ``distill-data``, ``train-drafter``, ``floor``.
+"""CLI for the block drafter: ``distill-data``, ``train-drafter``, ``floor``, ``accel-drafter``.
 
 ``train-drafter`` prints per-slot accuracy, the held-out acceptance histogram
 with its ceiling bin and preflight verdict, expected τ, and writes the checkpoint
@@ -58,6 +58,8 @@ def register(sub) -> None:
     p.add_argument("--init", default=None, help="start from this checkpoint")
     p.add_argument("--expand-block", type=int, default=None, help="DBloom: continue --init at a larger block")
     p.add_argument("--compare-losses", default=None, help="e.g. ce,auf,dpace: train each briefly, print held-out tau")
+    p.add_argument("--eval-only", action="store_true",
+                   help="no training: evaluate --init on the held-out data, calibrate its trees, write --out")
     p.set_defaults(module=M, func="train_main")
 
     p = sub.add_parser("floor", help="per-slot information floor and the drafter's model gap")
@@ -70,6 +72,44 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--out", default="floor.png")
     p.set_defaults(module=M, func="floor_main")
+    p = sub.add_parser("accel-drafter", help="the whole drafter recipe on one accelerator in a time budget "
+                       "(synthesised instructions, greedy responses, batched training, held-out τ)")
+    add_accel_arguments(p)
+    p.set_defaults(module="specmesh.blockdraft.accel", func="run")
+
+
+def add_accel_arguments(ap: argparse.ArgumentParser) -> None:
+    """Arguments of ``accel-drafter`` (kept here: building the CLI must not import torch)."""
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="target alias or HF model directory")
+    ap.add_argument("--model-dir", default=None,
+                    help="instead of --model: a directory of config + tokenizer files (weights too unless --gguf)")
+    ap.add_argument("--gguf", default=None, help="take the weights from this GGUF file (exact dequantisation)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
+    ap.add_argument("--seconds", type=float, default=480, help="wall-clock budget of the whole run")
+    ap.add_argument("--instructions", type=int, default=20000, help="instructions to synthesise (at most)")
+    ap.add_argument("--extra-train", default=None,
+                    help="records to train on as well: a distill-data directory (its train split) or a JSONL(.xz) file")
+    ap.add_argument("--heldout", action="append", default=[],
+                    help="held-out records: a distill-data directory (its held-out split) or a JSONL(.xz) file; repeatable")
+    ap.add_argument("--heldout-prompts", action="append", default=[],
+                    help="bench workload JSONL whose prompts get greedy responses here and join held-out")
+    ap.add_argument("--gen-batch", type=int, default=512)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-len", type=int, default=640)
+    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--feature-layers", default="2,14,27")
+    ap.add_argument("--n-keep", type=int, default=8192)
+    ap.add_argument("--losses", default="ce", help="comma list: one drafter per loss, same batches")
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--seqs", type=int, default=64, help="sequences per step")
+    ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--gamma", type=float, default=4.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--phases", default="0.15,0.45,0.52,0.92",
+                    help="budget fractions at which instructions, responses, features, training end")
 
 
 def distill_main(args) -> int:
@@ -249,8 +289,13 @@ def train_main(args) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.eval_only and not args.init:
+        from ..types import InvalidArgument
+
+        raise InvalidArgument("--eval-only", "needs --init CHECKPOINT")
+    curve: list[float] = []
     with open(out / "train.log", "a") as logf:
-        curve = train(model, train_ex, args.steps, loss=args.loss, lr=args.lr, batch=args.batch,
+        curve = [] if args.eval_only else train(model, train_ex, args.steps, loss=args.loss, lr=args.lr, batch=args.batch,
                       anchors_per_seq=args.anchors, gamma=args.gamma, seed=args.seed,
                       curriculum_from=curriculum, log=lambda s: logf.write(s + "\n"), amp=args.amp,
                       max_minutes=args.max_minutes)

@@ -68,15 +68,23 @@ class DrafterLayer(nn.Module):
         self.gate_up = nn.Linear(h, 2 * cfg.ffn, bias=False)
         self.down = nn.Linear(cfg.ffn, h, bias=False)
 
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x [M, H] block tokens (all blocks flattened), ctx [C, H] projected context
-        features, mask [M, C + M] bool (True = may attend)."""
+    def context_kv(self, ctx: torch.Tensor) -> torch.Tensor:
+        """Keys/values of the context positions [..., C, H] -> [..., C, 2H]: they depend on
+        the context alone, so a server computes them once per committed position."""
+        return self.kv(self.ln_ctx(ctx))
+
+    def forward(self, x: torch.Tensor, ctx_kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x [S, M, H] block tokens (all blocks of a sequence flattened), ctx_kv [S, C, 2H]
+        (``context_kv`` of the projected context features), mask [S, M, C + M] bool
+        (True = may attend); S sequences side by side."""
+        S = x.shape[0]
         h = self.ln1(x)
-        kv_in = torch.cat([self.ln_ctx(ctx), h], 0)  # [C + M, H]
-        q = self.q(h).view(-1, self.nh, self.hd).transpose(0, 1)  # [nh, M, hd]
-        k, v = self.kv(kv_in).view(-1, 2, self.nh, self.hd).permute(1, 2, 0, 3)  # [nh, C+M, hd] each
-        a = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)[0]
-        x = x + self.o(a.transpose(0, 1).reshape(-1, self.nh * self.hd))
+        hk = self.kv(h)
+        kv = torch.cat([ctx_kv.to(hk.dtype), hk], 1)  # [S, C + M, 2H]
+        q = self.q(h).view(S, -1, self.nh, self.hd).transpose(1, 2)  # [S, nh, M, hd]
+        k, v = kv.view(S, -1, 2, self.nh, self.hd).permute(2, 0, 3, 1, 4)  # [S, nh, C+M, hd] each
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+        x = x + self.o(a.transpose(1, 2).reshape(S, -1, self.nh * self.hd))
         g, u = self.gate_up(self.ln2(x)).chunk(2, -1)
         return x + self.down(F.silu(g) * u)
 
@@ -131,30 +139,61 @@ class BlockDrafter(nn.Module):
         return mask
 
     # ---------------------------------------------------------------- forward
+    @staticmethod
+    def block_mask_batch(anchors: torch.Tensor, block: int, n_ctx: int,
+                         window: Optional[int] = None) -> torch.Tensor:
+        """``block_mask`` for S sequences at once, context starting at position 0:
+        anchors [S, A] long -> [S, A * block, n_ctx + A * block] bool."""
+        S, A = anchors.shape
+        pos = torch.arange(n_ctx, device=anchors.device)
+        vis = pos[None, None] < anchors[..., None]  # [S, A, C]
+        if window is not None:
+            vis &= pos[None, None] >= anchors[..., None] - window
+        own = torch.eye(A, dtype=torch.bool, device=anchors.device).repeat_interleave(block, 0)
+        own = own.repeat_interleave(block, 1)  # [A*B, A*B]: each block sees itself
+        ctx = vis.repeat_interleave(block, 1)  # [S, A*B, C]
+        return torch.cat([ctx, own[None].expand(S, -1, -1)], 2)
+
+    # ---------------------------------------------------------------- forward
     def forward(self, anchor_tokens: torch.Tensor, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """anchor_tokens [A] long (vocab ids); features [C, F] target hidden states of
         the context; mask from ``block_mask``. Returns logits over keep_ids for the B-1
         drafted positions of each block: [A, B-1, N]."""
+        return self.forward_batch(anchor_tokens[None], features[None], mask[None])[0]
+
+    def context_state(self, features: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """What the drafter derives from context features [..., C, F] alone: the projected
+        context [..., C, H] and each layer's context keys/values [..., C, 2H]. Row c
+        depends on position c only, so a server can cache it per committed position."""
+        w = self.feat_proj.weight.dtype
+        ctx = self.feat_proj(self.feat_norm(features.to(w))).to(w)
+        return ctx, [layer.context_kv(ctx) for layer in self.layers]
+
+    def forward_batch(self, anchor_tokens: torch.Tensor, features: Optional[torch.Tensor], mask: torch.Tensor,
+                      state: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None) -> torch.Tensor:
+        """S sequences side by side: anchor_tokens [S, A], features [S, C, F] (or their
+        ``context_state`` in ``state``), mask [S, A*B, C + A*B] (``block_mask_batch``)
+        -> logits [S, A, B-1, N]."""
         B = self.cfg.block
-        A = anchor_tokens.shape[0]
-        x = self.mask_emb.expand(A, B, -1).clone()
-        x[:, 0] = self.embed[anchor_tokens]
-        x = x + self.pos_emb[None]
-        ctx = self.feat_proj(self.feat_norm(features.to(self.feat_proj.weight.dtype))).to(self.feat_proj.weight.dtype)
-        if self.cfg.fuse_last and ctx.shape[0] > 0:
+        S, A = anchor_tokens.shape
+        x = self.mask_emb.expand(S, A, B, -1).clone()
+        x[:, :, 0] = self.embed[anchor_tokens]
+        x = x + self.pos_emb
+        ctx, ctx_kv = state if state is not None else self.context_state(features)
+        C = ctx.shape[1]
+        if self.cfg.fuse_last and C > 0:
             # the last context position each block may see, read off the mask (none: no fusion)
-            vis = mask[::B, : ctx.shape[0]]  # [A, C]
-            C = ctx.shape[0]
-            last = C - 1 - vis.flip(1).int().argmax(1)
-            fused = self.last_proj(self.last_norm(ctx[last]))
+            vis = mask[:, ::B, :C]  # [S, A, C]
+            last = C - 1 - vis.flip(-1).int().argmax(-1)  # [S, A]
+            fused = self.last_proj(self.last_norm(torch.gather(ctx, 1, last[..., None].expand(-1, -1, ctx.shape[-1]))))
             if self.cfg.fuse_norm:
                 fused = self.fuse_out(fused.float())
-            fused = fused * vis.any(1, keepdim=True)
-            x = x + fused[:, None]
-        x = x.reshape(A * B, -1)
-        for layer in self.layers:
-            x = layer(x, ctx, mask)
-        x = F.rms_norm(x.view(A, B, -1)[:, 1:], (x.shape[-1],), self.final_norm, self.cfg.eps)
+            fused = fused * vis.any(-1, keepdim=True)
+            x = x + fused[:, :, None]
+        x = x.reshape(S, A * B, -1)
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer(x, kv, mask)
+        x = F.rms_norm(x.view(S, A, B, -1)[:, :, 1:], (x.shape[-1],), self.final_norm, self.cfg.eps)
         return x @ self.head.T
 
     def trainable_state(self) -> dict:

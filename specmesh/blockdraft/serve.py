@@ -3,7 +3,10 @@
 ``BlockSelfDrafter`` implements the one proposer contract. It reads the hidden
 states the verifier keeps for the session's committed tokens (verification
 computes them anyway; ``EngineVerifier.enable_features``), runs one drafter pass
-for the block after the pending token and returns a chain (greedy: argmax per
+for the block after the pending token (the context's projected features and
+per-layer keys/values are cached per slot and extended by the newly committed
+positions only; a cached row is reused only while the verifier's stored features
+for it are unchanged) and returns a chain (greedy: argmax per
 slot; sampling: a draw from each slot's top-k renormalised distribution with
 that q attached, so rejection sampling stays exact) or, in tree mode, a
 best-first tree under a node budget. Knows nothing about gRPC or training.
@@ -28,15 +31,17 @@ class BlockSelfDrafter(DrafterBase):
 
     def __init__(self, verifier, model: BlockDrafter, tree: bool = False, tree_width: int = 3,
                  calibration: Optional[Calibration] = None, top_k: int = 8, amp: bool = True):
-        """``amp``: run the drafter's pass under bf16 autocast, as it was trained (a draft
-        only changes speed, never the output)."""
+        """``amp``: run the drafter in bf16 (weights cast once: it was trained under bf16
+        autocast, and autocast would re-cast the weights on every pass); a draft only
+        changes speed, never the output."""
         self.verifier = verifier
         self.amp = amp
-        self.model = model.eval()
+        self.model = (model.to(torch.bfloat16) if amp else model).eval()
         self.tree = tree
         self.tree_width = tree_width
         self.calibration = calibration or Calibration()
         self.top_k = top_k
+        self._ctx: dict[int, tuple] = {}  # slot -> (start, features, projected ctx, [ctx kv per layer])
         verifier.enable_features(model.cfg.feature_layers)
 
     @classmethod
@@ -50,6 +55,30 @@ class BlockSelfDrafter(DrafterBase):
             cal = Calibration.from_dict(json.loads((ckpt_dir / "calibration.json").read_text()))
         return cls(verifier, model, tree=tree, calibration=cal, **kw)
 
+    def _context_state(self, slot: int, c0: int, feats: torch.Tensor):
+        """The drafter's context state for positions [c0, c0 + len(feats)), reusing the
+        rows cached for this slot whose features are unchanged."""
+        m = self.model
+        reuse = 0
+        hit = self._ctx.get(slot)
+        if hit is not None:
+            start, old, ctx, kvs = hit
+            off = c0 - start
+            if 0 <= off < old.shape[0]:
+                ov = min(old.shape[0] - off, feats.shape[0])
+                if torch.equal(old[off: off + ov], feats[:ov]):
+                    reuse = ov
+        if reuse:
+            ctx, kvs = ctx[off: off + reuse], [kv[off: off + reuse] for kv in kvs]
+            if reuse < feats.shape[0]:
+                n_ctx, n_kvs = m.context_state(feats[reuse:])
+                ctx = torch.cat([ctx, n_ctx], 0)
+                kvs = [torch.cat([a, b], 0) for a, b in zip(kvs, n_kvs)]
+        else:
+            ctx, kvs = m.context_state(feats)
+        self._ctx[slot] = (c0, feats, ctx, kvs)
+        return ctx, kvs
+
     @torch.inference_mode()
     def slot_logits(self, ctx: DraftContext) -> Optional[torch.Tensor]:
         """[B-1, N] drafter logits for the block after ctx.tokens[-1], or None."""
@@ -58,12 +87,12 @@ class BlockSelfDrafter(DrafterBase):
             return None
         cfg = self.model.cfg
         L = self.verifier.engine.length(slot)
-        feats = self.verifier.session_features(slot, cfg.feature_layers)
         c0 = max(0, L - cfg.context_window)
-        feats = feats[c0:L]
+        feats = self.verifier.session_features(slot, cfg.feature_layers, start=c0)
         mask = BlockDrafter.block_mask([L], cfg.block, L - c0, ctx_start=c0, window=cfg.context_window)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.amp and feats.device.type == "cpu"):
-            return self.model(torch.tensor([ctx.tokens[-1]]), feats, mask)[0].float()
+        c, kvs = self._context_state(slot, c0, feats)
+        state = (c[None], [kv[None] for kv in kvs])
+        return self.model.forward_batch(torch.tensor([[ctx.tokens[-1]]]), None, mask[None], state=state)[0, 0].float()
 
     def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
         logits = self.slot_logits(ctx)

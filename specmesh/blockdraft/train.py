@@ -81,10 +81,11 @@ def block_batch(model: BlockDrafter, ex: Example, anchors: list[int]):
     c0 = max(0, min(anchors) - W)
     c1 = max(anchors)
     feats = ex.features[c0:c1].float()
-    mask = BlockDrafter.block_mask(anchors, B, c1 - c0, ctx_start=c0, window=W)
+    dev = ex.tokens.device
+    mask = BlockDrafter.block_mask(anchors, B, c1 - c0, ctx_start=c0, window=W).to(dev)
     logits = model(ex.tokens[anchors], feats, mask)
     T = ex.tokens.shape[0]
-    idx = torch.tensor(anchors)[:, None] + torch.arange(1, B)[None]  # [A, B-1]
+    idx = torch.tensor(anchors, device=dev)[:, None] + torch.arange(1, B, device=dev)[None]  # [A, B-1]
     valid = idx < T
     tgt = ex.tokens[idx.clamp_max(T - 1)]
     tgt = model.vocab_to_keep[tgt]
@@ -178,7 +179,7 @@ def evaluate(model: BlockDrafter, examples: list[Example], anchors_per_seq: int 
         anchors = _anchors(ex, anchors_per_seq, rng)
         if not anchors:
             continue
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        with torch.autocast(ex.tokens.device.type, dtype=torch.bfloat16, enabled=amp):
             logits, tgt = block_batch(model, ex, anchors)
         pred = logits.argmax(-1)
         for a in range(len(anchors)):

@@ -54,7 +54,7 @@ class TreeBudget(AdaptiveBudget):
         return min(k, self.depth()) if k > 0 else 0
 
     def depth(self) -> int:
-        if self.entropy <= 0:
+        if self.entropy <= 0 or self.per_round_draft:  # a one-pass block costs the same at any depth
             return self.max_depth
         return max(1, int(round(self.max_depth * self.depth_scale / (self.depth_scale + self.entropy))))
 

@@ -1,0 +1,432 @@
+"""The block drafter's whole recipe on one accelerator, in a wall-clock budget.
+
+On 2 CPU cores the drafter sees ~0.3M tokens of templated data and a few thousand
+small steps; its first slot on open text then barely beats a bigram guess. This
+module runs the same recipe at accelerator scale, phase by phase, each with its
+own share of the budget:
+
+1. **instructions** synthesised by the target itself (Magpie-style: the chat
+   template up to the user turn, sampled at temperature 1, optionally started
+   with a seed word), filtered and de-duplicated: far more varied than templates;
+2. **responses**: the target's greedy answers to them, batched through Hugging
+   Face ``generate`` (left padding), stop token stripped as ``distill-data`` does;
+3. **features** of every sequence (the residual stream after the chosen decoder
+   layers, as the engine returns them), kept on the device in bf16;
+4. **training**: many sequences per step through ``BlockDrafter.forward_batch``,
+   one drafter per loss on the same batches (so their held-out τ compare);
+5. **evaluation** with ``train.evaluate_by_kind`` on held-out records (the
+   project's held-out prompts and any extra sets) — the same metric as the CPU path.
+
+It also runs on CPU at toy scale (the tests do). Outputs: checkpoints
+(``save_block_drafter``), ``metrics.json``, ``records.jsonl.xz`` (the synthesised
+data, reusable by ``train-drafter --data``) and a log. Knows nothing about
+serving or gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .losses import IGNORE, LOSSES
+from .model import BlockDrafter, BlockDrafterConfig, save_block_drafter
+from .train import Example, evaluate_by_kind, keep_ids_from, new_model
+
+SEED_WORDS = ["", "", "", "", "Write", "How", "What", "Explain", "Can you", "Tell me", "Give me", "I",
+              "Please", "Why", "Summarize", "Create", "Describe", "List", "Help me", "Compose", "Plan",
+              "Imagine", "Suggest", "Compare", "Draft", "My", "Is it", "Could you", "In Python,", "Which"]
+
+
+class Budget:
+    """Wall-clock deadlines of the phases, as fractions of the total."""
+
+    def __init__(self, seconds: float):
+        self.t0 = time.time()
+        self.total = seconds
+
+    def until(self, frac: float) -> float:
+        return self.t0 + frac * self.total
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+
+def log(msg: str, fh=None) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, file=sys.stderr, flush=True)
+    if fh is not None:
+        fh.write(line + "\n")
+        fh.flush()
+
+
+# ------------------------------------------------------------------ target
+def load_target(model_dir: Path, gguf: Optional[Path], device: str):
+    """(HF causal LM in fp32 on ``device``, tokenizer). ``model_dir`` holds config and
+    tokenizer files (and the weights when ``gguf`` is None)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    if gguf is None:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    else:
+        from ..models.gguf_state import gguf_llama_state_dict
+
+        cfg = AutoConfig.from_pretrained(str(model_dir))
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        sd = gguf_llama_state_dict(gguf, cfg.num_attention_heads, cfg.num_key_value_heads)
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"GGUF weights do not fit: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+    return model.to(device).eval(), tok
+
+
+def _stop_ids(tok) -> list[int]:
+    ids = {tok.eos_token_id}
+    for t in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>"):
+        i = tok.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tok.unk_token_id:
+            ids.add(i)
+    return sorted(i for i in ids if i is not None)
+
+
+def _pad_left(seqs: list[list[int]], pad: int, device: str):
+    L = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad, dtype=torch.long)
+    att = torch.zeros((len(seqs), L), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, L - len(s):] = torch.tensor(s)
+        att[i, L - len(s):] = 1
+    return ids.to(device), att.to(device)
+
+
+def _cut(ids: list[int], stops: set[int]) -> tuple[list[int], bool]:
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[:i], True
+    return ids, False
+
+
+@torch.inference_mode()
+def synthesize_instructions(model, tok, n: int, batch: int, deadline: float, device: str,
+                            max_new_tokens: int = 80, seed: int = 0, fh=None) -> list[str]:
+    """Up to ``n`` distinct user instructions sampled from the target's own user-turn
+    distribution (chat template up to the user content, then sampling)."""
+    marker = "\x00MARK\x00"
+    text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    prefix = text[: text.index(marker)]
+    stops = set(_stop_ids(tok))
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    seen: set[str] = set()
+    out: list[str] = []
+    rounds = 0
+    while len(out) < n and time.time() < deadline:
+        word = rng.choice(SEED_WORDS)
+        start = tok.encode(prefix + word, add_special_tokens=False)
+        ids = torch.tensor([start] * batch, device=device)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0,
+                             top_p=0.95, max_new_tokens=max_new_tokens, eos_token_id=sorted(stops),
+                             pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        for row in gen[:, ids.shape[1]:].tolist():
+            body, ended = _cut(row, stops)
+            if not ended:
+                continue
+            s = (word + tok.decode(body, skip_special_tokens=True)).strip()
+            key = " ".join(s.lower().split())
+            if 15 <= len(s) <= 500 and key not in seen:
+                seen.add(key)
+                out.append(s)
+        rounds += 1
+        if rounds % 5 == 0:
+            log(f"instructions: {len(out)} distinct after {rounds} batches", fh)
+    return out[:n]
+
+
+@torch.inference_mode()
+def greedy_responses(model, tok, prompts: list[list[int]], batch: int, max_new_tokens: int,
+                     deadline: float, device: str, fh=None) -> list[Optional[list[int]]]:
+    """The target's greedy response ids (stop token stripped) per prompt, shortest
+    prompts first; None for prompts not reached before ``deadline``."""
+    stops = set(_stop_ids(tok))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    res: list[Optional[list[int]]] = [None] * len(prompts)
+    done = 0
+    for b in range(0, len(order), batch):
+        if time.time() > deadline:
+            break
+        idx = order[b: b + batch]
+        ids, att = _pad_left([prompts[i] for i in idx], pad, device)
+        gen = model.generate(ids, attention_mask=att, do_sample=False, max_new_tokens=max_new_tokens,
+                             eos_token_id=sorted(stops), pad_token_id=pad)
+        for i, row in zip(idx, gen[:, ids.shape[1]:].tolist()):
+            res[i] = _cut(row, stops)[0]
+        done += len(idx)
+        log(f"responses: {done}/{len(prompts)}", fh)
+    return res
+
+
+# ------------------------------------------------------------------ features
+@torch.inference_mode()
+def features_of(model, records: list[dict], layers: list[int], device: str, batch: int = 32) -> list[torch.Tensor]:
+    """Per record: [T, len(layers) * H] bf16 hidden states of prompt + response: the
+    residual stream after decoder layer ``l`` (what the engine returns), read by forward
+    hooks (HF's ``hidden_states`` tuple ends with the final norm applied instead)."""
+    seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[Optional[torch.Tensor]] = [None] * len(seqs)
+    got: dict[int, torch.Tensor] = {}
+
+    def hook(li):
+        def fn(_mod, _inp, res):
+            got[li] = res[0] if isinstance(res, tuple) else res
+        return fn
+
+    handles = [model.model.layers[li].register_forward_hook(hook(li)) for li in layers]
+    try:
+        for b in range(0, len(order), batch):
+            idx = order[b: b + batch]
+            L = max(len(seqs[i]) for i in idx)
+            ids = torch.zeros((len(idx), L), dtype=torch.long)
+            att = torch.zeros((len(idx), L), dtype=torch.long)
+            for j, i in enumerate(idx):  # right padding: causal attention keeps real positions exact
+                ids[j, : len(seqs[i])] = torch.tensor(seqs[i])
+                att[j, : len(seqs[i])] = 1
+            got.clear()
+            model.model(input_ids=ids.to(device), attention_mask=att.to(device))
+            f = torch.cat([got[li] for li in layers], -1).to(torch.bfloat16)
+            for j, i in enumerate(idx):
+                out[i] = f[j, : len(seqs[i])].clone()
+    finally:
+        for h in handles:
+            h.remove()
+    return out  # type: ignore[return-value]
+
+
+class Packed:
+    """Training sequences packed on the device: tokens, features, offsets."""
+
+    def __init__(self, records: list[dict], feats: list[torch.Tensor], device: str):
+        self.lens = torch.tensor([f.shape[0] for f in feats], device=device)
+        self.plens = torch.tensor([len(r["prompt_ids"]) for r in records], device=device)
+        self.starts = torch.cumsum(self.lens, 0) - self.lens
+        self.tokens = torch.tensor([t for r in records for t in r["prompt_ids"] + r["response_ids"]], device=device)
+        self.feats = torch.cat(feats, 0)
+        # anchors are response positions p with p + 1 < T: weight sequences by how many they have
+        self.weights = (self.lens - 1 - self.plens).clamp_min(0).float()
+
+    def __len__(self) -> int:
+        return int(self.lens.shape[0])
+
+    def batch(self, model: BlockDrafter, S: int, A: int, gen: torch.Generator):
+        """A batch of S sequences with A anchors each: (anchor tokens [S, A], features
+        [S, L, F], mask, kept-vocabulary targets [S*A, B-1])."""
+        cfg = model.cfg
+        B, dev = cfg.block, self.tokens.device
+        seq = torch.multinomial(self.weights, S, replacement=True, generator=gen)
+        lens, plens, starts = self.lens[seq], self.plens[seq], self.starts[seq]
+        L = int(lens.max())
+        pos = torch.arange(L, device=dev)
+        flat = (starts[:, None] + pos[None]).clamp_max(self.tokens.shape[0] - 1)
+        inside = pos[None] < lens[:, None]
+        toks = torch.where(inside, self.tokens[flat], 0)
+        feats = self.feats[flat] * inside[..., None]
+        span = (lens - 1 - plens).clamp_min(1)
+        u = torch.rand((S, A), device=dev, generator=gen)
+        anchors = plens[:, None] + (u * span[:, None]).long().clamp_max(span[:, None] - 1)  # [S, A]
+        mask = BlockDrafter.block_mask_batch(anchors, B, L, window=cfg.context_window)
+        idx = anchors[..., None] + torch.arange(1, B, device=dev)  # [S, A, B-1]
+        valid = idx < lens[:, None, None]
+        tgt = torch.gather(toks, 1, idx.clamp_max(L - 1).view(S, -1)).view(S, A, B - 1)
+        tgt = model.vocab_to_keep[tgt]
+        tgt = torch.where(valid & (tgt >= 0), tgt, torch.full_like(tgt, IGNORE))
+        return torch.gather(toks, 1, anchors), feats, mask, tgt.view(S * A, B - 1)
+
+
+def train_batched(models: dict[str, BlockDrafter], data: Packed, steps: int, deadline: float, S: int, A: int,
+                  lr: float, gamma: float, seed: int, fh=None, log_every: int = 100) -> tuple[int, dict[str, list[float]]]:
+    """One drafter per loss, trained on the same batches until ``steps`` or ``deadline``;
+    returns (steps done, loss every 10th step per drafter)."""
+    gen = torch.Generator(device=data.tokens.device)
+    gen.manual_seed(seed)
+    dev_type = data.tokens.device.type
+    opts = {}
+    for name, m in models.items():
+        params = [p for p in m.parameters() if p.requires_grad]
+        opts[name] = (params, torch.optim.AdamW(params, lr=lr, weight_decay=0.01))
+        m.train()
+    warm = max(1, steps // 50)
+    curves: dict[str, list[float]] = {k: [] for k in models}
+    t0 = time.time()
+    done = 0
+    for step in range(steps):
+        now = time.time()
+        if now > deadline:
+            log(f"train: deadline reached at step {step}/{steps}", fh)
+            break
+        # linear warm-up, then linear decay over whichever runs out first: steps or time
+        frac = max(step / steps, (now - t0) / max(1e-9, deadline - t0))
+        lr_now = lr * min(1.0, (step + 1) / warm) * max(0.05, 1.0 - frac)
+        any_model = next(iter(models.values()))
+        anchors, feats, mask, tgt = data.batch(any_model, S, A, gen)
+        for name, m in models.items():
+            params, opt = opts[name]
+            for g in opt.param_groups:
+                g["lr"] = lr_now
+            with torch.autocast(dev_type, dtype=torch.bfloat16):
+                logits = m.forward_batch(anchors, feats, mask)
+            logits = logits.float().view(-1, *logits.shape[2:])
+            loss_name = name.split("@")[0]
+            kw = {"gamma": gamma} if loss_name == "ce" else {}
+            val = LOSSES[loss_name](logits, tgt, **kw)
+            opt.zero_grad(set_to_none=True)
+            val.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            if step % 10 == 0:
+                curves[name].append(float(val.detach()))
+        done = step + 1
+        if step % log_every == 0:
+            msg = " ".join(f"{k}={curves[k][-1]:.3f}" for k in models)
+            log(f"train step {step}/{steps} ({time.time() - t0:.0f}s): {msg}", fh)
+    for m in models.values():
+        m.eval()
+    return done, curves
+
+
+# ------------------------------------------------------------------ main
+def _read_records(path: Path, split: str) -> list[dict]:
+    """A distill-data directory (records of ``split``) or one JSONL(.xz) file (all of it)."""
+    if path.is_dir():
+        from .data import load_records
+
+        return load_records(path, split)
+    opener = lzma.open if str(path).endswith(".xz") else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _examples(records: list[dict], feats: list[torch.Tensor], device: str) -> list[Example]:
+    return [Example(torch.tensor(r["prompt_ids"] + r["response_ids"], device=device), len(r["prompt_ids"]), f,
+                    r.get("kind", "")) for r, f in zip(records, feats)]
+
+
+def main(argv=None) -> int:
+    from .cli import add_accel_arguments
+
+    ap = argparse.ArgumentParser(prog="python -m specmesh.blockdraft.accel", description=__doc__.split("\n\n")[0])
+    add_accel_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(a: argparse.Namespace) -> int:
+    budget = Budget(a.seconds)
+    p_inst, p_resp, p_feat, p_train = (float(x) for x in a.phases.split(","))
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fh = open(out / "log.txt", "a")
+    dev = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.backends.cuda.matmul.allow_tf32 = False  # features and responses as close to CPU fp32 as we can
+    if a.model_dir:
+        model_dir = Path(a.model_dir)
+    else:
+        from ..models.loading import resolve_model
+
+        model_dir = resolve_model(a.model)
+    model, tok = load_target(model_dir, Path(a.gguf) if a.gguf else None, dev)
+    log(f"target loaded on {dev} in {budget.elapsed():.0f}s", fh)
+    metrics: dict = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev, "args": vars(a)}
+
+    def encode(messages):
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"])
+
+    # 1-2: data
+    inst = synthesize_instructions(model, tok, a.instructions, a.gen_batch, budget.until(p_inst), dev,
+                                   seed=a.seed, fh=fh)
+    log(f"{len(inst)} instructions at {budget.elapsed():.0f}s", fh)
+    held_prompts = []
+    for wl in a.heldout_prompts:
+        for line in Path(wl).read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                msgs = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
+                held_prompts.append({"id": row["id"], "kind": Path(wl).stem, "prompt_ids": encode(msgs)})
+    prompts = [h["prompt_ids"] for h in held_prompts] + [encode([{"role": "user", "content": s}]) for s in inst]
+    resp = greedy_responses(model, tok, prompts, a.gen_batch, a.max_new_tokens, budget.until(p_resp), dev, fh=fh)
+    heldout = [dict(h, response_ids=r, split="heldout") for h, r in zip(held_prompts, resp)
+               if r is not None and len(r) >= 2]
+    synth = [{"id": f"magpie-{i}", "kind": "magpie", "split": "train", "instruction": s, "prompt_ids": p,
+              "response_ids": r} for i, (s, p, r) in enumerate(zip(inst, prompts[len(held_prompts):],
+                                                                    resp[len(held_prompts):]))
+             if r is not None and len(r) >= 2 and len(p) + len(r) <= a.max_len]
+    with lzma.open(out / "records.jsonl.xz", "wt") as f:
+        for r in synth:
+            f.write(json.dumps(r) + "\n")
+    train_recs = synth + ([r for r in _read_records(Path(a.extra_train), "train")
+                           if len(r["response_ids"]) >= 2 and len(r["prompt_ids"]) + len(r["response_ids"]) <= a.max_len]
+                          if a.extra_train else [])
+    for h in a.heldout:
+        heldout += [r for r in _read_records(Path(h), "heldout") if r.get("split", "heldout") != "train"
+                    and len(r["response_ids"]) >= 2]
+    n_tok = sum(len(r["response_ids"]) for r in synth)
+    metrics["data"] = {"instructions": len(inst), "synthesised_records": len(synth), "synthesised_response_tokens": n_tok,
+                       "train_records": len(train_recs),
+                       "train_response_tokens": sum(len(r["response_ids"]) for r in train_recs),
+                       "heldout_records": len(heldout), "seconds": budget.elapsed()}
+    log(f"data: {json.dumps(metrics['data'])}", fh)
+
+    # 3: features
+    layers = [int(x) for x in a.feature_layers.split(",")]
+    feats = features_of(model, train_recs, layers, dev)
+    hfeats = features_of(model, heldout, layers, dev)
+    data = Packed(train_recs, feats, dev)
+    del feats
+    held = _examples(heldout, hfeats, dev)
+    log(f"features of {len(train_recs)} + {len(heldout)} sequences at {budget.elapsed():.0f}s", fh)
+
+    # 4: training
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    keep = keep_ids_from(train_recs, a.n_keep, model.config.vocab_size)
+    cfg = BlockDrafterConfig(block=a.block, n_layers=a.layers, hidden=model.config.hidden_size,
+                             n_heads=model.config.num_attention_heads, ffn=model.config.intermediate_size,
+                             feature_layers=layers, vocab_size=model.config.vocab_size, n_keep=a.n_keep,
+                             fuse_last=True)
+    models = {}
+    for i, name in enumerate(a.losses.split(",")):
+        torch.manual_seed(a.seed)
+        models[name] = new_model(cfg, sd, keep).to(dev)
+    del model
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+    t_train = time.time()
+    steps_done, curves = train_batched(models, data, a.steps, budget.until(p_train), a.seqs, a.anchors, a.lr, a.gamma,
+                           a.seed, fh=fh)
+    metrics["train"] = {"seconds": time.time() - t_train, "steps": steps_done,
+                        "seqs_per_step": a.seqs, "anchors_per_seq": a.anchors}
+
+    # 5: evaluation + checkpoints
+    metrics["heldout"] = {}
+    for name, m in models.items():
+        ev = evaluate_by_kind(m, held, amp=True)
+        metrics["heldout"][name] = ev
+        log(f"held-out τ ({name}): " + ", ".join(f"{k} {v['tau_measured']:.2f}" for k, v in ev.items()), fh)
+        save_block_drafter(m.cpu(), out / f"drafter-{name}")
+        (out / f"drafter-{name}" / "loss_curve.json").write_text(json.dumps(curves[name]))
+    metrics["seconds"] = budget.elapsed()
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    log(f"done in {budget.elapsed():.0f}s", fh)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
