@@ -167,3 +167,29 @@ def test_gguf_loader_reproduces_the_converted_cache():
     assert set(got) == set(ref)
     for k in ref:
         assert torch.equal(got[k], ref[k].float()), k
+
+
+@pytest.mark.slow
+def test_accel_recipe_end_to_end_on_cpu(tmp_path):
+    """The whole accel-drafter run at toy scale on the real target: synthesised
+    instructions, greedy answers, features, a few steps continuing the bundled
+    checkpoint at a larger block, held-out τ and the saved outputs."""
+    import json
+    import lzma
+
+    from specmesh.cli import main
+
+    held = tmp_path / "held.jsonl"
+    held.write_text(json.dumps({"id": "w", "prompt": "Write two sentences about rain."}) + "\n")
+    rc = main(["accel-drafter", "--out", str(tmp_path / "out"), "--device", "cpu", "--seconds", "60",
+               "--instructions", "2", "--gen-batch", "2", "--max-new-tokens", "8", "--steps", "2", "--seqs", "2",
+               "--anchors", "2", "--heldout-prompts", str(held), "--init", "checkpoints/smollm2-block-drafter",
+               "--expand-block", "10", "--losses", "dpace", "--phases", "0.5,0.9,0.95,0.99"])
+    assert rc == 0
+    m = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert m["data"]["heldout_records"] == 1 and m["train"]["steps"] >= 1
+    assert "held" in m["heldout"]["dpace"]
+    recs = [json.loads(x) for x in lzma.open(tmp_path / "out" / "records.jsonl.xz", "rt")]
+    assert all(r["instruction"] and r["response_ids"] for r in recs)
+    cfg = json.loads((tmp_path / "out" / "drafter-dpace" / "config.json").read_text())
+    assert cfg["block"] == 10

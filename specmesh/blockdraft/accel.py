@@ -37,8 +37,8 @@ from typing import Optional
 import torch
 
 from .losses import IGNORE, LOSSES
-from .model import BlockDrafter, BlockDrafterConfig, save_block_drafter
-from .train import Example, evaluate_by_kind, keep_ids_from, new_model
+from .model import BlockDrafter, BlockDrafterConfig, load_block_drafter, save_block_drafter
+from .train import Example, evaluate_by_kind, expand_block, keep_ids_from, new_model
 
 SEED_WORDS = ["", "", "", "", "Write", "How", "What", "Explain", "Can you", "Tell me", "Give me", "I",
               "Please", "Why", "Summarize", "Create", "Describe", "List", "Help me", "Compose", "Plan",
@@ -372,9 +372,10 @@ def run(a: argparse.Namespace) -> int:
     with lzma.open(out / "records.jsonl.xz", "wt") as f:
         for r in synth:
             f.write(json.dumps(r) + "\n")
-    train_recs = synth + ([r for r in _read_records(Path(a.extra_train), "train")
-                           if len(r["response_ids"]) >= 2 and len(r["prompt_ids"]) + len(r["response_ids"]) <= a.max_len]
-                          if a.extra_train else [])
+    train_recs = list(synth)
+    for path in a.extra_train:
+        train_recs += [r for r in _read_records(Path(path), "train")
+                       if len(r["response_ids"]) >= 2 and len(r["prompt_ids"]) + len(r["response_ids"]) <= a.max_len]
     for h in a.heldout:
         heldout += [r for r in _read_records(Path(h), "heldout") if r.get("split", "heldout") != "train"
                     and len(r["response_ids"]) >= 2]
@@ -386,7 +387,8 @@ def run(a: argparse.Namespace) -> int:
     log(f"data: {json.dumps(metrics['data'])}", fh)
 
     # 3: features
-    layers = [int(x) for x in a.feature_layers.split(",")]
+    init_cfg = BlockDrafterConfig.load(Path(a.init) / "config.json") if a.init else None
+    layers = init_cfg.feature_layers if init_cfg else [int(x) for x in a.feature_layers.split(",")]
     feats = features_of(model, train_recs, layers, dev)
     hfeats = features_of(model, heldout, layers, dev)
     data = Packed(train_recs, feats, dev)
@@ -402,9 +404,13 @@ def run(a: argparse.Namespace) -> int:
                              feature_layers=layers, vocab_size=model.config.vocab_size, n_keep=a.n_keep,
                              fuse_last=True)
     models = {}
-    for i, name in enumerate(a.losses.split(",")):
+    for name in a.losses.split(","):
         torch.manual_seed(a.seed)
-        models[name] = new_model(cfg, sd, keep).to(dev)
+        if a.init:  # continue a checkpoint (its vocabulary slice and layers), optionally at a larger block
+            m = load_block_drafter(Path(a.init), sd)
+            models[name] = (expand_block(m, a.expand_block, sd) if a.expand_block else m).to(dev)
+        else:
+            models[name] = new_model(cfg, sd, keep).to(dev)
     del model
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()

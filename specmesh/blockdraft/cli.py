@@ -88,8 +88,9 @@ def add_accel_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="auto", help="auto: cuda when available, else cpu")
     ap.add_argument("--seconds", type=float, default=480, help="wall-clock budget of the whole run")
     ap.add_argument("--instructions", type=int, default=20000, help="instructions to synthesise (at most)")
-    ap.add_argument("--extra-train", default=None,
-                    help="records to train on as well: a distill-data directory (its train split) or a JSONL(.xz) file")
+    ap.add_argument("--extra-train", action="append", default=[],
+                    help="records to train on as well: a distill-data directory (its train split) or a JSONL(.xz) "
+                         "file, e.g. a previous run's records.jsonl.xz; repeatable")
     ap.add_argument("--heldout", action="append", default=[],
                     help="held-out records: a distill-data directory (its held-out split) or a JSONL(.xz) file; repeatable")
     ap.add_argument("--heldout-prompts", action="append", default=[],
@@ -102,6 +103,8 @@ def add_accel_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--feature-layers", default="2,14,27")
     ap.add_argument("--n-keep", type=int, default=8192)
     ap.add_argument("--losses", default="ce", help="comma list: one drafter per loss, same batches")
+    ap.add_argument("--init", default=None, help="continue this checkpoint instead of a new drafter")
+    ap.add_argument("--expand-block", type=int, default=None, help="with --init: continue at this larger block")
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--seqs", type=int, default=64, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
