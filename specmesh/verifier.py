@@ -98,11 +98,11 @@ class EngineVerifier:
 
     def session_features(self, slot: int, layers: Sequence[int], start: int = 0) -> torch.Tensor:
         """[length - start, len(layers) * H] float32 features of the slot's committed
-        tokens from position ``start`` on."""
+        tokens from position ``start`` on (always a copy: callers may keep it)."""
         n, H = self.engine.length(slot), self.engine.hidden
         rows = self.features[slot, start:n]
         if list(layers) == self.feature_layers:
-            return rows.float()
+            return rows.to(torch.float32, copy=True)
         cols = [j for i in layers for j in range(self.feature_layers.index(i) * H, (self.feature_layers.index(i) + 1) * H)]
         return rows[:, cols].float()
 

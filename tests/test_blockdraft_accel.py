@@ -124,6 +124,19 @@ def test_served_drafter_context_cache_matches_a_fresh_pass():
     check("b", 4)
 
 
+@pytest.mark.parametrize("args,flag", [(["--phases", "0.5,0.2,0.7,0.9"], "--phases"),
+                                       (["--phases", "a,b"], "--phases"),
+                                       (["--expand-block", "12"], "--expand-block"),
+                                       (["--init", "no/such/dir"], "--init"),
+                                       (["--extra-train", "no/such.jsonl"], "--extra-train")])
+def test_accel_bad_arguments_are_named_and_change_nothing(tmp_path, capsys, args, flag):
+    from specmesh.cli import main
+
+    out = tmp_path / "out"
+    assert main(["accel-drafter", "--out", str(out), *args]) == 2
+    assert flag in capsys.readouterr().err and not out.exists()
+
+
 class _Tok:
     """The few tokenizer attributes the generation helpers read (ids only)."""
     eos_token_id = 2
@@ -153,6 +166,7 @@ def test_hf_hidden_state_features_equal_the_engines():
     for r, g in zip(recs, got):
         want = target_features(eng, r["prompt_ids"] + r["response_ids"], [0, 2])
         torch.testing.assert_close(g.float(), want.to(torch.bfloat16).float(), rtol=2e-2, atol=2e-2)
+    assert accel.features_of(model, recs, [0, 2], "cpu", deadline=0.0) == [None, None]  # budget spent: none
 
 
 @pytest.mark.slow

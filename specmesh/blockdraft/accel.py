@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from ..types import InvalidArgument
 from .losses import IGNORE, LOSSES
 from .model import BlockDrafter, BlockDrafterConfig, load_block_drafter, save_block_drafter
 from .train import Example, evaluate_by_kind, expand_block, keep_ids_from, new_model
@@ -177,10 +178,12 @@ def greedy_responses(model, tok, prompts: list[list[int]], batch: int, max_new_t
 
 # ------------------------------------------------------------------ features
 @torch.inference_mode()
-def features_of(model, records: list[dict], layers: list[int], device: str, batch: int = 32) -> list[torch.Tensor]:
+def features_of(model, records: list[dict], layers: list[int], device: str, batch: int = 32,
+                deadline: float = float("inf")) -> list[Optional[torch.Tensor]]:
     """Per record: [T, len(layers) * H] bf16 hidden states of prompt + response: the
     residual stream after decoder layer ``l`` (what the engine returns), read by forward
-    hooks (HF's ``hidden_states`` tuple ends with the final norm applied instead)."""
+    hooks (HF's ``hidden_states`` tuple ends with the final norm applied instead).
+    Shortest sequences first; None for those not reached before ``deadline``."""
     seqs = [r["prompt_ids"] + r["response_ids"] for r in records]
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[Optional[torch.Tensor]] = [None] * len(seqs)
@@ -194,6 +197,8 @@ def features_of(model, records: list[dict], layers: list[int], device: str, batc
     handles = [model.model.layers[li].register_forward_hook(hook(li)) for li in layers]
     try:
         for b in range(0, len(order), batch):
+            if time.time() > deadline:
+                break
             idx = order[b: b + batch]
             L = max(len(seqs[i]) for i in idx)
             ids = torch.zeros((len(idx), L), dtype=torch.long)
@@ -209,7 +214,7 @@ def features_of(model, records: list[dict], layers: list[int], device: str, batc
     finally:
         for h in handles:
             h.remove()
-    return out  # type: ignore[return-value]
+    return out
 
 
 class Packed:
@@ -328,9 +333,28 @@ def main(argv=None) -> int:
     return run(ap.parse_args(argv))
 
 
+def _phases(text: str) -> tuple[float, float, float, float]:
+    try:
+        fr = [float(x) for x in text.split(",")]
+    except ValueError:
+        fr = []
+    if len(fr) != 4 or not all(0 < x <= 1 for x in fr) or fr != sorted(fr):
+        raise InvalidArgument("--phases", f"needs 4 increasing fractions in (0, 1], got {text!r}")
+    return fr[0], fr[1], fr[2], fr[3]
+
+
 def run(a: argparse.Namespace) -> int:
+    p_inst, p_resp, p_feat, p_train = _phases(a.phases)
+    if a.init and not (Path(a.init) / "config.json").exists():
+        raise InvalidArgument("--init", f"{a.init} holds no drafter checkpoint (config.json)")
+    if a.expand_block and not a.init:
+        raise InvalidArgument("--expand-block", "needs --init CHECKPOINT")
+    for flag, paths in (("--extra-train", a.extra_train), ("--heldout", a.heldout),
+                        ("--heldout-prompts", a.heldout_prompts), ("--gguf", [a.gguf] if a.gguf else [])):
+        for path in paths:
+            if not Path(path).exists():
+                raise InvalidArgument(flag, f"{path} does not exist")
     budget = Budget(a.seconds)
-    p_inst, p_resp, p_feat, p_train = (float(x) for x in a.phases.split(","))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     fh = open(out / "log.txt", "a")
@@ -389,8 +413,14 @@ def run(a: argparse.Namespace) -> int:
     # 3: features
     init_cfg = BlockDrafterConfig.load(Path(a.init) / "config.json") if a.init else None
     layers = init_cfg.feature_layers if init_cfg else [int(x) for x in a.feature_layers.split(",")]
-    feats = features_of(model, train_recs, layers, dev)
     hfeats = features_of(model, heldout, layers, dev)
+    feats = features_of(model, train_recs, layers, dev, deadline=budget.until(p_feat))
+    if any(f is None for f in feats):
+        log(f"features: {sum(f is None for f in feats)} of {len(feats)} training sequences not reached "
+            f"before the phase's deadline; training without them", fh)
+        train_recs, feats = [r for r, f in zip(train_recs, feats) if f is not None], [f for f in feats if f is not None]
+    if not train_recs:
+        raise InvalidArgument("--seconds", "the budget ended before any training sequence had its features")
     data = Packed(train_recs, feats, dev)
     del feats
     held = _examples(heldout, hfeats, dev)
