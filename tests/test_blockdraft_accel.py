@@ -128,7 +128,8 @@ def test_served_drafter_context_cache_matches_a_fresh_pass():
                                        (["--phases", "a,b"], "--phases"),
                                        (["--expand-block", "12"], "--expand-block"),
                                        (["--init", "no/such/dir"], "--init"),
-                                       (["--extra-train", "no/such.jsonl"], "--extra-train")])
+                                       (["--extra-train", "no/such.jsonl"], "--extra-train"),
+                                       (["--losses", "ce,nope"], "--losses")])
 def test_accel_bad_arguments_are_named_and_change_nothing(tmp_path, capsys, args, flag):
     from specmesh.cli import main
 

@@ -349,6 +349,9 @@ def run(a: argparse.Namespace) -> int:
         raise InvalidArgument("--init", f"{a.init} holds no drafter checkpoint (config.json)")
     if a.expand_block and not a.init:
         raise InvalidArgument("--expand-block", "needs --init CHECKPOINT")
+    bad = [x for x in a.losses.split(",") if x not in LOSSES]
+    if bad:
+        raise InvalidArgument("--losses", f"unknown {bad}; choose from {sorted(LOSSES)}")
     for flag, paths in (("--extra-train", a.extra_train), ("--heldout", a.heldout),
                         ("--heldout-prompts", a.heldout_prompts), ("--gguf", [a.gguf] if a.gguf else [])):
         for path in paths:
@@ -357,7 +360,12 @@ def run(a: argparse.Namespace) -> int:
     budget = Budget(a.seconds)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    fh = open(out / "log.txt", "a")
+    with open(out / "log.txt", "a") as fh:
+        return _run(a, budget, out, fh, (p_inst, p_resp, p_feat, p_train))
+
+
+def _run(a: argparse.Namespace, budget: Budget, out: Path, fh, phases: tuple[float, float, float, float]) -> int:
+    p_inst, p_resp, p_feat, p_train = phases
     dev = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False  # features and responses as close to CPU fp32 as we can
     if a.model_dir:
