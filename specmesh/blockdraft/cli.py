@@ -227,6 +227,10 @@ def train_main(args) -> int:
     from .model import BlockDrafterConfig, load_block_drafter, save_block_drafter
     from .train import evaluate, evaluate_by_kind, expand_block, keep_ids_from, new_model, train
 
+    if args.eval_only and not args.init:
+        from ..types import InvalidArgument
+
+        raise InvalidArgument("--eval-only", "needs --init CHECKPOINT")
     t0 = time.time()
     torch.manual_seed(args.seed)
     target_dir = resolve_model(args.model)
@@ -292,16 +296,13 @@ def train_main(args) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.eval_only and not args.init:
-        from ..types import InvalidArgument
-
-        raise InvalidArgument("--eval-only", "needs --init CHECKPOINT")
     curve: list[float] = []
-    with open(out / "train.log", "a") as logf:
-        curve = [] if args.eval_only else train(model, train_ex, args.steps, loss=args.loss, lr=args.lr, batch=args.batch,
-                      anchors_per_seq=args.anchors, gamma=args.gamma, seed=args.seed,
-                      curriculum_from=curriculum, log=lambda s: logf.write(s + "\n"), amp=args.amp,
-                      max_minutes=args.max_minutes)
+    if not args.eval_only:
+        with open(out / "train.log", "a") as logf:
+            curve = train(model, train_ex, args.steps, loss=args.loss, lr=args.lr, batch=args.batch,
+                          anchors_per_seq=args.anchors, gamma=args.gamma, seed=args.seed,
+                          curriculum_from=curriculum, log=lambda s: logf.write(s + "\n"), amp=args.amp,
+                          max_minutes=args.max_minutes)
     ev = evaluate(model, held_ex, amp=args.amp)
     _report(ev, "held-out")
     ev["by_kind"] = evaluate_by_kind(model, held_ex, amp=args.amp)
