@@ -7,14 +7,8 @@ It knows nothing about sessions, drafting or gRPC.
 
 from __future__ import annotations
 
-from specmesh.models.loading import load_config, load_tokenizer, resolve_model
+from specmesh.models.loading import load_config, load_tokenizer, resolve_model, stop_ids
 from specmesh.runtime import Runtime
-
-
-def stop_ids(tokenizer) -> list[int]:
-    cand = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            tokenizer.convert_tokens_to_ids("<end_of_turn>")]
-    return sorted({i for i in cand if isinstance(i, int) and i != tokenizer.unk_token_id})
 
 
 class TextCodec:

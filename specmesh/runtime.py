@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 from .drafters import DRAFTERS, make_drafter
 from .drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from .engine import LlamaEngine
-from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model
+from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model, \
+    stop_ids
 from .types import InvalidArgument
 from .verifier import EngineVerifier
 
@@ -105,10 +106,7 @@ class Runtime:
             self.verifier.self_drafters["block"] = self.block_drafter
             self.verifier.self_drafters["block_tree"] = BlockSelfDrafter(
                 self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration)
-        self.stop_ids = sorted({i for i in [self.tokenizer.eos_token_id,
-                                             self.tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                                             self.tokenizer.convert_tokens_to_ids("<end_of_turn>")]
-                                if isinstance(i, int) and i != self.tokenizer.unk_token_id})
+        self.stop_ids = stop_ids(self.tokenizer)
 
     @property
     def vocab_size(self) -> int:

@@ -36,10 +36,11 @@ from typing import Optional
 
 import torch
 
+from ..models.loading import stop_ids
 from ..types import InvalidArgument
 from .losses import IGNORE, LOSSES
 from .model import BlockDrafter, BlockDrafterConfig, load_block_drafter, save_block_drafter
-from .train import Example, evaluate_by_kind, expand_block, keep_ids_from, new_model
+from .train import Example, evaluate_by_kind, expand_block, keep_ids_from, kept_targets, new_model, usable
 
 SEED_WORDS = ["", "", "", "", "Write", "How", "What", "Explain", "Can you", "Tell me", "Give me", "I",
               "Please", "Why", "Summarize", "Create", "Describe", "List", "Help me", "Compose", "Plan",
@@ -90,15 +91,6 @@ def load_target(model_dir: Path, gguf: Optional[Path], device: str):
     return model.to(device).eval(), tok
 
 
-def _stop_ids(tok) -> list[int]:
-    ids = {tok.eos_token_id}
-    for t in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>"):
-        i = tok.convert_tokens_to_ids(t)
-        if isinstance(i, int) and i != tok.unk_token_id:
-            ids.add(i)
-    return sorted(i for i in ids if i is not None)
-
-
 def _pad_left(seqs: list[list[int]], pad: int, device: str):
     L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad, dtype=torch.long)
@@ -124,7 +116,7 @@ def synthesize_instructions(model, tok, n: int, batch: int, deadline: float, dev
     marker = "\x00MARK\x00"
     text = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     prefix = text[: text.index(marker)]
-    stops = set(_stop_ids(tok))
+    stops = set(stop_ids(tok))
     rng = random.Random(seed)
     torch.manual_seed(seed)
     seen: set[str] = set()
@@ -157,7 +149,7 @@ def greedy_responses(model, tok, prompts: list[list[int]], batch: int, max_new_t
                      deadline: float, device: str, fh=None) -> list[Optional[list[int]]]:
     """The target's greedy response ids (stop token stripped) per prompt, shortest
     prompts first; None for prompts not reached before ``deadline``."""
-    stops = set(_stop_ids(tok))
+    stops = set(stop_ids(tok))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     res: list[Optional[list[int]]] = [None] * len(prompts)
@@ -251,9 +243,7 @@ class Packed:
         mask = BlockDrafter.block_mask_batch(anchors, B, L, window=cfg.context_window)
         idx = anchors[..., None] + torch.arange(1, B, device=dev)  # [S, A, B-1]
         valid = idx < lens[:, None, None]
-        tgt = torch.gather(toks, 1, idx.clamp_max(L - 1).view(S, -1)).view(S, A, B - 1)
-        tgt = model.vocab_to_keep[tgt]
-        tgt = torch.where(valid & (tgt >= 0), tgt, torch.full_like(tgt, IGNORE))
+        tgt = kept_targets(model, torch.gather(toks, 1, idx.clamp_max(L - 1).view(S, -1)).view(S, A, B - 1), valid)
         return torch.gather(toks, 1, anchors), feats, mask, tgt.view(S * A, B - 1)
 
 
@@ -396,18 +386,17 @@ def _run(a: argparse.Namespace, budget: Budget, out: Path, fh, phases: tuple[flo
     prompts = [h["prompt_ids"] for h in held_prompts] + [encode([{"role": "user", "content": s}]) for s in inst]
     resp = greedy_responses(model, tok, prompts, a.gen_batch, a.max_new_tokens, budget.until(p_resp), dev, fh=fh)
     heldout = [dict(h, response_ids=r, split="heldout") for h, r in zip(held_prompts, resp)
-               if r is not None and len(r) >= 2]
+               if r is not None and len(r) >= 2]  # held-out: no length cap
     synth = [{"id": f"magpie-{i}", "kind": "magpie", "split": "train", "instruction": s, "prompt_ids": p,
               "response_ids": r} for i, (s, p, r) in enumerate(zip(inst, prompts[len(held_prompts):],
                                                                     resp[len(held_prompts):]))
-             if r is not None and len(r) >= 2 and len(p) + len(r) <= a.max_len]
+             if r is not None and usable({"prompt_ids": p, "response_ids": r}, a.max_len)]
     with lzma.open(out / "records.jsonl.xz", "wt") as f:
         for r in synth:
             f.write(json.dumps(r) + "\n")
     train_recs = list(synth)
     for path in a.extra_train:
-        train_recs += [r for r in _read_records(Path(path), "train")
-                       if len(r["response_ids"]) >= 2 and len(r["prompt_ids"]) + len(r["response_ids"]) <= a.max_len]
+        train_recs += [r for r in _read_records(Path(path), "train") if usable(r, a.max_len)]
     for h in a.heldout:
         heldout += [r for r in _read_records(Path(h), "heldout") if r.get("split", "heldout") != "train"
                     and len(r["response_ids"]) >= 2]

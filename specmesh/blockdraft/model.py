@@ -126,19 +126,9 @@ class BlockDrafter(nn.Module):
         """[len(anchors) * block, n_ctx + len(anchors) * block] bool. Block j (anchor at
         absolute position a_j) sees context positions p with p < a_j (and p >= a_j - window)
         — context index i is absolute position ctx_start + i — and its own block."""
-        m = len(anchors) * block
-        mask = torch.zeros(m, n_ctx + m, dtype=torch.bool)
-        pos = torch.arange(n_ctx) + ctx_start
-        for j, a in enumerate(anchors):
-            rows = slice(j * block, (j + 1) * block)
-            vis = pos < a
-            if window is not None:
-                vis &= pos >= a - window
-            mask[rows, :n_ctx] = vis
-            mask[rows, n_ctx + j * block: n_ctx + (j + 1) * block] = True
-        return mask
+        rel = torch.tensor(anchors, dtype=torch.long) - ctx_start  # anchors relative to the context start
+        return BlockDrafter.block_mask_batch(rel[None], block, n_ctx, window)[0]
 
-    # ---------------------------------------------------------------- forward
     @staticmethod
     def block_mask_batch(anchors: torch.Tensor, block: int, n_ctx: int,
                          window: Optional[int] = None) -> torch.Tensor:

@@ -86,11 +86,14 @@ def block_batch(model: BlockDrafter, ex: Example, anchors: list[int]):
     logits = model(ex.tokens[anchors], feats, mask)
     T = ex.tokens.shape[0]
     idx = torch.tensor(anchors, device=dev)[:, None] + torch.arange(1, B, device=dev)[None]  # [A, B-1]
-    valid = idx < T
-    tgt = ex.tokens[idx.clamp_max(T - 1)]
-    tgt = model.vocab_to_keep[tgt]
-    tgt = torch.where(valid & (tgt >= 0), tgt, torch.full_like(tgt, IGNORE))
-    return logits, tgt
+    return logits, kept_targets(model, ex.tokens[idx.clamp_max(T - 1)], idx < T)
+
+
+def kept_targets(model: BlockDrafter, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Vocabulary ids -> indices into the drafter's kept head; IGNORE where ``valid`` is
+    False (past the sequence end) or the token is outside the kept slice."""
+    tgt = model.vocab_to_keep[tokens]
+    return torch.where(valid & (tgt >= 0), tgt, torch.full_like(tgt, IGNORE))
 
 
 def _anchors(ex: Example, n: int, rng: random.Random) -> list[int]:

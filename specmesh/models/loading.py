@@ -138,3 +138,11 @@ def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def stop_ids(tokenizer) -> list[int]:
+    """The ids that end an assistant turn: eos plus the chat end-of-turn tokens the
+    tokenizer knows (``<|im_end|>``, ``<end_of_turn>``)."""
+    return sorted({i for i in [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                               tokenizer.convert_tokens_to_ids("<end_of_turn>")]
+                   if isinstance(i, int) and i != tokenizer.unk_token_id})
