@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
 from specmesh.drafters.prompt_lookup import common_prefix_len
-from specmesh.loop import BLOCK_DRAFTERS, AdaptiveBudget, BudgetPolicy, speculative_generate
+from specmesh.loop import AdaptiveBudget, BudgetPolicy, VerifyCosts, speculative_generate
 from specmesh.serving import convert
 from specmesh.serving.adapters import Calls, RemoteDrafter, RemoteVerifier
 from specmesh.strategies import auto
@@ -233,6 +233,7 @@ class Strategies:
         self.router = router
         self.gate = Gate()
         self.book = auto.SessionBook()
+        self.verify_costs = VerifyCosts()  # the verifiers' cost per scored draft token, shared by all requests
         self._anticipator: Optional[Anticipator] = None
         self._fmt: Optional[ThinkFormat] = None
         self._calibration = None
@@ -362,8 +363,10 @@ class Strategies:
                 return BudgetPolicy(plan.budget)
             # draft length by the cost model where drafting costs (model drafters); n-gram, suffix and cache
             # drafts are nearly free and bound themselves: full length, capped by entropy
-            pol = TreeBudget(plan.budget, alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS,
-                             per_round_draft=plan.drafter in BLOCK_DRAFTERS)
+            # (block drafters: per-round cost, see AdaptiveBudget.for_drafter); the verifiers' cost per scored
+            # token is learned across requests
+            pol = TreeBudget.for_drafter(plan.drafter or plan.self_draft, plan.budget, costs=self.verify_costs,
+                                         alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS)
             policies.append(pol)
             return pol
 

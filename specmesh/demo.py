@@ -16,7 +16,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from .loop import BLOCK_DRAFTERS, AdaptiveBudget, generate_tokens
+from .loop import AdaptiveBudget, generate_tokens
 from .runtime import Runtime
 
 REFACTOR_CODE = '''class Inventory:
@@ -82,7 +82,7 @@ def main(args) -> int:
             con.print(f"[dim]{label}:[/dim] {rt.decode(ref)}")
         for name in drafters:
             kw = dict(budget=args.budget if args.fixed_budget
-                      else AdaptiveBudget(args.budget, per_round_draft=name in BLOCK_DRAFTERS))
+                      else AdaptiveBudget.for_drafter(name, args.budget, costs=rt.verify_costs))
             if name in rt.verifier.self_drafters:  # drafts inside the verifier (self strategy)
                 drafter, kw["self_draft"] = None, name
             else:

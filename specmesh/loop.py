@@ -13,9 +13,10 @@ This module knows nothing about models, tokenizers or gRPC.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import uuid
-import contextlib
 from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
 from .types import (DraftContext, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, SessionLost,
@@ -31,6 +32,7 @@ def round_seed(seed: int, position: int) -> int:
 
 
 BLOCK_DRAFTERS = ("block", "block_tree")  # propose a whole block in one pass: draft cost per round, not per token
+TREE_DRAFTERS = ("block_tree",)  # of those, the ones that grow a best-first tree of the budget's size
 
 
 class BudgetPolicy:
@@ -47,6 +49,41 @@ class BudgetPolicy:
         pass
 
 
+class VerifyCosts:
+    """A verifier's extra cost per scored draft token (beta, in target forwards), learned
+    from the rounds of every generation that shares this object — one per verifier (a
+    ``Runtime``, a router), so a new request starts from what earlier ones measured
+    instead of a prior. EMAs of (verify seconds, drafted) of short (k <= 2) and long
+    (k >= 4) rounds; beta = (long / short - 1) / (k_long - k_short), in [0, 0.5]; the
+    prior until both groups were seen. On CPUs with bf16 matrix units scoring 8 tokens
+    costs little more than 1 (beta ~ 0.01-0.02); in fp32 about 0.12."""
+
+    def __init__(self, prior: float = 0.06, ema: float = 0.2):
+        self.prior, self.ema = prior, ema
+        self._groups: dict[int, tuple[float, float]] = {}  # 0 short / 1 long: EMA (seconds, k)
+        self._lock = threading.Lock()
+
+    def observe(self, drafted: int, verify_s: float) -> None:
+        group = 0 if drafted <= 2 else 1 if drafted >= 4 else None
+        if group is None or verify_s <= 0:
+            return
+        w = self.ema
+        with self._lock:
+            old = self._groups.get(group)
+            self._groups[group] = (verify_s, drafted) if old is None else \
+                ((1 - w) * old[0] + w * verify_s, (1 - w) * old[1] + w * drafted)
+
+    @property
+    def beta(self) -> float:
+        with self._lock:
+            if len(self._groups) < 2:
+                return self.prior
+            (vs, ks), (vl, kl) = self._groups[0], self._groups[1]
+        if kl <= ks or vs <= 0:
+            return self.prior
+        return min(0.5, max(0.0, (vl / vs - 1) / (kl - ks)))
+
+
 class AdaptiveBudget(BudgetPolicy):
     """Draft length from the cost model of DESIGN.md section 4.
 
@@ -58,31 +95,62 @@ class AdaptiveBudget(BudgetPolicy):
     < 1) drafting is switched off, re-probed with one round every ``probe_every``
     rounds so a session whose text turns repetitive picks it back up. High target
     entropy at the last round shortens the draft (entropy-guided scheduling).
+
     ``per_round_draft``: the drafter proposes a whole block in one pass (the block
     drafter), so its cost is per round, not per token: c = draft seconds per round /
-    verify seconds, and cost(k) = 1 + c + k * beta for k > 0; beta is measured (short
-    vs long rounds' verify times), drafting that was switched off is re-probed with a
-    full block, and there is no entropy cap (a shorter block saves no drafting)."""
+    verify seconds and cost(k) = 1 + c + k * beta for k > 0; beta is measured from
+    short vs long rounds' verify times in ``costs`` (pass the verifier's shared
+    ``VerifyCosts`` so it carries over between requests); E(max_budget) is the accepted
+    length measured on full-block rounds, refreshed with a full block every
+    ``probe_every`` shorter rounds; drafting that was switched off is re-probed with a
+    full block; no entropy cap (a shorter block saves no drafting). ``tree`` (with
+    ``per_round_draft``): the draft is the full budget or nothing — extra best-first
+    tree nodes accept more than the chain model credits them with, so it would
+    under-draft; drafting is on while some length pays (the chain model at shorter
+    lengths — a lower bound for the tree — or the measured full-budget acceptance).
+    ``for_drafter`` picks these settings by drafter name."""
 
     def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
-                 alpha0: float = 0.6, entropy_scale: float = 3.0, per_round_draft: bool = False):
+                 alpha0: float = 0.6, entropy_scale: float = 3.0, per_round_draft: bool = False,
+                 costs: Optional[VerifyCosts] = None, tree: bool = False):
         super().__init__(max_budget)
         self.per_round_draft = per_round_draft
-        self._verify: dict[int, tuple[float, float]] = {}  # short/long rounds: EMA (verify seconds, k)
+        self.tree = tree and per_round_draft
+        self.costs = costs if costs is not None else VerifyCosts(beta, ema)
+        self._beta = beta  # token-level drafters: fixed
         self.max_budget = max_budget
-        self.beta, self.ema, self.probe_every = beta, ema, probe_every
+        self.ema, self.probe_every = ema, probe_every
         self.alpha = alpha0
         self._acc, self._tot = alpha0, 1.0  # EMAs of accepted and accepted + rejections per round
+        self.full_accepted: Optional[float] = None  # per_round_draft: EMA of accepted on full-block rounds
         self.cost = 0.0  # draft seconds per drafted token (per round: per_round_draft) / verify seconds
         self.entropy = 0.0
         self.entropy_scale = entropy_scale
         self.off_rounds = 0
+        self.short_rounds = 0
         self.last_speedup = 1.0
+
+    @classmethod
+    def for_drafter(cls, drafter: Optional[str], max_budget: int, costs: Optional[VerifyCosts] = None, **kw):
+        """The policy for a drafter by name: block drafters (``BLOCK_DRAFTERS``) cost per
+        round, their tree variant drafts all or nothing, and their acceptance EMAs are slow
+        (0.1: one rejected round says little about the next when a draft costs ~0.15 of a
+        forward); the others keep the per-token model."""
+        if drafter in BLOCK_DRAFTERS:
+            kw.setdefault("ema", 0.1)
+            kw.update(per_round_draft=True, tree=drafter in TREE_DRAFTERS)
+        return cls(max_budget, costs=costs, **kw)
+
+    @property
+    def beta(self) -> float:
+        return self.costs.beta if self.per_round_draft else self._beta
 
     def expected_speedup(self, k: int) -> float:
         a = min(max(self.alpha, 1e-3), 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
         if self.per_round_draft:
+            if k == self.max_budget and self.full_accepted is not None:
+                tokens = 1 + self.full_accepted
             return tokens / (1 + (self.cost if k > 0 else 0.0) + k * self.beta)
         return tokens / (1 + k * (self.cost + self.beta))
 
@@ -97,19 +165,25 @@ class AdaptiveBudget(BudgetPolicy):
             if s > best + 1e-9:
                 best_k, best = k, s
         self.last_speedup = best
+        if self.tree and best_k:  # a tree: its full budget or nothing
+            best_k = self.max_budget
         if best_k == 0:
             self.off_rounds += 1
             if self.off_rounds % self.probe_every == 0:
                 return self.max_budget if self.per_round_draft else 1  # a block costs the same at any length
-        else:
-            self.off_rounds = 0
+            return 0
+        self.off_rounds = 0
+        if self.per_round_draft and best_k < self.max_budget:
+            self.short_rounds += 1  # keep the full block's measured acceptance fresh
+            if self.short_rounds % self.probe_every == 0:
+                return self.max_budget
         return best_k
 
     def update(self, drafted: int, accepted: int, entropy: float = 0.0, draft_s: float = 0.0,
                verify_s: float = 0.0) -> None:
         self.entropy = entropy
         if self.per_round_draft and verify_s > 0:
-            self._learn_beta(drafted, verify_s)
+            self.costs.observe(drafted, verify_s)
         if drafted <= 0:
             return
         fails = 1 if accepted < drafted else 0
@@ -120,25 +194,12 @@ class AdaptiveBudget(BudgetPolicy):
         self._acc = (1 - w) * self._acc + w * accepted
         self._tot = (1 - w) * self._tot + w * (accepted + fails)
         self.alpha = self._acc / self._tot if self._tot > 0 else self.alpha
+        if self.per_round_draft and drafted >= self.max_budget:
+            self.full_accepted = accepted if self.full_accepted is None else \
+                (1 - w) * self.full_accepted + w * accepted
         if verify_s > 0:
             per = draft_s if self.per_round_draft else draft_s / drafted
             self.cost = (1 - w) * self.cost + w * per / verify_s
-
-    def _learn_beta(self, drafted: int, verify_s: float) -> None:
-        """beta from the verify times of short (k <= 2) and long (k >= 4) rounds: EMAs of
-        (seconds, k) per group; beta = (long / short - 1) / (k_long - k_short), in [0, 0.5].
-        On CPUs with bf16 matrix units scoring 8 tokens costs about what 1 does (beta ~ 0)."""
-        group = 0 if drafted <= 2 else 1 if drafted >= 4 else None
-        if group is None:
-            return
-        w = self.ema
-        old = self._verify.get(group)
-        self._verify[group] = (verify_s, drafted) if old is None else \
-            ((1 - w) * old[0] + w * verify_s, (1 - w) * old[1] + w * drafted)
-        if len(self._verify) == 2:
-            (vs, ks), (vl, kl) = self._verify[0], self._verify[1]
-            if kl > ks and vs > 0:
-                self.beta = min(0.5, max(0.0, (vl / vs - 1) / (kl - ks)))
 
 
 def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size: int,

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from .drafters import DRAFTERS, make_drafter
 from .drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from .engine import LlamaEngine
+from .loop import VerifyCosts
 from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model, \
     stop_ids
 from .types import InvalidArgument
@@ -87,6 +88,7 @@ class Runtime:
         self.engine = LlamaEngine.from_pretrained(str(self.model_dir), dtype=dtype, n_slots=n_slots,
                                                   max_seq_len=max_seq_len, quiet=quiet)
         self.verifier = EngineVerifier(self.engine)
+        self.verify_costs = VerifyCosts()  # this verifier's cost per scored draft token, shared by its requests
         self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.draft_model = draft_model

@@ -15,7 +15,7 @@ import pytest
 from conftest import tiny_engine
 from specmesh.drafters import CacheDrafter, SuffixDrafter, make_drafter
 from specmesh.drafters.adaptive_lookup import build_trie, rank_continuations
-from specmesh.loop import AdaptiveBudget, generate_tokens
+from specmesh.loop import AdaptiveBudget, VerifyCosts, generate_tokens
 from specmesh.strategies import auto
 from specmesh.strategies.adapt import CacheMeter, ResumePrefix, TreeBudget
 from specmesh.strategies.proactive import Anticipator, Config, Gate, parse_turns
@@ -126,6 +126,43 @@ def test_adaptive_budget_alpha_and_per_round_cost_model():
     off.cost = 0.5
     assert [off.next() for _ in range(4)] == [0, 8, 0, 8]
     assert AdaptiveBudget(8, alpha0=0.01, probe_every=2).next() == 0
+
+
+def test_verify_costs_shared_across_requests_and_block_policies():
+    costs = VerifyCosts(prior=0.06, ema=1.0)
+    first = AdaptiveBudget.for_drafter("block", 8, costs=costs)
+    assert first.per_round_draft and not first.tree and first.ema == 0.1 and first.beta == 0.06  # the prior
+    first.update(1, 1, verify_s=0.100)
+    first.update(8, 3, verify_s=0.114)
+    assert first.beta == pytest.approx(0.14 / 7)
+    later = AdaptiveBudget.for_drafter("block_tree", 8, costs=costs)  # a new request starts from what was measured
+    assert later.tree and later.beta == pytest.approx(0.14 / 7)
+    assert AdaptiveBudget.for_drafter("block", 8).beta == 0.06  # no shared costs: its own, from the prior
+    tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=costs)
+    assert not tok.per_round_draft and tok.beta == 0.06 and tok.ema == 0.3  # per-token drafters: unchanged
+    costs.observe(3, 5.0)  # k = 3 is in neither group: ignored
+    assert costs.beta == pytest.approx(0.14 / 7)
+
+
+def test_block_policy_full_budget_measured_and_tree_all_or_nothing():
+    # the full block's measured acceptance replaces the chain model at max_budget
+    b = AdaptiveBudget(8, alpha0=0.4, beta=0.02, per_round_draft=True, ema=1.0)
+    b.cost = 0.15
+    chain_k = b.next()
+    assert 0 < chain_k < 8  # the chain model at alpha 0.4 prefers a short block
+    b.update(8, 4, draft_s=0.015, verify_s=0.1)  # but a full block accepted 4 (alpha -> 0.8 too)
+    assert b.full_accepted == 4 and b.next() == 8
+    # a short block is refreshed by a full one every probe_every rounds
+    s = AdaptiveBudget(8, alpha0=0.4, beta=0.02, per_round_draft=True, probe_every=3)
+    s.cost = 0.15
+    assert [s.next() for _ in range(3)][2] == 8
+    # a tree drafts its whole budget whenever drafting pays, and nothing when it does not
+    t = AdaptiveBudget.for_drafter("block_tree", 8, alpha0=0.4, beta=0.02)
+    t.cost = 0.15
+    assert t.next() == 8
+    dead = AdaptiveBudget.for_drafter("block_tree", 8, alpha0=0.4, beta=0.02, probe_every=4, ema=1.0)
+    dead.update(8, 0, draft_s=0.05, verify_s=0.1)  # nothing accepted, a draft costing half a forward
+    assert [dead.next() for _ in range(4)] == [0, 0, 0, 8]  # off, re-probed with the full tree
 
 
 def test_cache_meter_counts_accepted_cache_drafts(ver):

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..loop import BLOCK_DRAFTERS, AdaptiveBudget, generate_tokens
+from ..loop import AdaptiveBudget, generate_tokens
 from ..types import GenerationStats, InvalidArgument
 
 OURS_STRATEGIES = ("ar", "prompt_lookup", "suffix", "draft_lm", "layerskip", "block", "block_tree")
@@ -105,7 +105,8 @@ def expand(names: Sequence[str]) -> list[str]:
 def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: bool = True) -> System:
     """An ``ours_*`` system over ``runtime`` (whose dtype must match the name's). With
     ``adaptive`` each generation gets a fresh ``AdaptiveBudget(budget)`` (draft length
-    from measured acceptance and cost; speculation off where it does not pay)."""
+    from measured acceptance and cost; speculation off where it does not pay) sharing
+    the runtime's ``VerifyCosts`` (the verifier's cost per scored token carries over)."""
     strategy, dtype, suffix = parse_ours(name, default_dtype)
     drafter = None
     self_draft = None
@@ -120,7 +121,7 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         stats = GenerationStats()
         t0 = time.perf_counter()
-        policy = AdaptiveBudget(budget, per_round_draft=strategy in BLOCK_DRAFTERS) if adaptive else budget
+        policy = AdaptiveBudget.for_drafter(strategy, budget, costs=runtime.verify_costs) if adaptive else budget
         out, stats = generate_tokens(drafter, runtime.verifier, list(prompt_ids), max_new_tokens=max_new_tokens,
                                      stop_ids=runtime.stop_ids, budget=policy, self_draft=self_draft, stats=stats)
         dt = time.perf_counter() - t0

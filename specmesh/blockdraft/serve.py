@@ -29,11 +29,13 @@ from .tree import Calibration, best_first_tree
 class BlockSelfDrafter(DrafterBase):
     name = "block"
 
-    def __init__(self, verifier, model: BlockDrafter, tree: bool = False, tree_width: int = 3,
+    def __init__(self, verifier, model: BlockDrafter, tree: bool = False, tree_width: int = 6,
                  calibration: Optional[Calibration] = None, top_k: int = 8, amp: bool = True):
-        """``amp``: run the drafter in bf16 (weights cast once: it was trained under bf16
-        autocast, and autocast would re-cast the weights on every pass); a draft only
-        changes speed, never the output."""
+        """``tree_width``: candidates per slot the best-first tree may branch into (6: on 12
+        held-out chat prompts, tree budget 8, bf16, tau 2.50 vs 2.44 with 3; the extra
+        candidates cost nothing measurable). ``amp``: run the drafter in bf16 (weights cast
+        once: it was trained under bf16 autocast, and autocast would re-cast the weights on
+        every pass); a draft only changes speed, never the output."""
         self.verifier = verifier
         self.amp = amp
         self.model = (model.to(torch.bfloat16) if amp else model).eval()
