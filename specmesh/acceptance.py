@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from .rowops import argmax_rows
 from .types import SamplingParams, TokenTree
 
 
@@ -245,7 +246,7 @@ def accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed
     if logits.is_cuda and sampling.acceptance == "exact" and len(tree):
         return _accept_cuda(logits if sampling.greedy else target_probs(logits, sampling), tree, sampling, seed)
     if sampling.greedy:
-        am = logits.argmax(-1).tolist()
+        am = argmax_rows(logits).tolist()
         return greedy_chain(am, tree.tokens) if tree.is_chain else greedy_tree(am, tree)
     if probs is None:
         probs = target_probs(logits, sampling)

@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .rowops import topk_rows
 from .types import InvalidArgument, ResourceExhausted
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -202,7 +203,7 @@ class LlamaEngine:
         weight rows). A bf16 output is rounded to 1/8 at typical logit sizes, which
         turns near-ties into coin flips between a 1-token and a k-token forward;
         exact top logits keep greedy choices consistent across the two."""
-        idx = logits.topk(k, -1).indices  # [n, k]
+        idx = topk_rows(logits, k)[1]  # [n, k]
         exact = torch.einsum("nh,nkh->nk", hn, self.head.rows_fp32(idx))
         return logits.scatter(-1, idx, exact)
 

@@ -103,10 +103,8 @@ class BlockSelfDrafter(DrafterBase):
         keep = self.model.keep_ids
         s = ctx.sampling
         if self.tree:
-            probs = torch.softmax(logits, -1)
-            top = torch.topk(probs, self.tree_width, -1)
-            cands = [[(int(keep[i]), float(p)) for p, i in zip(top.values[k], top.indices[k])]
-                     for k in range(logits.shape[0])]
+            top = torch.topk(torch.softmax(logits, -1), self.tree_width, -1)
+            cands = [list(zip(ids, ps)) for ids, ps in zip(keep[top.indices].tolist(), top.values.tolist())]
             return best_first_tree(cands, budget, self.calibration)
         k_max = min(budget, logits.shape[0])
         if s.greedy:
