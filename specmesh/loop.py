@@ -104,11 +104,16 @@ class AdaptiveBudget(BudgetPolicy):
     length measured on full-block rounds, refreshed with a full block every
     ``probe_every`` shorter rounds; drafting that was switched off is re-probed with a
     full block; no entropy cap (a shorter block saves no drafting). ``tree`` (with
-    ``per_round_draft``): the draft is the full budget or nothing — extra best-first
-    tree nodes accept more than the chain model credits them with, so it would
-    under-draft; drafting is on while some length pays (the chain model at shorter
-    lengths — a lower bound for the tree — or the measured full-budget acceptance).
+    ``per_round_draft``): while verifying the full tree costs at most ``TREE_CHEAP`` of
+    a forward more than verifying none (max_budget * beta; bf16 matrix units), the
+    draft is the full budget or nothing — extra best-first tree nodes accept more than
+    the chain model credits them with, so it would under-draft; drafting is on while
+    some length pays (the chain model at shorter lengths — a lower bound for the tree —
+    or the measured full-budget acceptance). Where scored tokens are dear (fp32 on a
+    CPU: beta ~ 0.12) the chain model's length is kept: a full tree would not pay.
     ``for_drafter`` picks these settings by drafter name."""
+
+    TREE_CHEAP = 0.25
 
     def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
                  alpha0: float = 0.6, entropy_scale: float = 3.0, per_round_draft: bool = False,
@@ -165,8 +170,8 @@ class AdaptiveBudget(BudgetPolicy):
             if s > best + 1e-9:
                 best_k, best = k, s
         self.last_speedup = best
-        if self.tree and best_k:  # a tree: its full budget or nothing
-            best_k = self.max_budget
+        if self.tree and best_k and self.max_budget * self.beta <= self.TREE_CHEAP:
+            best_k = self.max_budget  # a tree whose full size is cheap to verify: its full budget or nothing
         if best_k == 0:
             self.off_rounds += 1
             if self.off_rounds % self.probe_every == 0:

@@ -160,6 +160,9 @@ def test_block_policy_full_budget_measured_and_tree_all_or_nothing():
     t = AdaptiveBudget.for_drafter("block_tree", 8, alpha0=0.4, beta=0.02)
     t.cost = 0.15
     assert t.next() == 8
+    dear = AdaptiveBudget.for_drafter("block_tree", 8, alpha0=0.6, beta=0.12)  # fp32: scored tokens are dear
+    dear.cost = 0.1
+    assert 0 < dear.next() < 8  # the chain model's length, not a full tree that would not pay
     dead = AdaptiveBudget.for_drafter("block_tree", 8, alpha0=0.4, beta=0.02, probe_every=4, ema=1.0)
     dead.update(8, 0, draft_s=0.05, verify_s=0.1)  # nothing accepted, a draft costing half a forward
     assert [dead.next() for _ in range(4)] == [0, 0, 0, 8]  # off, re-probed with the full tree
