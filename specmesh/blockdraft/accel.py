@@ -38,7 +38,7 @@ import torch
 
 from ..models.loading import stop_ids
 from ..types import InvalidArgument
-from .losses import IGNORE, LOSSES
+from .losses import LOSSES
 from .model import BlockDrafter, BlockDrafterConfig, load_block_drafter, save_block_drafter
 from .train import Example, evaluate_by_kind, expand_block, keep_ids_from, kept_targets, new_model, usable
 
@@ -386,7 +386,8 @@ def _run(a: argparse.Namespace, budget: Budget, out: Path, fh, phases: tuple[flo
     prompts = [h["prompt_ids"] for h in held_prompts] + [encode([{"role": "user", "content": s}]) for s in inst]
     resp = greedy_responses(model, tok, prompts, a.gen_batch, a.max_new_tokens, budget.until(p_resp), dev, fh=fh)
     heldout = [dict(h, response_ids=r, split="heldout") for h, r in zip(held_prompts, resp)
-               if r is not None and len(r) >= 2]  # held-out: no length cap
+               if r is not None and usable({"prompt_ids": h["prompt_ids"], "response_ids": r}, sys.maxsize)]
+    # (held-out: no length cap)
     synth = [{"id": f"magpie-{i}", "kind": "magpie", "split": "train", "instruction": s, "prompt_ids": p,
               "response_ids": r} for i, (s, p, r) in enumerate(zip(inst, prompts[len(held_prompts):],
                                                                     resp[len(held_prompts):]))
@@ -399,7 +400,7 @@ def _run(a: argparse.Namespace, budget: Budget, out: Path, fh, phases: tuple[flo
         train_recs += [r for r in _read_records(Path(path), "train") if usable(r, a.max_len)]
     for h in a.heldout:
         heldout += [r for r in _read_records(Path(h), "heldout") if r.get("split", "heldout") != "train"
-                    and len(r["response_ids"]) >= 2]
+                    and usable(r, sys.maxsize)]
     n_tok = sum(len(r["response_ids"]) for r in synth)
     metrics["data"] = {"instructions": len(inst), "synthesised_records": len(synth), "synthesised_response_tokens": n_tok,
                        "train_records": len(train_recs),
