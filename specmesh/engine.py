@@ -285,11 +285,14 @@ class LlamaEngine:
             chain = all(p == i - 1 for i, p in enumerate(par))
             if n == 1:
                 mask = None
-            elif chain:
-                mask = torch.ones(n, base + n, dtype=torch.bool, device=self.device).tril(base)
             else:
-                mask = torch.ones(n, base + n, dtype=torch.bool)
-                mask[:, base:] = ancestor_mask(par)
+                if chain:
+                    mask = torch.ones(n, base + n, dtype=torch.bool, device=self.device).tril(base)
+                else:
+                    mask = torch.ones(n, base + n, dtype=torch.bool)
+                    mask[:, base:] = ancestor_mask(par)
+                # additive form, built once for all layers (SDPA would convert a bool mask in each)
+                mask = torch.zeros(mask.shape, dtype=self.act_dtype, device=self.device).masked_fill_(~mask, float("-inf"))
             segs.append((slot, len(toks), n, base, mask))
             toks += t
             pos += [base + d for d in _depths(par)]

@@ -107,7 +107,8 @@ class Runtime:
             self.block_drafter = BlockSelfDrafter.from_checkpoint(self.verifier, bd)
             self.verifier.self_drafters["block"] = self.block_drafter
             self.verifier.self_drafters["block_tree"] = BlockSelfDrafter(
-                self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration)
+                self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration,
+                folded=self.block_drafter.folded)
         self.stop_ids = stop_ids(self.tokenizer)
 
     @property

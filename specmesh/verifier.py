@@ -96,10 +96,13 @@ class EngineVerifier:
         self.feature_layers = layers
         self.features = torch.zeros(e.n_slots, e.max_seq_len, len(layers) * e.hidden, dtype=torch.bfloat16)
 
-    def session_features(self, slot: int, layers: Sequence[int], start: int = 0) -> torch.Tensor:
-        """[length - start, len(layers) * H] float32 features of the slot's committed
-        tokens from position ``start`` on (always a copy: callers may keep it)."""
+    def session_features(self, slot: int, layers: Sequence[int], start: int = 0,
+                         end: Optional[int] = None) -> torch.Tensor:
+        """[end - start, len(layers) * H] float32 features of the slot's committed tokens
+        at positions [start, end) (``end`` default and at most: the slot's length;
+        always a copy: callers may keep it)."""
         n, H = self.engine.length(slot), self.engine.hidden
+        n = n if end is None else min(end, n)
         rows = self.features[slot, start:n]
         if list(layers) == self.feature_layers:
             return rows.to(torch.float32, copy=True)

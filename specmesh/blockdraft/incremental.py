@@ -1,0 +1,168 @@
+"""The block drafter's serving pass: one block after the whole context, context cached.
+
+``FoldedDrafter`` holds a ``BlockDrafter``'s weights rearranged for the one case a
+serving round needs — a single block whose anchor directly follows the context window
+— and computes the same function as ``BlockDrafter.forward_batch`` for it (up to
+rounding; tested):
+
+- RMSNorm weights that feed a single matrix are folded into it (feature norm into the
+  feature projection, ln2 into gate/up, the final norm into the head slice);
+- the feature projection and, with ``fuse_last``, the last-position fusion projection
+  are one matrix (the fusion's RMSNorm divides by a per-row scalar, applied after);
+- q and the shared k/v projection are one matrix, applied to the new context rows and
+  the block's rows in one product (the context rows' q is computed and thrown away);
+- no attention mask: the block sees its whole window and itself.
+
+A round thus reads ten weight matrices instead of fifteen. Right after the target's
+forward has pushed the drafter out of the CPU caches, every matrix read costs a fixed
+~0.2-0.3 ms on top of its bytes, so their number, not the FLOPs, sets the draft time.
+
+``ContextCache`` holds the drafter's state of a contiguous range of context positions:
+the features each row was computed from, the fusion vector and every layer's
+keys/values. ``FoldedDrafter.draft`` extends it by the new positions only, drops rows
+that fell out of the window or past a rollback, and rebuilds it when the features of
+the last reused row changed (a rewritten past changes every later hidden state).
+
+Knows nothing about sessions, verifiers, sampling or training.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .model import BlockDrafter
+
+
+class ContextCache:
+    """Drafter state of positions [start, start + n), held in rows [off, off + n) of
+    preallocated buffers; the ``block`` rows after them are scratch for the block's own
+    keys/values, so attention reads one contiguous slice without a copy."""
+
+    def __init__(self, n_layers: int, capacity: int, block: int, n_features: int, hidden: int,
+                 fuse: bool, dtype: torch.dtype):
+        self.capacity = capacity
+        self.feats = torch.empty(capacity, n_features, dtype=dtype)
+        self.fused = torch.empty(capacity, hidden, dtype=dtype) if fuse else None
+        self.kv = torch.empty(n_layers, capacity + block, 2 * hidden, dtype=dtype)
+        self.start = self.n = self.off = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+    def keep(self, lo: int, hi: int) -> None:
+        """Keep positions [lo, hi) (within the cached range), drop the rest."""
+        self.off += lo - self.start
+        self.n, self.start = max(0, hi - lo), lo
+
+    def reset(self, start: int) -> None:
+        self.start, self.n, self.off = start, 0, 0
+
+    def reserve(self, extra: int) -> None:
+        """Make room for ``extra`` more rows after the cached ones (moving them to the front)."""
+        if extra > self.capacity:
+            raise ValueError(f"{extra} new context rows exceed the cache capacity {self.capacity}")
+        if self.off + self.n + extra > self.capacity:
+            drop = max(0, self.n + extra - self.capacity)  # oldest rows no longer fit
+            src = slice(self.off + drop, self.off + self.n)
+            n = self.n - drop
+            self.feats[:n] = self.feats[src].clone()
+            if self.fused is not None:
+                self.fused[:n] = self.fused[src].clone()
+            self.kv[:, :n] = self.kv[:, src].clone()
+            self.start, self.n, self.off = self.start + drop, n, 0
+
+
+class FoldedDrafter:
+    def __init__(self, model: BlockDrafter, dtype: Optional[torch.dtype] = None):
+        """``dtype``: compute dtype (default: the model's). Weights are folded in float32,
+        then cast."""
+        cfg = model.cfg
+        self.cfg = cfg
+        self.dtype = dtype = dtype or model.feat_proj.weight.dtype
+        H = cfg.hidden
+        self.nh, self.hd = cfg.n_heads, H // cfg.n_heads
+
+        def f(t):
+            return t.detach().float()
+
+        with torch.no_grad():
+            w_in = f(model.feat_proj.weight) * f(model.feat_norm.weight)[None]  # [H, F]
+            mats = [w_in]
+            if cfg.fuse_last:
+                # last_proj(last_norm(c)) = (W_lp diag(w_ln) c) / rms(c), and c = w_in n(f)
+                mats.append((f(model.last_proj.weight) * f(model.last_norm.weight)[None]) @ w_in)
+            self.w_in = torch.cat(mats).to(dtype).contiguous()  # [H or 2H, F]
+            self.fuse_out = (f(model.fuse_out.weight).to(dtype)
+                             if cfg.fuse_last and cfg.fuse_norm else None)
+            self.layers = [dict(
+                ln_ctx=f(layer.ln_ctx.weight).to(dtype), ln1=f(layer.ln1.weight).to(dtype),
+                qkv=torch.cat([f(layer.q.weight), f(layer.kv.weight)]).to(dtype).contiguous(),  # [3H, H]
+                o=f(layer.o.weight).to(dtype).contiguous(),
+                gate_up=(f(layer.gate_up.weight) * f(layer.ln2.weight)[None]).to(dtype).contiguous(),
+                down=f(layer.down.weight).to(dtype).contiguous()) for layer in model.layers]
+            self.head = (f(model.head) * f(model.final_norm)[None]).to(dtype).contiguous()  # [N, H]
+            self.embed = model.embed  # [V, H], indexed one row per round
+            base = f(model.mask_emb).expand(cfg.block, H).clone()
+            base[0] = 0.0
+            self.block_base = (base + f(model.pos_emb)).to(dtype)  # [B, H]: slot 0 still needs the anchor
+
+    def new_cache(self) -> ContextCache:
+        c = self.cfg
+        return ContextCache(c.n_layers, 2 * c.context_window + c.block, c.block, len(c.feature_layers) * c.hidden,
+                            c.hidden, c.fuse_last, self.dtype)
+
+    def _rms(self, x: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.cfg.eps)
+
+    @torch.inference_mode()
+    def draft(self, cache: ContextCache, anchor: int, length: int,
+              read: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+        """Logits [B-1, N] (float32, over ``keep_ids``) of the block after ``anchor``, the
+        token at position ``length``; ``read(a, b)`` returns the target features of
+        context positions [a, b) as [b - a, F]. Updates ``cache`` in place."""
+        cfg, H = self.cfg, self.cfg.hidden
+        c0 = max(0, length - cfg.context_window)
+        m = min(cache.end, length)
+        reuse = cache.start <= c0 < m
+        if reuse:  # the last reused row must still hold the features it was computed from
+            reuse = torch.equal(read(m - 1, m)[0].to(self.dtype), cache.feats[cache.off + m - 1 - cache.start])
+        if reuse:
+            cache.keep(c0, m)
+        else:
+            cache.reset(c0)
+        new = length - cache.end
+        cache.reserve(new)
+        lo = cache.off + cache.n  # buffer row of the first new position
+        ctx_new = None
+        if new:
+            feats = read(cache.end, length).to(self.dtype)
+            cache.feats[lo: lo + new] = feats
+            y = self._rms(feats, None) @ self.w_in.T
+            ctx_new = y[:, :H]
+            if cache.fused is not None:
+                fused = y[:, H:] * torch.rsqrt(ctx_new.float().pow(2).mean(-1, keepdim=True) + cfg.eps).to(self.dtype)
+                cache.fused[lo: lo + new] = fused if self.fuse_out is None else self._rms(fused, self.fuse_out)
+            cache.n += new
+        x = self.block_base.clone()
+        x[0] += self.embed[anchor].to(self.dtype)
+        if cache.fused is not None and cache.n:
+            x += cache.fused[cache.off + cache.n - 1]
+        T = cache.n + cfg.block
+        for i, w in enumerate(self.layers):
+            rows = self._rms(x, w["ln1"])
+            if ctx_new is not None:
+                rows = torch.cat([self._rms(ctx_new, w["ln_ctx"]), rows])
+            out = rows @ w["qkv"].T  # [new + B, 3H]
+            kv = cache.kv[i]
+            kv[lo: lo + new + cfg.block] = out[:, H:]
+            q = out[new:, :H].view(cfg.block, self.nh, self.hd).transpose(0, 1)
+            k, v = kv[cache.off: cache.off + T].view(T, 2, self.nh, self.hd).permute(1, 2, 0, 3)
+            a = F.scaled_dot_product_attention(q, k, v)  # [nh, B, hd]
+            x = x + a.transpose(0, 1).reshape(cfg.block, H) @ w["o"].T
+            g, u = (self._rms(x, None) @ w["gate_up"].T).chunk(2, -1)
+            x = x + (F.silu(g) * u) @ w["down"].T
+        return (self._rms(x[1:], None) @ self.head.T).float()
