@@ -23,7 +23,6 @@ tokenizers, sampling or gRPC.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence

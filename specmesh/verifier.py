@@ -24,7 +24,7 @@ import torch
 
 from . import acceptance as acc
 from .engine import LlamaEngine
-from .types import (DraftContext, InvalidArgument, ResourceExhausted, SessionLost, TokenTree,
+from .types import (DraftContext, InvalidArgument, ResourceExhausted, SessionLost,
                     VerifyRequest, VerifyResult)
 
 

@@ -18,7 +18,6 @@ from collections import defaultdict
 
 import grpc
 import pytest
-import torch
 
 from specmesh.observability import stats as st
 from specmesh.observability import tracing

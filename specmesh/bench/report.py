@@ -77,7 +77,7 @@ def verdicts(records: list[dict], meta: dict) -> list[tuple[str, str]]:
         line(None, "ours bf16 plain decoding >= 1.8x hf_ar fp32 (needs a bf16 ours_ar and hf_ar)")
     else:
         worst = min(ratios, key=lambda x: x[1])
-        line(worst[1] >= 1.8, f"ours bf16 AR vs hf_ar fp32: " + ", ".join(f"{w} {r:.2f}x" for w, r in ratios)
+        line(worst[1] >= 1.8, "ours bf16 AR vs hf_ar fp32: " + ", ".join(f"{w} {r:.2f}x" for w, r in ratios)
              + f" (worst {worst[1]:.2f}x, target 1.8x)")
     # 4. prompt lookup or suffix >= 2x ours AR on code_edit, >= 0.95x on open writing
     for w, target in [("code_edit", 2.0)] + [(w, 0.95) for w in OPEN_WRITING]:

@@ -18,7 +18,6 @@ and ``plots``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
