@@ -70,7 +70,7 @@ class DrafterLayer(nn.Module):
 
     def context_kv(self, ctx: torch.Tensor) -> torch.Tensor:
         """Keys/values of the context positions [..., C, H] -> [..., C, 2H]: they depend on
-        the context alone, so a server computes them once per committed position."""
+        the context alone (serving caches them per position: ``incremental``)."""
         return self.kv(self.ln_ctx(ctx))
 
     def forward(self, x: torch.Tensor, ctx_kv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -154,22 +154,21 @@ class BlockDrafter(nn.Module):
     def context_state(self, features: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """What the drafter derives from context features [..., C, F] alone: the projected
         context [..., C, H] and each layer's context keys/values [..., C, 2H]. Row c
-        depends on position c only, so a server can cache it per committed position."""
+        depends on position c only."""
         w = self.feat_proj.weight.dtype
         ctx = self.feat_proj(self.feat_norm(features.to(w))).to(w)
         return ctx, [layer.context_kv(ctx) for layer in self.layers]
 
-    def forward_batch(self, anchor_tokens: torch.Tensor, features: Optional[torch.Tensor], mask: torch.Tensor,
-                      state: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None) -> torch.Tensor:
-        """S sequences side by side: anchor_tokens [S, A], features [S, C, F] (or their
-        ``context_state`` in ``state``), mask [S, A*B, C + A*B] (``block_mask_batch``)
-        -> logits [S, A, B-1, N]."""
+    def forward_batch(self, anchor_tokens: torch.Tensor, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """S sequences side by side: anchor_tokens [S, A], features [S, C, F], mask
+        [S, A*B, C + A*B] (``block_mask_batch``) -> logits [S, A, B-1, N]. (Serving one
+        block after a cached context: ``incremental.FoldedDrafter``, the same function.)"""
         B = self.cfg.block
         S, A = anchor_tokens.shape
         x = self.mask_emb.expand(S, A, B, -1).clone()
         x[:, :, 0] = self.embed[anchor_tokens]
         x = x + self.pos_emb
-        ctx, ctx_kv = state if state is not None else self.context_state(features)
+        ctx, ctx_kv = self.context_state(features)
         C = ctx.shape[1]
         if self.cfg.fuse_last and C > 0:
             # the last context position each block may see, read off the mask (none: no fusion)
