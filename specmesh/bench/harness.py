@@ -14,6 +14,7 @@ or about gRPC (``sweep``).
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -187,7 +188,8 @@ class Bench:
             "config": asdict(cfg), "systems": [s.name for s in self.systems], "skipped": self.skipped,
             "workloads": {w: len(v) for w, v in encoded.items()}, "verifier": _info(main),
             "rss_stages": self.rss_stages, "peak_rss_mb": round(peak_rss_mb(), 1),
-            "torch_threads": _torch_threads(), "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
+            "torch_threads": _torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
             "wall_s": round(time.time() - t_start, 1), "python": sys.version.split()[0],
             "hf_pld_tokens": 10,
         }
