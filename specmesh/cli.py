@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="plain decoding vs each drafter on built-in prompts")
     _add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--drafters", default="prompt_lookup,suffix,draft_lm,layerskip,block",
+    p.add_argument("--drafters", default="prompt_lookup,suffix,draft_lm,layerskip,block,block_tree",
                    help="external drafters and in-verifier ones (layerskip, block, block_tree)")
     p.add_argument("--budget", type=int, default=8, help="draft tokens per round")
     p.add_argument("--fixed-budget", action="store_true", help="always draft --budget tokens (default: adaptive)")

@@ -78,3 +78,18 @@ def test_trained_block_drafter_through_self_is_identical(runtime, references, me
         assert out == ref
         drafted += st.drafted_tokens
     assert drafted > 0
+
+
+def test_demo_command_runs_every_default_drafter_identically(capsys):
+    """`make demo` = `specmesh demo`: every default drafter on the built-in prompts gives
+    plain decoding's tokens (fp32), and the table is printed."""
+    from specmesh.cli import main
+
+    assert main(["demo", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    drafters = "prompt_lookup,suffix,draft_lm,layerskip,block,block_tree".split(",")
+    assert "DIFFERENT" not in out
+    for name in drafters:
+        assert out.count(f": {name} ") == 3, name  # one line per built-in prompt
+    assert out.count(", identical") == 3 * len(drafters)
+    assert "peak RSS" in out
