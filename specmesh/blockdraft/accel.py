@@ -385,9 +385,9 @@ def _run(a: argparse.Namespace, budget: Budget, out: Path, fh, phases: tuple[flo
                 held_prompts.append({"id": row["id"], "kind": Path(wl).stem, "prompt_ids": encode(msgs)})
     prompts = [h["prompt_ids"] for h in held_prompts] + [encode([{"role": "user", "content": s}]) for s in inst]
     resp = greedy_responses(model, tok, prompts, a.gen_batch, a.max_new_tokens, budget.until(p_resp), dev, fh=fh)
+    # held-out records: no length cap
     heldout = [dict(h, response_ids=r, split="heldout") for h, r in zip(held_prompts, resp)
                if r is not None and usable({"prompt_ids": h["prompt_ids"], "response_ids": r}, sys.maxsize)]
-    # (held-out: no length cap)
     synth = [{"id": f"magpie-{i}", "kind": "magpie", "split": "train", "instruction": s, "prompt_ids": p,
               "response_ids": r} for i, (s, p, r) in enumerate(zip(inst, prompts[len(held_prompts):],
                                                                     resp[len(held_prompts):]))

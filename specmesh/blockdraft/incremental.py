@@ -64,18 +64,17 @@ class ContextCache:
         self.start, self.n, self.off = start, 0, 0
 
     def reserve(self, extra: int) -> None:
-        """Make room for ``extra`` more rows after the cached ones (moving them to the front)."""
-        if extra > self.capacity:
-            raise ValueError(f"{extra} new context rows exceed the cache capacity {self.capacity}")
+        """Make room for ``extra`` more rows after the cached ones (moving those to the
+        front of the buffers when the end is reached)."""
+        if self.n + extra > self.capacity:
+            raise ValueError(f"{self.n} cached + {extra} new context rows exceed the cache capacity {self.capacity}")
         if self.off + self.n + extra > self.capacity:
-            drop = max(0, self.n + extra - self.capacity)  # oldest rows no longer fit
-            src = slice(self.off + drop, self.off + self.n)
-            n = self.n - drop
-            self.feats[:n] = self.feats[src].clone()
+            src = slice(self.off, self.off + self.n)
+            self.feats[: self.n] = self.feats[src].clone()
             if self.fused is not None:
-                self.fused[:n] = self.fused[src].clone()
-            self.kv[..., :n, :] = self.kv[..., src, :].clone()
-            self.start, self.n, self.off = self.start + drop, n, 0
+                self.fused[: self.n] = self.fused[src].clone()
+            self.kv[..., : self.n, :] = self.kv[..., src, :].clone()
+            self.off = 0
 
 
 class FoldedDrafter:
