@@ -21,8 +21,9 @@ from typing import Optional
 
 import torch
 
+from . import seeding
 from .rowops import argmax_rows
-from .types import SamplingParams, TokenTree
+from .types import SIBLINGS_WOR, SamplingParams, TokenTree
 
 
 @dataclass
@@ -75,8 +76,9 @@ def sample(probs: torch.Tensor, u: float) -> int:
 
 
 def uniforms(seed: int, n_nodes: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(u_accept [n_nodes], u_sample [depth + 1]) from a generator seeded with ``seed``."""
-    g = torch.Generator().manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
+    """(u_accept [n_nodes], u_sample [depth + 1]) from the round seed's acceptance
+    stream (``seeding.ACCEPT``: independent of the drafter's draws)."""
+    g = seeding.generator(seed, seeding.ACCEPT)
     u = torch.rand(n_nodes + depth + 1, generator=g, dtype=torch.float64)
     return u[:n_nodes], u[n_nodes:]
 
@@ -138,26 +140,40 @@ def greedy_tree(argmax: list[int], tree: TokenTree) -> Acceptance:
 
 def rejection_tree(probs: torch.Tensor, tree: TokenTree, q: torch.Tensor,
                    u_accept: torch.Tensor, u_sample: torch.Tensor) -> Acceptance:
-    """SpecInfer multi-candidate rejection (a chain is the one-child case: Leviathan/Chen).
+    """Multi-candidate rejection sampling (a chain is the one-child case: Leviathan/Chen).
 
-    At node ``cur`` with target distribution p, try the children c in order:
-    accept c w.p. min(1, p(x_c) / q_c(x_c))  (test: u_accept[c] * q_c(x_c) < p(x_c));
-    on rejection p <- norm(max(0, p - q_c)) and try the next sibling. Descend into an
-    accepted child. When every child fails (or there is none), sample the next token
-    from the current p with u_sample[depth]. Lossless when siblings are i.i.d. draws
-    from q, or distinct deterministic drafts with one-hot q.
-    probs: [len(tree)+1, V]; q: [len(tree), V]."""
+    At node ``cur`` with target distribution p, try the children c in order, each
+    drawn from proposal q_c:
+      accept c w.p. min(1, p(x_c) / q_c(x_c))   (test: u_accept[c] * q_c(x_c) < p(x_c));
+      on rejection p <- norm(max(0, p - q_c)) and try the next sibling.
+    Descend into an accepted child; when every child fails (or there is none),
+    sample the next token from the current p with u_sample[depth].
+    Exact for any proposals as long as q_c is the distribution x_c was really drawn
+    from given the siblings before it (each step is an exact sampler of its p):
+      - one-hot (deterministic drafts): q_c = onehot(x_c);
+      - siblings drawn i.i.d. (SpecInfer): q_c = q, the shared distribution;
+      - drawn without replacement (``tree.siblings == SIBLINGS_WOR``; recursive
+        rejection sampling): q_c = q with the earlier siblings' tokens removed,
+        renormalised.
+    probs: [len(tree)+1, V]; q: [len(tree), V] (each node's shared sibling q)."""
     kids = _children(tree)
+    wor = tree.siblings == SIBLINGS_WOR
     path, cur, depth = [], -1, 0
     while True:
         p = probs[_row(cur)].double()
         accepted = None
+        drawn: list[int] = []
         for c in kids.get(cur, []):
             x = tree.tokens[c]
             qc = q[c].double()
+            if wor and drawn:
+                qc = qc.clone()
+                qc[drawn] = 0.0
+                qc = qc / qc.sum()
             if float(u_accept[c]) * float(qc[x]) < float(p[x]):
                 accepted = c
                 break
+            drawn.append(x)
             resid = (p - qc).clamp_min(0.0)
             if float(resid.sum()) > 0:
                 p = resid / resid.sum()
@@ -243,7 +259,7 @@ def accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed
            probs: Optional[torch.Tensor] = None) -> Acceptance:
     """Apply the rule ``sampling`` asks for to [len(tree)+1, V] target logits.
     CUDA tensors go through the Triton kernels (same uniforms, same tokens)."""
-    if logits.is_cuda and sampling.acceptance == "exact" and len(tree):
+    if logits.is_cuda and sampling.acceptance == "exact" and len(tree) and tree.siblings != SIBLINGS_WOR:
         return _accept_cuda(logits if sampling.greedy else target_probs(logits, sampling), tree, sampling, seed)
     if sampling.greedy:
         am = argmax_rows(logits).tolist()

@@ -19,16 +19,9 @@ import time
 import uuid
 from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
+from .seeding import round_seed
 from .types import (DraftContext, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, SessionLost,
                     TokenTree, VerifyRequest)
-
-
-def round_seed(seed: int, position: int) -> int:
-    """Per-round seed derived from the request seed and the committed length, so a
-    re-prefilled or different replica draws the same uniforms."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 29
-    return x & 0x7FFFFFFFFFFFFFFF
 
 
 BLOCK_DRAFTERS = ("block", "block_tree")  # propose a whole block in one pass: draft cost per round, not per token
@@ -275,6 +268,7 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
             with scope as facts:
                 tree, draft_s, want = TokenTree(), 0.0, 0
                 sd = None
+                rs = round_seed(sampling.seed, len(tokens))  # fresh every round: seeding.py
                 if not first or draft_first:
                     remaining = max_new_tokens - n_new
                     want = max(0, min(policy.next(), remaining - 1))
@@ -283,7 +277,8 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
                     elif want > 0 and drafter_ok:
                         t0 = time.perf_counter()
                         try:
-                            tree = drafter.propose(DraftContext(sid, list(tokens), len(prompt_ids), sampling), want)
+                            tree = drafter.propose(DraftContext(sid, list(tokens), len(prompt_ids), sampling,
+                                                                 round_seed=rs), want)
                         except Exception as e:  # noqa: BLE001 - a lost drafter degrades to plain decoding
                             tree = TokenTree()
                             stats.fallbacks += 1
@@ -291,7 +286,7 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling:
                                 drafter_ok = False
                         draft_s = time.perf_counter() - t0
                 append = tokens[kv_len:]
-                req = VerifyRequest(sid, kv_len, append, tree, sampling, round_seed(sampling.seed, len(tokens)),
+                req = VerifyRequest(sid, kv_len, append, tree, sampling, rs,
                                     self_draft=sd, want_entropy=not first)
                 t0 = time.perf_counter()
                 try:

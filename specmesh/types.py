@@ -67,6 +67,10 @@ class SamplingParams:
         return self.acceptance != "exact"
 
 
+SIBLINGS_IID = "iid"
+SIBLINGS_WOR = "without_replacement"
+
+
 @dataclass
 class TokenTree:
     """A flattened draft tree.
@@ -77,6 +81,12 @@ class TokenTree:
     q_ids[i], q_probs[i] : the sparse draft distribution node i was drawn from
                  (the drafter's distribution at the parent position). Siblings share
                  it. ``None`` (or empty) means a deterministic, one-hot draft.
+    siblings   : how siblings carrying q were drawn — ``SIBLINGS_IID`` (independent
+                 draws from the shared q, may repeat) or ``SIBLINGS_WOR`` (distinct,
+                 each from q renormalised over the tokens not drawn before it).
+                 Required when two or more siblings carry q: each scheme has its
+                 own exact acceptance rule (``acceptance.rejection_tree``) and
+                 neither is exact for the other, so an unlabelled tree is refused.
     A chain is a tree with parents = [-1, 0, 1, ...].
     """
 
@@ -85,6 +95,7 @@ class TokenTree:
     q_ids: Optional[list[list[int]]] = None
     q_probs: Optional[list[list[float]]] = None
     source: str = ""  # where the drafter found it ("lexical", "retrieval", "cache", ...): stats only
+    siblings: str = ""  # SIBLINGS_IID / SIBLINGS_WOR when siblings carry q (see above)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -138,8 +149,40 @@ class TokenTree:
                     raise InvalidArgument("tree.q_probs", f"node {i} probabilities sum to {sum(ps):.4f}, not 1")
                 if ids and self.tokens[i] not in ids:
                     raise InvalidArgument("tree.q_ids", f"node {i}'s token {self.tokens[i]} is not in its q support")
+                if ids and ps[ids.index(self.tokens[i])] <= 0:
+                    raise InvalidArgument("tree.q_probs", f"node {i}'s token {self.tokens[i]} has q = 0: "
+                                          "a drafted token must have positive draft probability")
+            self._validate_siblings()
         elif (self.q_ids is None) != (self.q_probs is None):
             raise InvalidArgument("tree.q_probs", "q_ids and q_probs must be given together")
+        if self.siblings not in ("", SIBLINGS_IID, SIBLINGS_WOR):
+            raise InvalidArgument("tree.siblings", f"must be {SIBLINGS_IID!r} or {SIBLINGS_WOR!r}, "
+                                  f"got {self.siblings!r}")
+
+    def _validate_siblings(self) -> None:
+        """Sibling groups that carry q: all or none of a group carry it, they share one
+        q, the tree says how they were drawn, and drawn without replacement means distinct."""
+        groups: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            groups.setdefault(p, []).append(i)
+        for par, kids in groups.items():
+            with_q = [i for i in kids if self.q_ids[i]]
+            if len(kids) < 2 or not with_q:
+                continue
+            if len(with_q) != len(kids):
+                raise InvalidArgument("tree.q_ids", f"children of node {par}: some carry q and some do not")
+            first = kids[0]
+            for i in kids[1:]:
+                if self.q_ids[i] != self.q_ids[first] or self.q_probs[i] != self.q_probs[first]:
+                    raise InvalidArgument("tree.q_probs", f"children of node {par} carry different q; "
+                                          "siblings are draws from one distribution")
+            if not self.siblings:
+                raise InvalidArgument("tree.siblings", f"children of node {par} carry q: say how they were drawn "
+                                      f"({SIBLINGS_IID!r} or {SIBLINGS_WOR!r})")
+            toks = [self.tokens[i] for i in kids]
+            if self.siblings == SIBLINGS_WOR and len(set(toks)) != len(toks):
+                raise InvalidArgument("tree.tokens", f"children of node {par} repeat a token but were "
+                                      "drawn without replacement")
 
 
 @dataclass
@@ -150,6 +193,10 @@ class DraftContext:
                   the last one is the "pending" token the next verify will score.
     prompt_len  : how many of ``tokens`` are the prompt.
     cache_id    : the draft cache (anticipated or SSR texts) the cache drafter reads.
+    round_seed  : the round's seed (``seeding.round_seed(sampling.seed, committed
+                  length)``, the value the verify request carries); None = derive it
+                  from ``tokens`` (they are all committed tokens). Drafters that
+                  sample draw only from ``seeding.draft_generator(ctx)``.
     """
 
     session_id: str
@@ -157,6 +204,7 @@ class DraftContext:
     prompt_len: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_id: str = ""  # draft cache to read (proactive / SSR texts); "" = none
+    round_seed: Optional[int] = None
 
 
 @dataclass

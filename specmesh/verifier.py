@@ -198,7 +198,7 @@ class EngineVerifier:
                         if len(append) > 1:
                             self._append(slot, append[:-1])
                             append = append[-1:]
-                        ctx = DraftContext(r.session_id, append, 0, r.sampling)
+                        ctx = DraftContext(r.session_id, append, 0, r.sampling, round_seed=r.round_seed)
                         tree = self.self_drafters[r.self_draft.method].propose(ctx, r.self_draft.budget)
                         draft_ms = (time.perf_counter() - t0) * 1e3
                     a = len(append)

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from specmesh import acceptance as A
-from specmesh.types import InvalidArgument, SamplingParams, TokenTree
+from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, InvalidArgument, SamplingParams, TokenTree
 
 V = 5
 
@@ -104,6 +104,36 @@ def _tree_round(ctx, gen, rule):
     return [tree.tokens[i] for i in res.path] + [res.next_token]
 
 
+def _draw_without_replacement(q, k, gen):
+    """k distinct tokens: each from q renormalised over the tokens not drawn yet."""
+    q, out = q.clone(), []
+    for _ in range(k):
+        x = _draw(q / q.sum(), gen)
+        out.append(x)
+        q[x] = 0.0
+    return out
+
+
+def _wor_tree_round(ctx, gen, rule, siblings=SIBLINGS_WOR):
+    # three distinct siblings at depth 0 drawn without replacement from q (as a
+    # top-k sampling drafter would), the first with one child from q given it
+    q0 = q_next(ctx)
+    a, b, c = _draw_without_replacement(q0, 3, gen)
+    qa = q_next(ctx + [a])
+    ca = _draw(qa, gen)
+    tree = TokenTree([a, b, c, ca], [-1, -1, -1, 0], siblings=siblings)
+    probs = torch.stack([p_next(ctx), p_next(ctx + [a]), p_next(ctx + [b]), p_next(ctx + [c]),
+                         p_next(ctx + [a, ca])])
+    q = torch.stack([q0, q0, q0, qa])
+    u_acc, u_smp = A.uniforms(int(torch.randint(0, 2**62, (1,), generator=gen)), 4, 2)
+    res = rule(probs, tree, q, u_acc, u_smp)
+    return [tree.tokens[i] for i in res.path] + [res.next_token]
+
+
+def _wor_as_iid(ctx, gen, rule):
+    return _wor_tree_round(ctx, gen, rule, siblings=SIBLINGS_IID)
+
+
 def _sample_pairs(round_fn, rule, n, seed):
     gen = torch.Generator().manual_seed(seed)
     counts = torch.zeros(V, V)
@@ -145,6 +175,37 @@ def test_chain_rejection_sampling_matches_target():
 
 def test_tree_rejection_sampling_matches_target():
     assert _pvalue(_sample_pairs(_tree_round, A.rejection_tree, N, seed=2)) > 1e-3
+
+
+def test_tree_without_replacement_matches_target():
+    """Recursive rejection sampling without replacement: distinct siblings with their real q."""
+    assert _pvalue(_sample_pairs(_wor_tree_round, A.rejection_tree, N, seed=4)) > 1e-3
+
+
+def test_iid_rule_on_siblings_drawn_without_replacement_is_caught():
+    """The SpecInfer i.i.d. rule applied to distinct siblings is not exact: the same test fails."""
+    assert _pvalue(_sample_pairs(_wor_as_iid, A.rejection_tree, N, seed=4)) < 1e-6
+
+
+def test_trees_must_say_how_siblings_carrying_q_were_drawn():
+    q = ([0, 1, 2], [0.5, 0.3, 0.2])
+    tree = TokenTree([0, 1], [-1, -1], [q[0], q[0]], [q[1], q[1]])
+    with pytest.raises(InvalidArgument) as e:
+        tree.validate(V)
+    assert e.value.field == "tree.siblings"
+    TokenTree([0, 1], [-1, -1], [q[0], q[0]], [q[1], q[1]], siblings=SIBLINGS_WOR).validate(V)
+    TokenTree([0, 0], [-1, -1], [q[0], q[0]], [q[1], q[1]], siblings=SIBLINGS_IID).validate(V)
+    bad = [TokenTree([0, 0], [-1, -1], [q[0], q[0]], [q[1], q[1]], siblings=SIBLINGS_WOR),  # repeats
+           TokenTree([0, 1], [-1, -1], [q[0], [0, 1]], [q[1], [0.5, 0.5]], siblings=SIBLINGS_IID),  # differ
+           TokenTree([0, 1], [-1, -1], [q[0], []], [q[1], []], siblings=SIBLINGS_IID),  # mixed
+           TokenTree([0], [-1], [q[0]], [q[1]], siblings="sorted"),
+           TokenTree([3], [-1], [[3, 4]], [[0.0, 1.0]])]  # own token with zero probability
+    for t in bad:
+        with pytest.raises(InvalidArgument):
+            t.validate(V)
+    # one-hot siblings (deterministic drafts) and a single sampled child need no label
+    TokenTree([0, 1], [-1, -1]).validate(V)
+    TokenTree([0, 1], [-1, 0], [q[0], q[0]], [q[1], q[1]]).validate(V)
 
 
 def test_statistical_test_rejects_a_wrong_rule():

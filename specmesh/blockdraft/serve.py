@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 
 from ..drafters.base import DrafterBase
+from ..seeding import draft_generator
 from ..types import DraftContext, TokenTree
 from .incremental import ContextCache, FoldedDrafter
 from .model import BlockDrafter, load_block_drafter
@@ -87,10 +88,10 @@ class BlockSelfDrafter(DrafterBase):
         k_max = min(budget, logits.shape[0])
         if s.greedy:
             return TokenTree.chain([int(keep[i]) for i in logits[:k_max].argmax(-1)])
-        gen = torch.Generator().manual_seed((s.seed * 7919 + len(ctx.tokens)) & 0x7FFFFFFF)
+        gen = draft_generator(ctx)  # fresh every round (the context here is only the pending token)
         toks, qids, qps = [], [], []
         for k in range(k_max):
-            vals, idx = torch.topk(logits[k] / s.temperature, self.top_k)
+            vals, idx = torch.topk(logits[k] / s.temperature, min(self.top_k, logits.shape[-1]))
             q = torch.softmax(vals.double(), -1)
             j = int(torch.multinomial(q, 1, generator=gen)[0])
             toks.append(int(keep[idx[j]]))

@@ -21,14 +21,9 @@ from typing import Optional
 import torch
 
 from ..engine import LlamaEngine
+from ..seeding import draft_generator
 from ..types import DraftContext, SamplingParams, TokenTree
 from .base import DrafterBase
-
-
-def _seed(seed: int, pos: int) -> int:
-    x = (seed * 0x9E3779B97F4A7C15 + pos * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    return x & 0x7FFFFFFFFFFFFFFF
 
 
 def draw(logits: torch.Tensor, sampling: SamplingParams, top_k: int, gen: Optional[torch.Generator]):
@@ -89,7 +84,7 @@ class DraftLMDrafter(DrafterBase):
             common += 1
         self.engine.truncate(slot, common)
         logits = self.engine.prefill(slot, ctx.tokens[common:])
-        gen = None if ctx.sampling.greedy else torch.Generator().manual_seed(_seed(ctx.sampling.seed, len(ctx.tokens)))
+        gen = None if ctx.sampling.greedy else draft_generator(ctx)
         toks, qids, qps = [], [], []
         for i in range(budget):
             t, qi, qp = draw(logits, ctx.sampling, self.top_k, gen)
@@ -132,7 +127,7 @@ class LayerSkipDrafter(DrafterBase):
         budget = min(budget, eng.max_seq_len - eng.length(slot) - 2)
         if budget <= 0:
             return TokenTree()
-        gen = None if ctx.sampling.greedy else torch.Generator().manual_seed(_seed(ctx.sampling.seed, len(ctx.tokens)))
+        gen = None if ctx.sampling.greedy else draft_generator(ctx)
         toks, qids, qps = [], [], []
         cur = ctx.tokens[-1]
         with self.verifier.lock:

@@ -71,7 +71,7 @@ def sampling_from_proto(m: common_pb2.SamplingParams, prefix: str = "sampling") 
 # ---------------------------------------------------------------- trees and deltas
 
 def tree_to_proto(t: TokenTree) -> common_pb2.TokenTree:
-    m = common_pb2.TokenTree(tokens=t.tokens, parents=t.parents)
+    m = common_pb2.TokenTree(tokens=t.tokens, parents=t.parents, siblings=t.siblings)
     if t.q_ids is not None:
         for ids, ps in zip(t.q_ids, t.q_probs or [None] * len(t.q_ids)):
             m.q.add(ids=ids or [], probs=ps or [])
@@ -80,8 +80,9 @@ def tree_to_proto(t: TokenTree) -> common_pb2.TokenTree:
 
 def tree_from_proto(m: common_pb2.TokenTree) -> TokenTree:
     if len(m.q) == 0:
-        return TokenTree(list(m.tokens), list(m.parents))
-    return TokenTree(list(m.tokens), list(m.parents), [list(d.ids) for d in m.q], [list(d.probs) for d in m.q])
+        return TokenTree(list(m.tokens), list(m.parents), siblings=m.siblings)
+    return TokenTree(list(m.tokens), list(m.parents), [list(d.ids) for d in m.q], [list(d.probs) for d in m.q],
+                     siblings=m.siblings)
 
 
 def sync_to_proto(keep_len: int, append: Sequence[int]) -> common_pb2.SessionSync:

@@ -39,9 +39,10 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
+from .. import seeding
 from ..loop import AdaptiveBudget, BudgetPolicy, generate_tokens, speculative_generate
 from ..types import GenerationStats, InvalidArgument, SamplingParams, SessionLost
 from .adapt import KeepSession, ResumePrefix
@@ -193,7 +194,10 @@ def local_side_answer(verifier, stop_ids: Sequence[int], side_tokens: int, draft
                 v = ResumePrefix(verifier, verifier.fork(main_session, sid, shared))
             except SessionLost:
                 pass
-        out, _ = generate_tokens(drafter, v, context, sampling=sampling, max_new_tokens=side_tokens,
+        # the branch's text only drafts; its draws must not reuse the main session's
+        # uniforms (same seed, same committed lengths): a stream of its own
+        side_sampling = replace(sampling, seed=seeding.mix(sampling.seed, seeding.SIDE, len(context)))
+        out, _ = generate_tokens(drafter, v, context, sampling=side_sampling, max_new_tokens=side_tokens,
                                  stop_ids=stop_ids, session_id=sid, budget=AdaptiveBudget(6))
         return out
 
