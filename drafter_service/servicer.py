@@ -4,7 +4,8 @@ Thin: converts protos to the host's arguments and the draft tree back.
 Validation and session state live in ``host``; errors become status codes in
 the interceptors. ``drafter_service(settings)`` builds the host with the core
 drafters (prompt_lookup, suffix, the cache drafter and, loaded on first use,
-adaptive_lookup with the target's embedding table and draft_lm). ``Seed`` adds
+adaptive_lookup with the target's embedding table and draft_lm, on
+``settings.device``). ``Seed`` adds
 texts to a draft cache.
 
 It knows nothing about the verifier, strategies or tokenizers.
@@ -57,12 +58,11 @@ def default_factories(settings: ServeSettings) -> dict:
 
     def draft_lm():
         from specmesh.drafters.model_drafters import DraftLMDrafter
-        from specmesh.engine import LlamaEngine
-        from specmesh.runtime import default_draft_model
+        from specmesh.runtime import default_draft_model, make_engine
 
         path = settings.draft_model or str(default_draft_model(settings.model))
-        return DraftLMDrafter(LlamaEngine.from_pretrained(path, dtype=settings.dtype, n_slots=settings.n_slots,
-                                                          max_seq_len=settings.max_seq_len, quiet=True))
+        return DraftLMDrafter(make_engine(path, settings.dtype, settings.n_slots, settings.max_seq_len,
+                                          settings.device, settings.cuda_graphs, quiet=True))
 
     def adaptive_lookup():
         from specmesh.drafters.adaptive_lookup import AdaptiveLookupDrafter, embedding_table

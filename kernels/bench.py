@@ -1,6 +1,6 @@
 """Microbenchmark: Triton kernels vs the torch references on CUDA.
 
-``python -m kernels.bench [--batch N] [--depth K] [--vocab V] [--tree T]`` times each op
+``python -m specmesh.kernels.bench [--batch N] [--depth K] [--vocab V] [--tree T]`` times each op
 (median of CUDA-event timed repeats, after warm-up) on random inputs and reports how
 many sessions' outputs differ between the two (expected: 0). Without CUDA or triton it
 prints a note and exits 0. Knows nothing about models; inputs are synthetic.
@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-import kernels
+from specmesh import kernels
 
 
 def _time_ms(fn, reps: int) -> float:

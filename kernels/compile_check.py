@@ -1,6 +1,6 @@
 """Compile every Triton kernel variant for a CUDA target without a GPU.
 
-``python -m kernels.compile_check [--arch 90]`` lowers each kernel (all draft-q modes,
+``python -m specmesh.kernels.compile_check [--arch 90]`` lowers each kernel (all draft-q modes,
 production block sizes) through Triton's NVIDIA backend to a cubin with the bundled
 ptxas, catching errors the CPU interpreter cannot see (types in control flow,
 unsupported ops, register spills are reported). Exit 0: all compiled; 1: a kernel

@@ -13,7 +13,9 @@ deadline passed) stops it between rounds and releases the session on the
 verifier and the drafter.
 
 Strategies: ``autoregressive``, ``external`` (drafter = prompt_lookup | suffix
-| adaptive_lookup | draft_lm), ``self`` (layerskip inside the verifier),
+| adaptive_lookup | draft_lm), ``self`` (inside the verifier: the trained
+block drafter's ``block_tree`` by default where the verifiers have it, else
+``layerskip``),
 ``proactive`` (the conversation's anticipation cache and warm KV), ``ssr``
 (reasoning requests) and ``auto`` (chosen from features and measured speedups);
 their choice and adapters live in ``router/strategies.py``, the algorithms in
@@ -39,13 +41,13 @@ from typing import Callable, Iterator, Optional, Union
 import grpc
 
 from specmesh.observability.requests import RouterObserver
-from specmesh.serving.adapters import DOWN, Calls, Peer, ReplicaSet
 from specmesh.serving.convert import RouterStats
 from specmesh.serving.settings import ServeSettings
+from specmesh.strategies.ssr import reasoning_messages
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
 
-from specmesh.strategies.ssr import reasoning_messages
-
+from .adapters import DOWN, Calls
+from .replicas import Peer, ReplicaSet
 from .strategies import EXTERNAL_DRAFTERS, SELF_DRAFTERS, STRATEGIES, Strategies  # noqa: F401 - re-exported
 
 log = logging.getLogger("specmesh.router")
@@ -298,13 +300,20 @@ class Router:
 
     # ------------------------------------------------------------ listing
     def strategies(self) -> list[dict]:
+        """Each strategy: description, drafters, availability and ``default_drafter``
+        (what a request naming no drafter gets; "" = none, or chosen per request).
+        ``self`` lists the self drafters the verifiers have (all known names while
+        no verifier has answered Info)."""
         up = self.drafter is not None and self.drafter.health.available()
+        have = self.runner.self_drafters()
+        own = [d for d in SELF_DRAFTERS if d in have] if have else list(SELF_DRAFTERS)
         avail = {"autoregressive": True, "external": up, "self": True, "proactive": up, "ssr": up, "auto": True}
-        drafters = {"external": list(EXTERNAL_DRAFTERS), "self": list(SELF_DRAFTERS), "proactive": ["cache"],
-                    "ssr": ["cache"], "auto": list(EXTERNAL_DRAFTERS) + ["cache"] + list(SELF_DRAFTERS),
+        drafters = {"external": list(EXTERNAL_DRAFTERS), "self": own, "proactive": ["cache"],
+                    "ssr": ["cache"], "auto": list(EXTERNAL_DRAFTERS) + ["cache"] + own,
                     "autoregressive": []}
-        return [{"name": k, "description": v, "drafters": drafters[k], "available": avail[k]}
-                for k, v in STRATEGIES.items()]
+        defaults = self.runner.default_drafters()
+        return [{"name": k, "description": v, "drafters": drafters[k], "available": avail[k],
+                 "default_drafter": defaults[k]} for k, v in STRATEGIES.items()]
 
     def anticipate(self, conversation_id: str, messages: list[dict], max_tokens: int = 0, next_turns: int = 0,
                    wait: bool = False, timeout: Optional[float] = None) -> dict:

@@ -4,8 +4,10 @@ Thin: converts GenerateRequest to a ``GenerateSpec``, starts the generation in
 ``router.core``, streams its events as GenerateResponse messages, and cancels
 it (freeing the session's KV slot and drafter state) when the call ends early:
 client cancel or deadline. Anticipate / GetAnticipation queue and report a
-conversation's idle-time anticipation (proactive strategy). ``router_service(settings)`` wires the router to its drafter
-and verifier replicas.
+conversation's idle-time anticipation (proactive strategy).
+``router_service(settings)`` wires the router to its drafter and verifier
+replicas at fixed addresses, ``dynamic_router(settings)`` to replica sets
+whose members change at run time (``replicas``).
 
 It knows nothing about models, KV caches or acceptance rules.
 """
@@ -17,12 +19,12 @@ from typing import Optional
 import grpc
 
 from specmesh.serving import convert
-from specmesh.serving.adapters import ReplicaSet, drafter_peer
 from specmesh.serving.server import Service, peer_channel, time_left
 from specmesh.serving.settings import ServeSettings
 from specmesh.v1 import router_pb2, router_pb2_grpc
 
 from .core import Delta, GenerateSpec, Router, monotonic_deadline
+from .replicas import DrafterPool, ReplicaSet, drafter_peer
 
 
 def spec_from_proto(m: router_pb2.GenerateRequest) -> GenerateSpec:
@@ -85,19 +87,40 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             default_strategy=self.router.s.default_strategy, default_drafter=self.router.s.default_drafter)
 
 
-def router_service(settings: ServeSettings, codec=None) -> tuple[Service, Router]:
-    """The Router service; ``codec`` defaults to the tokenizer of ``settings.model``."""
+def _service(router: Router) -> Service:
+    return Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
+                   router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router))
+
+
+def _codec(settings: ServeSettings, codec):
     if codec is None:
         from .codec import TextCodec
 
         codec = TextCodec.from_model(settings.model)
-    replicas = ReplicaSet(settings.verifier_targets(), lambda a: peer_channel(settings, a), settings.replica_choice)
+    return codec
+
+
+def router_service(settings: ServeSettings, codec=None) -> tuple[Service, Router]:
+    """The Router service over the static replica addresses of ``settings``;
+    ``codec`` defaults to the tokenizer of ``settings.model``."""
+    codec = _codec(settings, codec)
+    replicas = ReplicaSet(lambda a: peer_channel(settings, a), settings.verifier_targets(), settings.replica_choice)
     target: Optional[str] = settings.drafter_target()
     drafter = None
     if target:
         drafter = drafter_peer(target, peer_channel(settings, target), settings.drafter_backoff_s,
                                settings.drafter_backoff_max_s)
     router = Router(settings, codec, replicas, drafter, codec.vocab_size, settings.token())
-    svc = Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
-                  router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router))
-    return svc, router
+    return _service(router), router
+
+
+def dynamic_router(settings: ServeSettings, codec=None) -> tuple[Service, Router, ReplicaSet, DrafterPool]:
+    """The Router service over an empty ``ReplicaSet`` and ``DrafterPool`` whose
+    members follow ``set_addresses`` (the Ray router replica, Kubernetes DNS
+    discovery). Returns (service, router, verifiers, drafters)."""
+    codec = _codec(settings, codec)
+    mk = lambda a: peer_channel(settings, a)  # noqa: E731
+    verifiers = ReplicaSet(mk, choice=settings.replica_choice, wait_s=min(30.0, settings.verifier_retry_s))
+    drafters = DrafterPool(mk, settings.drafter_backoff_s, settings.drafter_backoff_max_s)
+    router = Router(settings, codec, verifiers, drafters.peer, codec.vocab_size, settings.token())
+    return _service(router), router, verifiers, drafters

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
-from . import seeding
+from . import seeding, trees
 from .rowops import argmax_rows
 from .types import SIBLINGS_WOR, SamplingParams, TokenTree
 
@@ -97,10 +97,7 @@ def dense_q(tree: TokenTree, vocab: int) -> torch.Tensor:
 
 def _children(tree: TokenTree) -> dict[int, list[int]]:
     """node (-1 = root) -> its children in sibling order."""
-    kids: dict[int, list[int]] = {}
-    for i, par in enumerate(tree.parents):
-        kids.setdefault(par, []).append(i)
-    return kids
+    return trees.children_index(tree.parents)
 
 
 def _row(node: int) -> int:
@@ -235,32 +232,82 @@ def typical_tree(probs: torch.Tensor, tree: TokenTree, u_sample: torch.Tensor,
 # dispatch
 
 
-def _accept_cuda(probs: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int) -> Acceptance:
-    """The same rules through the Triton kernels of ``kernels/`` (CUDA tensors)."""
-    import kernels
+def _batchable(tree: TokenTree, sampling: SamplingParams) -> bool:
+    """The batched kernels implement the exact rules for chains and trees of i.i.d. or
+    one-hot siblings; the without-replacement rule and relaxed rules run on the host."""
+    return sampling.acceptance == "exact" and len(tree) > 0 and tree.siblings != SIBLINGS_WOR
 
-    dev = probs.device
-    greedy = sampling.greedy
-    depth = (max(tree.depths()) + 1) if len(tree) else 0
-    u_acc, u_smp = uniforms(seed, len(tree), depth)
-    q = None if greedy else dense_q(tree, probs.shape[-1]).to(dev)[None]
-    ua, us = u_acc.to(dev)[None], u_smp.to(dev)[None]
-    toks = torch.tensor([tree.tokens], dtype=torch.long, device=dev)
-    if tree.is_chain:
-        n, nxt = kernels.chain_accept(probs[None], toks, q, ua, us, greedy=greedy)
-        return Acceptance(list(range(int(n[0]))), int(nxt[0]))
-    par = torch.tensor([tree.parents], dtype=torch.long, device=dev)
-    path, plen, nxt = kernels.tree_accept(probs[None], toks, par, draft_q=q, u_accept=ua, u_sample=us,
-                                          greedy=greedy, max_depth=max(depth, 1))
-    return Acceptance([int(x) for x in path[0, : int(plen[0])]], int(nxt[0]))
+
+def _accept_group(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], samplings: Sequence[SamplingParams],
+                  seeds: Sequence[int], greedy: bool, backend: str) -> list[Acceptance]:
+    """Requests of one verify forward, all greedy or all sampled, as ONE call of
+    ``kernels.tree_accept`` (Triton on CUDA, its torch reference elsewhere): trees
+    padded to the largest (sizes mask the padding), the same uniforms as ``accept``."""
+    from specmesh import kernels
+
+    dev = logits[0].device
+    n, t = len(trees), max(len(tr) for tr in trees)
+    V = logits[0].shape[-1]
+    probs = torch.zeros(n, t + 1, V, dtype=torch.float32, device=dev)  # [N, T+1, V]
+    toks = torch.zeros(n, t, dtype=torch.long)
+    pars = torch.full((n, t), -1, dtype=torch.long)
+    depths = [max(tr.depths()) + 1 for tr in trees]
+    q = None if greedy else torch.zeros(n, t, V, dtype=torch.float32)  # [N, T, V]
+    ua = torch.zeros(n, t, dtype=torch.float64)
+    us = torch.zeros(n, max(depths) + 1, dtype=torch.float64)
+    for j, (lg, tr, sp, sd) in enumerate(zip(logits, trees, samplings, seeds)):
+        k = len(tr)
+        probs[j, : k + 1] = lg.float() if greedy else target_probs(lg, sp)
+        toks[j, :k] = torch.tensor(tr.tokens)
+        pars[j, :k] = torch.tensor(tr.parents)
+        if not greedy:
+            q[j, :k] = dense_q(tr, V)
+            a, b = uniforms(sd, k, depths[j])
+            ua[j, :k], us[j, : depths[j] + 1] = a, b
+    sizes = torch.tensor([len(tr) for tr in trees], dtype=torch.long)
+    path, plen, nxt = kernels.tree_accept(
+        probs, toks.to(dev), pars.to(dev), sizes.to(dev), draft_q=None if greedy else q.to(dev),
+        u_accept=None if greedy else ua.to(dev), u_sample=None if greedy else us.to(dev), greedy=greedy,
+        max_depth=max(depths), backend=backend)
+    path, plen, nxt = path.tolist(), plen.tolist(), nxt.tolist()  # the round's one readback
+    return [Acceptance([int(x) for x in path[j][: plen[j]]], int(nxt[j])) for j in range(n)]
+
+
+def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], samplings: Sequence[SamplingParams],
+                 seeds: Sequence[int], batched: Optional[bool] = None, backend: str = "auto") -> list[Acceptance]:
+    """``accept`` for every request of one verify forward. ``batched`` (default: on
+    when the logits are CUDA tensors): the exact rules of all greedy requests run as
+    one kernel call and those of all sampled requests as another; the rest (empty
+    drafts, relaxed rules, siblings drawn without replacement) one by one on the host.
+    Same tokens as calling ``accept`` per request (same rules, same uniforms)."""
+    n = len(trees)
+    if batched is None:
+        batched = n > 0 and logits[0].is_cuda
+    out: list[Optional[Acceptance]] = [None] * n
+    groups: dict[bool, list[int]] = {True: [], False: []}
+    for i in range(n):
+        if batched and _batchable(trees[i], samplings[i]):
+            groups[samplings[i].greedy].append(i)
+        else:
+            out[i] = accept(logits[i], trees[i], samplings[i], seeds[i])
+    for greedy, idx in groups.items():
+        if idx:
+            res = _accept_group([logits[i] for i in idx], [trees[i] for i in idx], [samplings[i] for i in idx],
+                                [seeds[i] for i in idx], greedy, backend)
+            for i, r in zip(idx, res):
+                out[i] = r
+    return out
 
 
 def accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
            probs: Optional[torch.Tensor] = None) -> Acceptance:
     """Apply the rule ``sampling`` asks for to [len(tree)+1, V] target logits.
-    CUDA tensors go through the Triton kernels (same uniforms, same tokens)."""
-    if logits.is_cuda and sampling.acceptance == "exact" and len(tree) and tree.siblings != SIBLINGS_WOR:
-        return _accept_cuda(logits if sampling.greedy else target_probs(logits, sampling), tree, sampling, seed)
+    CUDA tensors go through the batched kernels (``accept_batch``: same uniforms, same
+    tokens)."""
+    if logits.is_cuda and _batchable(tree, sampling):
+        return accept_batch([logits], [tree], [sampling], [seed], batched=True)[0]
+    if logits.is_cuda:  # the rules below are host code: one readback of the scored rows
+        logits = logits.float().cpu()
     if sampling.greedy:
         am = argmax_rows(logits).tolist()
         return greedy_chain(am, tree.tokens) if tree.is_chain else greedy_tree(am, tree)

@@ -10,8 +10,9 @@ owns it (imported lazily so ``specmesh --help`` stays fast):
   generate           stream a generation from a running router (specmesh.serving.cli)
   bench              benchmarks (specmesh.bench)
   trace, stats       trace timelines and acceptance histograms (specmesh.observability.cli)
-  calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.strategies.calibrate)
-  bench-strategies   workloads x strategies through the services (specmesh.strategies.bench)
+  calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.bench.calibrate)
+  bench-strategies   workloads x strategies through the services (specmesh.bench.strategies)
+  device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.bench.device_check)
 """
 
 from __future__ import annotations
@@ -21,9 +22,19 @@ import importlib
 import sys
 
 
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda | cuda:N (auto: CUDA when torch.cuda.is_available(), else cpu)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on CUDA, run the eager engine instead of replaying CUDA graphs")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias or local Hugging Face model directory")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    # bf16: the fastest dtype whose speculative output is identical to its plain decoding
+    # and that is not a quantisation (batch-invariant engine; scripts/dtype_compare.py)
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"])
+    add_device_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,9 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.set_defaults(module="specmesh.cli", func="make_draft_main")
 
+    p = sub.add_parser("device-check", help="on a CUDA machine: the CUDA tests and a short GPU benchmark")
+    from .bench.device_check import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(module="specmesh.bench.device_check", func="main")
+
     for mod, register in (("specmesh.serving.cli", "register"), ("specmesh.bench", "register"),
                           ("specmesh.blockdraft.cli", "register"), ("specmesh.observability.cli", "register"),
-                          ("specmesh.strategies.calibrate", "register"), ("specmesh.strategies.bench", "register")):
+                          ("specmesh.bench.calibrate", "register"), ("specmesh.bench.strategies", "register")):
         try:
             getattr(importlib.import_module(mod), register)(sub)
         except ModuleNotFoundError as e:
@@ -88,6 +105,9 @@ def main(argv=None) -> int:
 
         if isinstance(e, (InvalidArgument, ModelNotFound)):
             print(f"specmesh: error: {e}", file=sys.stderr)
+            return 2
+        if type(e).__name__ == "ValidationError" and type(e).__module__.startswith("pydantic"):  # bad settings
+            print(f"specmesh: error: invalid settings: {e}", file=sys.stderr)
             return 2
         raise
 

@@ -60,9 +60,12 @@ def peak_rss_mb() -> float:
 def main(args) -> int:
     con = Console()
     t0 = time.perf_counter()
-    con.print(f"[bold]specmesh demo[/bold]  model={args.model} dtype={args.dtype}  (loading...)")
-    rt = Runtime(args.model, dtype=args.dtype, n_slots=2, max_seq_len=2048)
+    rt_kw = dict(device=getattr(args, "device", "cpu"), cuda_graphs=getattr(args, "cuda_graphs", True))
+    con.print(f"[bold]specmesh demo[/bold]  model={args.model} dtype={args.dtype} device={rt_kw['device']}  "
+              "(loading...)")
+    rt = Runtime(args.model, dtype=args.dtype, n_slots=2, max_seq_len=2048, **rt_kw)
     info = rt.verifier.info()
+    con.print(f"device {rt.device}" + (" (CUDA graphs)" if rt.cuda_graphs else ""))
     con.print(f"loaded in {time.perf_counter() - t0:.1f}s: weights {info['weight_bytes'] / 2**20:.0f} MiB, "
               f"KV cache {info['kv_bytes_per_slot'] / 2**20:.0f} MiB per slot x {info['slots_total']} slots = "
               f"{info['kv_bytes_total'] / 2**20:.0f} MiB (max_seq_len {info['max_seq_len']})")

@@ -13,12 +13,44 @@ sequence lives in which slot.
   for the requested rows) and, on request, hidden states of chosen layers.
 - ``commit(slot, path)``: keep the KV of the tree nodes on ``path`` (root to
   leaf) as committed tokens; ``rollback(slot, n)`` drops the last n.
-- ``score_batch``: several slots' trees as one ragged forward (matmuls over the
+- ``score_batch``: several slots' trees as one forward (matmuls over the
   concatenated tokens, attention per sequence); equals separate calls.
 
+Batch invariance (``batch_invariant=True``, the default for bf16 and int8 on
+CPU): a row's logits and hidden states are bitwise the same whatever else is
+scored in the same call (alone or as row j of a chain, as a tree node, beside
+other sessions), and the KV a chain leaves does not depend on how it was split
+into calls — so greedy speculation returns exactly the tokens of plain decoding in
+bf16 and int8 too. What breaks it in the ragged forward (measured on CPU, torch
+2.13): matmuls whose row count crosses a kernel boundary (bf16: 1 row in small
+shapes, over 32 rows; fp32: 1, 2-3, 4+ rows); SDPA, whose result for a query
+depends on the key length and on whether its query block has a single row; tree
+nodes, which see their ancestors at other key indices than the same tokens in a
+chain; and the row count of everything else only through these. The invariant
+forward:
+
+- runs every matmul, with the norms and the MLP around it, on row tiles whose size
+  stays inside one kernel class (``row_tiles`` = (min, max) rows; padding rows
+  where a call has fewer);
+- attends in two parts merged by log-sum-exp: SDPA over the keys before the row
+  (committed keys, then its ancestors in chain order), a KV head's query heads
+  folded into the rows so a tile's row count stays inside one kernel class
+  (``attn_rows``), keys padded to a multiple of ``key_block`` aligned at key 0
+  (padding masked); and the row's own key, merged elementwise (ops whose
+  vectorised and scalar paths agree). A tree needs one SDPA call per group of
+  nodes whose ancestors lie on one root-to-node path (its ancestors are written
+  there in chain order first, the tree layout restored for ``commit``): siblings,
+  most of a drafter's tree, share one.
+
+``batch_invariant=False`` is the ragged forward (one matmul over all rows, one
+SDPA per sequence), kept for comparison (``set_batch_invariant``). The kernel
+classes are measured facts about these CPU kernels, not guarantees:
+tests/unit/test_batch_invariance.py checks them where it runs. The invariant forward is
+CPU-only.
+
 Works for Llama configs (GQA, RoPE with optional llama3 scaling left out, tied
-embeddings) and Qwen2-style q/k/v bias. Knows nothing about sessions,
-tokenizers, sampling or gRPC.
+embeddings) and Qwen2-style q/k/v bias. Every tensor it makes lives on
+``device``. Knows nothing about sessions, tokenizers, sampling or gRPC.
 """
 
 from __future__ import annotations
@@ -35,6 +67,19 @@ from .types import InvalidArgument, ResourceExhausted
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "int8": torch.bfloat16}
+
+# Batch-invariant forward, per dtype (measured on CPU, see the module docstring):
+# (min, max) rows per matmul call (max 0: any), (min, max) query rows per KV head of
+# an attention tile (a KV head's query heads are folded into its rows), keys padded
+# to a multiple of KEY_BLOCK. Matmuls: bf16 (oneDNN, AMX) gives a row the same bits
+# for every M in [2, 32] (other ones for M = 1 in small shapes and for M > 32); int8
+# (``_weight_int8pack_mm``) for every M; fp32 (MKL) differs between M = 1, 2-3 and
+# 4+, so exactly 8. SDPA (flash, CPU): bf16 any 2-32 query rows (one query block; a
+# block of one row runs another path) over keys padded to 64; fp32 exactly 12 rows
+# over keys padded to 512 (its key block).
+ROW_TILES = {"fp32": (8, 8), "bf16": (2, 32), "int8": (1, 0)}
+ATTN_ROWS = {"fp32": (12, 12), "bf16": (2, 32), "int8": (2, 32)}
+KEY_BLOCK = {"fp32": 512, "bf16": 64, "int8": 64}
 
 
 class Linear:
@@ -101,7 +146,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     return x * cos + swapped * sin_signed
 
 
-def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
+def ancestor_mask(parents: Sequence[int], device=None) -> torch.Tensor:
     """[n, n] bool: mask[i, j] = node j is node i itself or one of its ancestors."""
     n = len(parents)
     m = torch.zeros(n, n, dtype=torch.bool)
@@ -109,7 +154,7 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
         if p >= 0:
             m[i] = m[p]
         m[i, i] = True
-    return m
+    return m if device is None else m.to(device)
 
 
 def _depths(parents: Sequence[int]) -> list[int]:
@@ -119,9 +164,52 @@ def _depths(parents: Sequence[int]) -> list[int]:
     return d
 
 
+def _prefix_groups(parents: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Group a tree's nodes by the chain of ancestors they attend to besides themselves:
+    [(path, rows)], path = root-to-node indices of a node with children (one per such
+    node with no child that has children, in index order; [] when no node has
+    children), rows = the nodes whose ancestors are a prefix of that path (each node
+    in exactly one group). A chain is one group."""
+    n = len(parents)
+    anc: list[list[int]] = []  # each node's ancestors, root first
+    inner = [False] * n
+    for i, p in enumerate(parents):
+        anc.append(anc[p] + [p] if p >= 0 else [])
+        if p >= 0:
+            inner[p] = True
+    ends = [x for x in range(n) if inner[x] and not any(inner[c] for c in range(x + 1, n) if parents[c] == x)]
+    groups = [(anc[x] + [x], []) for x in ends] or [([], [])]
+    for i in range(n):
+        a = anc[i]
+        next(rows for path, rows in groups if path[: len(a)] == a).append(i)
+    return groups
+
+
+@dataclass
+class _Attn:
+    """One SDPA call of the batch-invariant forward: ``t`` tiles of ``R`` tokens of one
+    segment whose ancestors lie on one path, against the slot's keys [0, Lp)."""
+    write: Optional[torch.Tensor]  # flat rows of the path, written to [base, base + len) first; None: in place
+    q_rows: Optional[torch.Tensor]  # [t * R] flat query rows (the last repeated as padding); None: rows 0..n-1
+    out_rows: torch.Tensor  # [n] flat rows of the first n outputs
+    n: int
+    t: int
+    R: int
+    Lp: int
+    mask: torch.Tensor  # [t, 1, R * g, Lp] additive: token at depth e sees keys [0, base + e)
+
+
 class LlamaEngine:
     def __init__(self, config: dict, state_dict: dict, dtype: str = "fp32", n_slots: int = 4,
-                 max_seq_len: int = 2048, device: str = "cpu"):
+                 max_seq_len: int = 2048, device: str = "cpu", batch_invariant: Optional[bool] = None,
+                 row_tiles: Optional[tuple[int, int]] = None, attn_rows: Optional[tuple[int, int]] = None,
+                 key_block: Optional[int] = None):
+        """``batch_invariant``: the forward whose rows do not depend on what else is
+        scored (module docstring); default: on for bf16 and int8 on CPU (greedy
+        identity needs it there), off for fp32 (greedy output was identical without
+        it, and its exact 8-row matmul tiles cost) and on other devices (CPU-only).
+        ``row_tiles`` / ``attn_rows`` / ``key_block`` override the per-dtype tiling
+        (``ROW_TILES``, ``ATTN_ROWS``, ``KEY_BLOCK``)."""
         if dtype not in ("fp32", "bf16", "int8"):
             raise InvalidArgument("dtype", f"must be fp32, bf16 or int8, got {dtype!r}")
         self.config = config
@@ -137,6 +225,22 @@ class LlamaEngine:
         self.eps = config.get("rms_norm_eps", 1e-6)
         self.n_slots = n_slots
         self.max_seq_len = max_seq_len
+        if batch_invariant is None:
+            batch_invariant = dtype != "fp32" and self.device.type == "cpu"
+        if batch_invariant and self.device.type != "cpu":
+            raise InvalidArgument("batch_invariant", "the batch-invariant forward runs on the CPU only")
+        self.batch_invariant = bool(batch_invariant)
+        self.row_tiles = tuple(int(v) for v in (row_tiles or ROW_TILES[dtype]))
+        self.attn_rows = tuple(int(v) for v in (attn_rows or ATTN_ROWS[dtype]))
+        self.key_block = int(key_block or KEY_BLOCK[dtype])
+        for name, (lo, hi) in (("row_tiles", self.row_tiles), ("attn_rows", self.attn_rows)):
+            if lo < 1 or hi < 0 or (hi and hi < lo) or (name == "attn_rows" and not hi):
+                raise InvalidArgument(name, f"(min, max) rows per call, 1 <= min <= max, got {(lo, hi)}")
+        g = self.n_heads // self.n_kv  # query heads per KV head: tokens per attention tile
+        lo = -(-self.attn_rows[0] // g)
+        self.attn_tiles = (lo, max(lo, self.attn_rows[1] // g))
+        if self.key_block < 1:
+            raise InvalidArgument("key_block", "must be positive")
         self._load(state_dict)
         rope = config.get("rope_parameters") or {}
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
@@ -144,21 +248,50 @@ class LlamaEngine:
         ang = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv[None]
         emb = torch.cat((ang, ang), -1)
         half = self.head_dim // 2
-        self.cos = emb.cos().to(self.act_dtype)  # [T, hd]
-        self.sin = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), -1).to(self.act_dtype)  # signed
-        shape = (self.n_layers, n_slots, self.n_kv, max_seq_len, self.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
+        self.cos = emb.cos().to(self.act_dtype).to(self.device)  # [T, hd]
+        self.sin = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), -1).to(self.act_dtype).to(self.device)
+        # the invariant forward reads keys up to a multiple of key_block: the buffers hold
+        # that many positions, k_cache / v_cache are their first max_seq_len (views)
+        self._k_buf = self._v_buf = None
+        self._alloc_cache()
         self.lengths = [0] * n_slots
+
+    def _alloc_cache(self) -> None:
+        """(Re)allocate the KV buffers, keeping their contents."""
+        T = self.max_seq_len
+        if self.batch_invariant:
+            T = -(-T // self.key_block) * self.key_block
+        if self._k_buf is not None and self._k_buf.shape[3] >= T:
+            return
+        slots = self.n_slots if self._k_buf is None else self._k_buf.shape[1]  # (a subclass may hide some)
+        shape = (self.n_layers, slots, self.n_kv, T, self.head_dim)
+        kb = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
+        vb = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
+        if self._k_buf is not None:
+            kb[:, :, :, : self.max_seq_len] = self.k_cache
+            vb[:, :, :, : self.max_seq_len] = self.v_cache
+        self._k_buf, self._v_buf = kb, vb
+        self.k_cache = kb[:, :, :, : self.max_seq_len]  # [layers, slots, nk, max_seq_len, hd]
+        self.v_cache = vb[:, :, :, : self.max_seq_len]
+
+    def set_batch_invariant(self, on: bool) -> None:
+        """Switch between the batch-invariant and the ragged forward (sessions are kept)."""
+        if on and self.device.type != "cpu":
+            raise InvalidArgument("batch_invariant", "the batch-invariant forward runs on the CPU only")
+        self.batch_invariant = bool(on)
+        self._alloc_cache()
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", dtype: str = "fp32", n_slots: int = 4,
-                        max_seq_len: int = 2048, quiet: bool = False) -> "LlamaEngine":
+                        max_seq_len: int = 2048, quiet: bool = False, device: str = "cpu",
+                        **kw) -> "LlamaEngine":
+        """``kw``: further constructor options (``batch_invariant=``, tiling)."""
         from .models.loading import load_config, load_state_dict, resolve_model
 
         d = resolve_model(name, quiet=quiet)
-        eng = cls(load_config(d), load_state_dict(d), dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len)
+        eng = cls(load_config(d), load_state_dict(d), dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len,
+                  device=device, **kw)
         eng.model_dir = Path(d)
         return eng
 
@@ -231,8 +364,8 @@ class LlamaEngine:
             raise ResourceExhausted("sequence longer than max_seq_len")
         moves = [(L + k, L + p) for k, p in enumerate(path) if p != k]
         if moves:
-            dst = torch.tensor([m[0] for m in moves])
-            src = torch.tensor([m[1] for m in moves])
+            dst = torch.tensor([m[0] for m in moves], device=self.device)
+            src = torch.tensor([m[1] for m in moves], device=self.device)
             self.k_cache[:, slot, :, dst] = self.k_cache[:, slot, :, src]
             self.v_cache[:, slot, :, dst] = self.v_cache[:, slot, :, src]
         self.lengths[slot] = L + len(path)
@@ -258,11 +391,11 @@ class LlamaEngine:
     def score_batch(self, items: Sequence[tuple[int, Sequence[int], Sequence[int]]],
                     rows: Optional[Sequence[Optional[Sequence[int]]]] = None, hidden_layers: Sequence[int] = (),
                     n_layers: Optional[int] = None, extra: Optional[Sequence[int]] = None) -> list[ScoreOutput]:
-        """Score several slots' trees in one forward: ragged, no padding."""
+        """Score several slots' trees in one forward (batch-invariant tiles, or ragged)."""
         n_layers = self.n_layers if n_layers is None else n_layers
         rows = rows or [None] * len(items)
         extra = extra or [0] * len(items)
-        segs = []  # (slot, start in flat, n, base = committed + extra, mask or None)
+        segs = []  # (slot, start in flat, n, base = committed + extra, parents)
         toks: list[int] = []
         pos: list[int] = []
         for (slot, t, par), ex in zip(items, extra):
@@ -281,22 +414,37 @@ class LlamaEngine:
             base = self.lengths[slot] + ex
             if base + n > self.max_seq_len:
                 raise ResourceExhausted(f"sequence of {base + n} tokens exceeds max_seq_len={self.max_seq_len}")
-            chain = all(p == i - 1 for i, p in enumerate(par))
+            segs.append((slot, len(toks), n, base, par))
+            toks += t
+            pos += [base + d for d in _depths(par)]
+        sels = [list(range(s, s + n)) if r is None else [s + int(i) for i in r]
+                for (slot, s, n, base, par), r in zip(segs, rows)]
+        ids = torch.tensor(toks, dtype=torch.long, device=self.device)
+        posi = torch.tensor(pos, dtype=torch.long, device=self.device)
+        sel = torch.tensor([i for sl in sels for i in sl], dtype=torch.long, device=self.device)
+        forward = self._forward_invariant if self.batch_invariant else self._forward_ragged
+        logits, hidden = forward(segs, ids, posi, sel, n_layers, hidden_layers)
+        results, o = [], 0
+        for (slot, s, n, base, par), sl in zip(segs, sels):
+            results.append(ScoreOutput(logits[o: o + len(sl)], {k: v[s: s + n] for k, v in hidden.items()}))
+            o += len(sl)
+        return results
+
+    def _forward_ragged(self, segs, ids, posi, sel, n_layers, hidden_layers):
+        """One matmul over all rows, one SDPA per sequence (not batch-invariant)."""
+        masks = []
+        for slot, s, n, base, par in segs:
             if n == 1:
                 mask = None
             else:
-                if chain:
+                if all(p == i - 1 for i, p in enumerate(par)):
                     mask = torch.ones(n, base + n, dtype=torch.bool, device=self.device).tril(base)
                 else:
-                    mask = torch.ones(n, base + n, dtype=torch.bool)
-                    mask[:, base:] = ancestor_mask(par)
+                    mask = torch.ones(n, base + n, dtype=torch.bool, device=self.device)
+                    mask[:, base:] = ancestor_mask(par, self.device)
                 # additive form, built once for all layers (SDPA would convert a bool mask in each)
                 mask = torch.zeros(mask.shape, dtype=self.act_dtype, device=self.device).masked_fill_(~mask, float("-inf"))
-            segs.append((slot, len(toks), n, base, mask))
-            toks += t
-            pos += [base + d for d in _depths(par)]
-        ids = torch.tensor(toks, dtype=torch.long, device=self.device)
-        posi = torch.tensor(pos, dtype=torch.long, device=self.device)
+            masks.append(mask)
         cos = self.cos[posi][:, None]  # [N, 1, hd]
         sin = self.sin[posi][:, None]
         x = self.embed[ids].float()  # [N, H] residual stream, fp32 in every dtype mode
@@ -312,7 +460,7 @@ class LlamaEngine:
             k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
             v = qkv[:, (nq + nk) * hd:].view(-1, nk, hd).transpose(0, 1)
             outs = []
-            for slot, s, n, base, mask in segs:
+            for (slot, s, n, base, par), mask in zip(segs, masks):
                 kc, vc = self.k_cache[li, slot], self.v_cache[li, slot]  # [nk, T, hd]
                 kc[:, base: base + n] = k[:, s: s + n]
                 vc[:, base: base + n] = v[:, s: s + n]
@@ -330,14 +478,155 @@ class LlamaEngine:
                 hidden[li] = x.float()
         # one head matmul for the chosen rows of every segment (reading the head's
         # weights once per forward, not once per session)
-        sels = [list(range(s, s + n)) if r is None else [s + int(i) for i in r]
-                for (slot, s, n, base, mask), r in zip(segs, rows)]
-        hn = rms_norm(x[torch.tensor([i for sel in sels for i in sel], dtype=torch.long)], self.norm, self.eps)
+        hn = rms_norm(x[sel], self.norm, self.eps)
         logits = self.head(hn.to(ad) if ad != torch.float32 else hn).float()
         if ad != torch.float32:
             logits = self._refine_top(logits, hn)
-        results, o = [], 0
-        for (slot, s, n, base, mask), sel in zip(segs, sels):
-            results.append(ScoreOutput(logits[o: o + len(sel)], {k: v[s: s + n] for k, v in hidden.items()}))
-            o += len(sel)
-        return results
+        return logits, hidden
+
+    # ------------------------------------------------------------------ batch-invariant forward
+    @staticmethod
+    def _split(n: int, lo: int, hi: int) -> tuple[int, int]:
+        """(tiles, rows per tile) for n rows, each tile of lo..hi rows (hi 0: one tile)."""
+        t = -(-n // hi) if hi else 1
+        return t, max(lo, -(-n // t))
+
+    def _mm(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
+        """lin(x) over balanced row tiles of ``row_tiles`` = (min, max) rows of x [N, in]
+        (N already padded by ``_padded_rows``), one matrix at a time (a prompt's tiles
+        find the weights in cache)."""
+        N = x.shape[0]
+        t, _ = self._split(N, *self.row_tiles)
+        if t == 1:
+            return lin(x)
+        out, a = [], 0
+        for k in range(t):
+            m = N // t + (k < N % t)
+            out.append(lin(x[a: a + m]))
+            a += m
+        return torch.cat(out)
+
+    def _padded_rows(self, n: int) -> int:
+        """Rows a forward of n rows runs with so that every row tile is full: n rounded
+        up to the tile for fixed tiles, at least the minimum for ranges."""
+        lo, hi = self.row_tiles
+        return -(-n // hi) * hi if lo == hi else max(n, lo)
+
+    def _attn_plan(self, segs) -> list[tuple[int, int, int, int, bool, list[_Attn]]]:
+        """Per segment: (slot, start, n, base, restore, prefix calls). A row at position
+        p attends to keys [0, p) through SDPA (the prefix) and to its own key, merged by
+        log-sum-exp. The prefix of a token at depth e is the committed keys plus its e
+        ancestors in chain order at [base, base + e): one call per group of
+        ``_prefix_groups`` (a chain: one), the group's path written there first unless
+        it is there already (``restore``: put the tree layout back for ``commit``). Each
+        call's queries are t tiles of R tokens (``attn_tiles``), its keys padded to a
+        multiple of ``key_block``. Rows with no key before them (position 0) are in no
+        call."""
+        B, dev = self.key_block, self.device
+        g = self.n_heads // self.n_kv
+        plan = []
+        for slot, s, n, base, par in segs:
+            depth = _depths(par)
+            calls, restore = [], False
+            for path, rows in _prefix_groups(par):
+                rows = [i for i in rows if base + depth[i] > 0]
+                if not rows:
+                    continue
+                in_place = not restore and path == list(range(len(path)))
+                restore = restore or not in_place
+                Lp = -(-(base + len(path)) // B) * B
+                m = len(rows)
+                t, R = self._split(m, *self.attn_tiles)
+                qn = rows + [rows[-1]] * (t * R - m)
+                vis = [base + depth[i] for i in qn for _ in range(g)]  # keys before each (token, head) row
+                mask = torch.zeros(t * R * g, Lp, dtype=self.act_dtype, device=dev)
+                mask.masked_fill_(torch.arange(Lp, device=dev)[None] >= torch.tensor(vis, device=dev)[:, None],
+                                  float("-inf"))
+                contiguous = t * R == m and [s + i for i in rows] == list(range(m))
+                calls.append(_Attn(
+                    write=None if in_place else torch.tensor([s + i for i in path], dtype=torch.long, device=dev),
+                    q_rows=None if contiguous else torch.tensor([s + i for i in qn], dtype=torch.long, device=dev),
+                    out_rows=torch.tensor([s + i for i in rows], dtype=torch.long, device=dev),
+                    n=m, t=t, R=R, Lp=Lp, mask=mask.view(t, 1, R * g, Lp)))
+            plan.append((slot, s, n, base, restore, calls))
+        return plan
+
+    def _forward_invariant(self, segs, ids, posi, sel, n_layers, hidden_layers):
+        """Batch-invariant forward (module docstring)."""
+        N0 = ids.shape[0]
+        N = self._padded_rows(N0)
+        if N > N0:  # padding rows (token 0 at position 0) fill the row tiles; attention skips them
+            ids = torch.cat([ids, ids.new_zeros(N - N0)])
+            posi = torch.cat([posi, posi.new_zeros(N - N0)])
+        plan = self._attn_plan(segs)
+        sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        cos = self.cos[posi][:, None]  # [N, 1, hd]
+        sin = self.sin[posi][:, None]
+        x = self.embed[ids].float()  # [N, H] residual stream, fp32 in every dtype mode
+        ad, eps, dev = self.act_dtype, self.eps, self.device
+        hidden: dict[int, torch.Tensor] = {}
+        nq, nk, hd = self.n_heads, self.n_kv, self.head_dim
+        g, scale = nq // nk, self.head_dim ** -0.5
+        for li in range(n_layers):
+            L = self.layers[li]
+            qkv = self._mm(L.qkv, rms_norm(x, L.ln1, eps, ad))  # [N, (nq + 2nk) * hd]
+            qk = rope(qkv[:N0, : (nq + nk) * hd].view(N0, nq + nk, hd), cos[:N0], sin[:N0])  # [N0, nq + nk, hd]
+            q = qk[:, :nq].view(N0, nk, g, hd)
+            k = qk[:, nq:]  # [N0, nk, hd]
+            v = qkv[:N0, (nq + nk) * hd:].view(N0, nk, hd)
+            kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [nk, N0, hd]
+            kb, vb = self._k_buf[li], self._v_buf[li]
+            # prefix: SDPA over the keys before each row (output and log-sum-exp per row and head)
+            oa = la = None
+            for slot, s, n, base, restore, cs in plan:
+                kc, vc = kb[slot], vb[slot]  # [nk, T, hd]
+                kc[:, base: base + n] = kt[:, s: s + n]  # tree layout (what commit reads)
+                vc[:, base: base + n] = vt[:, s: s + n]
+                for c in cs:
+                    if c.write is not None:  # the group's ancestors in chain order
+                        kc[:, base: base + c.write.shape[0]] = kt[:, c.write]
+                        vc[:, base: base + c.write.shape[0]] = vt[:, c.write]
+                    qc = q[: c.n] if c.q_rows is None else q[c.q_rows]
+                    qc = qc.view(c.t, c.R, nk, g, hd).transpose(1, 2).reshape(c.t, nk, c.R * g, hd)
+                    ks = kc[:, : c.Lp].unsqueeze(0).expand(c.t, -1, -1, -1)
+                    vs = vc[:, : c.Lp].unsqueeze(0).expand(c.t, -1, -1, -1)
+                    o, lse = sdpa(qc, ks, vs, 0.0, False, attn_mask=c.mask)  # [t, nk, R * g, hd], [t, nk, R * g]
+                    o = o.view(c.t, nk, c.R, g, hd).transpose(1, 2).reshape(-1, nk, g, hd)[: c.n].float()
+                    lse = lse.view(c.t, nk, c.R, g).transpose(1, 2).reshape(-1, nk, g)[: c.n]
+                    if c.q_rows is None and c.n == N0:  # one call for every row, in order
+                        oa, la = o, lse
+                        continue
+                    if oa is None:
+                        oa = torch.zeros(N0, nk, g, hd, device=dev)
+                        la = torch.full((N0, nk, g), float("-inf"), device=dev)
+                    oa[c.out_rows] = o
+                    la[c.out_rows] = lse
+                if restore:
+                    kc[:, base: base + n] = kt[:, s: s + n]
+                    vc[:, base: base + n] = vt[:, s: s + n]
+            # the row's own key, merged with the prefix by log-sum-exp: the prefix weighs
+            # 1 / (1 + exp(s - la)) (elementwise ops whose vectorised and scalar paths agree
+            # bitwise: exp, add, reciprocal, lerp — torch.sigmoid's do not)
+            a = (torch.zeros if N > N0 else torch.empty)(N, nq * hd, dtype=ad, device=dev)  # padding rows: 0
+            if oa is None:  # no row has a key before it (a sequence's first token)
+                a[:N0].view(N0, nk, g, hd).copy_(v[:, :, None])
+            else:
+                sk = torch.linalg.vecdot(q.float(), k.float()[:, :, None]) * scale  # [N0, nk, g] own scores
+                w = torch.exp(sk - la).add_(1.0).reciprocal_()
+                a[:N0].view(N0, nk, g, hd).copy_(torch.lerp(v.float()[:, :, None], oa, w[..., None]))
+
+            x = x + self._mm(L.o, a)
+            g_, u_ = self._mm(L.gate_up, rms_norm(x, L.ln2, eps, ad)).chunk(2, -1)
+            x = x + self._mm(L.down, F.silu(g_) * u_)
+            if li in hidden_layers:
+                hidden[li] = x[:N0]
+
+        n_sel = sel.shape[0]
+        m = self._padded_rows(n_sel)
+        if m > n_sel:
+            sel = torch.cat([sel, sel[-1:].expand(m - n_sel)])
+        hn = rms_norm(x[sel], self.norm, eps)
+        logits = self._mm(self.head, hn.to(ad) if ad != torch.float32 else hn).float()
+        if ad != torch.float32:
+            logits = self._refine_top(logits, hn)
+        return logits[:n_sel], hidden

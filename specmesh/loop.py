@@ -17,15 +17,17 @@ import contextlib
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
+from .drafters import registry
 from .seeding import round_seed
 from .types import (DraftContext, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, SessionLost,
-                    TokenTree, VerifyRequest)
+                    TokenTree, VerifyRequest, VerifyResult)
 
 
-BLOCK_DRAFTERS = ("block", "block_tree")  # propose a whole block in one pass: draft cost per round, not per token
-TREE_DRAFTERS = ("block_tree",)  # of those, the ones that grow a best-first tree of the budget's size
+BLOCK_DRAFTERS = registry.PER_ROUND  # propose a whole block in one pass: draft cost per round, not per token
+TREE_DRAFTERS = registry.PER_ROUND_TREES  # of those, the ones that grow a best-first tree of the budget's size
 
 
 class BudgetPolicy:
@@ -78,7 +80,7 @@ class VerifyCosts:
 
 
 class AdaptiveBudget(BudgetPolicy):
-    """Draft length from the cost model of DESIGN.md section 4.
+    """Draft length from the cost model in docs/design.md ("Adaptive draft length: the cost model").
 
     With per-token acceptance alpha (EMA of accepted / EMA of accepted + rejections), a
     chain of k drafts yields E(k) = (1 - alpha^(k+1)) / (1 - alpha) tokens per round,
@@ -213,128 +215,187 @@ def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size:
             raise InvalidArgument("prompt_ids", f"token id {t!r} outside [0, {vocab_size})")
 
 
-def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                         max_new_tokens: int = 128, stop_ids: Sequence[int] = (), session_id: Optional[str] = None,
-                         budget: int | BudgetPolicy = 6, stats: Optional[GenerationStats] = None,
-                         self_draft: Optional[str] = None, on_drafter_error: Optional[Callable] = None,
-                         max_new_limit: Optional[int] = None,
-                         round_scope: Optional[Callable[[int], ContextManager[dict]]] = None,
-                         draft_first: bool = False) -> Iterator[list[int]]:
-    """Yield lists of new tokens, one per round, until ``max_new_tokens`` or a stop id
-    (not yielded). ``stats`` is filled in place. ``drafter`` None and ``self_draft``
-    None is plain autoregressive decoding through the same verifier. ``draft_first``:
-    the first round drafts too (worth it when the verifier already holds most of
-    the prompt, e.g. a resumed session); it still counts as the prefill, so its
-    drafts are not in the round counters (tau, histograms).
+@dataclass
+class LoopOptions:
+    """What one generation asks of the loop (everything but the parties and the prompt).
 
-    ``round_scope(index)`` (optional) is entered around each round (index 0 is the
-    prefill) — drafting and verifying run inside it, so a tracing span opened there
-    parents the RPCs — and the dict it yields is filled with the round's facts:
-    drafted, accepted, depth (of the draft tree), tree_size, draft_ms, verify_ms
-    (server side), wall_ms, batch_size, prefill."""
-    prompt_ids = list(prompt_ids)
-    validate_request(prompt_ids, max_new_tokens, verifier.vocab_size, max_new_limit)
-    stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = len(prompt_ids)
-    stats.lossy = sampling.lossy
-    policy = budget if isinstance(budget, BudgetPolicy) else BudgetPolicy(int(budget))
-    sid = session_id or uuid.uuid4().hex
-    stops = set(stop_ids)
-    tokens = list(prompt_ids)  # committed: prompt + generated; tokens[-1] is pending after the first round
-    kv_len = 0  # how many of ``tokens`` the verifier holds
-    t_start = time.perf_counter()
-    n_new = 0
-    drafter_ok = drafter is not None
+    ``budget``: a fixed draft size or a ``BudgetPolicy``. ``self_draft``: the verifier
+    drafts with this in-verifier drafter (``drafter`` is then unused). ``on_drafter_error``:
+    called with the exception of a failed ``propose``; returning False stops drafting
+    for the rest of the generation. ``max_new_limit``: the caller's cap on
+    ``max_new_tokens`` (INVALID_ARGUMENT above it). ``round_scope(index)``: entered
+    around each round (index 0 is the prefill) — drafting and verifying run inside it,
+    so a tracing span opened there parents the RPCs — and the dict it yields is filled
+    with the round's facts: drafted, accepted, depth, tree_size, draft_ms, verify_ms
+    (server side), wall_ms, batch_size, prefill. ``draft_first``: the first round
+    drafts too (worth it when the verifier already holds most of the prompt, e.g. a
+    resumed session); it still counts as the prefill, so its drafts are not in the
+    round counters (tau, histograms)."""
 
-    def _emit(new: list[int]) -> tuple[list[int], bool]:
-        nonlocal n_new
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 128
+    stop_ids: Sequence[int] = ()
+    session_id: Optional[str] = None
+    budget: int | BudgetPolicy = 6
+    self_draft: Optional[str] = None
+    on_drafter_error: Optional[Callable] = None
+    max_new_limit: Optional[int] = None
+    round_scope: Optional[Callable[[int], ContextManager[dict]]] = None
+    draft_first: bool = False
+
+
+@dataclass
+class _Round:
+    """One round in flight: the draft, its timing, the verify result."""
+
+    tree: TokenTree = field(default_factory=TokenTree)
+    draft_s: float = 0.0
+    self_draft: Optional[SelfDraft] = None
+    result: Optional[VerifyResult] = None
+    wall_s: float = 0.0  # the verify call's wall time
+
+
+class _Generation:
+    """The state of one generation: committed tokens (the source of truth), what the
+    verifier holds, counters. ``draft`` / ``verify`` / ``record`` / ``commit`` are the
+    steps of a round."""
+
+    def __init__(self, drafter, verifier, prompt_ids: list[int], o: LoopOptions, stats: GenerationStats):
+        self.drafter, self.verifier, self.o, self.stats = drafter, verifier, o, stats
+        self.prompt_len = len(prompt_ids)
+        self.tokens = list(prompt_ids)  # committed: prompt + generated; tokens[-1] is pending after the first round
+        self.kv_len = 0  # how many of ``tokens`` the verifier holds
+        self.n_new = 0
+        self.first = True
+        self.drafter_ok = drafter is not None
+        self.policy = o.budget if isinstance(o.budget, BudgetPolicy) else BudgetPolicy(int(o.budget))
+        self.sid = o.session_id or uuid.uuid4().hex
+        self.stops = set(o.stop_ids)
+        self.t_start = time.perf_counter()
+
+    def draft(self, rs: int) -> _Round:
+        """Ask the policy for a size and the drafter (or the verifier's self drafter) for a draft."""
+        rnd = _Round()
+        if self.first and not self.o.draft_first:
+            return rnd
+        want = max(0, min(self.policy.next(), self.o.max_new_tokens - self.n_new - 1))
+        if want > 0 and self.o.self_draft is not None:
+            rnd.self_draft = SelfDraft(self.o.self_draft, want)
+        elif want > 0 and self.drafter_ok:
+            t0 = time.perf_counter()
+            try:
+                ctx = DraftContext(self.sid, list(self.tokens), self.prompt_len, self.o.sampling, round_seed=rs)
+                rnd.tree = self.drafter.propose(ctx, want)
+            except Exception as e:  # noqa: BLE001 - a lost drafter degrades to plain decoding
+                rnd.tree = TokenTree()
+                self.stats.fallbacks += 1
+                if self.o.on_drafter_error is not None and self.o.on_drafter_error(e) is False:
+                    self.drafter_ok = False
+            rnd.draft_s = time.perf_counter() - t0
+        return rnd
+
+    def verify(self, rnd: _Round, rs: int) -> None:
+        """Send the committed tokens the verifier lacks and the draft; re-prefill a lost session."""
+        req = VerifyRequest(self.sid, self.kv_len, self.tokens[self.kv_len:], rnd.tree, self.o.sampling, rs,
+                            self_draft=rnd.self_draft, want_entropy=not self.first)
+        t0 = time.perf_counter()
+        try:
+            rnd.result = self.verifier.verify(req)
+        except SessionLost:
+            req.keep_len, req.append_tokens = 0, list(self.tokens)
+            rnd.result = self.verifier.verify(req)
+        rnd.wall_s = time.perf_counter() - t0
+
+    def record(self, rnd: _Round, facts: Optional[dict]) -> None:
+        """Counters, the budget policy's feedback and the round's facts."""
+        res, st = rnd.result, self.stats
+        st.target_forwards += 1
+        depth = 0
+        if self.first:
+            st.prefill_s += rnd.wall_s
+        else:
+            self_draft_s = res.draft_ms / 1e3
+            st.verify_s += rnd.wall_s - self_draft_s
+            st.draft_s += rnd.draft_s + self_draft_s
+            depth = max(rnd.tree.depths()) + 1 if len(rnd.tree) else res.drafted
+            st.record_round(res.drafted, len(res.accepted), depth)
+            self.policy.update(res.drafted, len(res.accepted), res.entropy, rnd.draft_s + self_draft_s,
+                               max(rnd.wall_s - self_draft_s, 1e-6))
+        if facts is not None:
+            facts.update(prefill=self.first, drafted=res.drafted, accepted=len(res.accepted), depth=depth,
+                         tree_size=res.tree_size, draft_ms=rnd.draft_s * 1e3 + res.draft_ms,
+                         verify_ms=res.verify_ms, wall_ms=(rnd.draft_s + rnd.wall_s) * 1e3,
+                         batch_size=res.batch_size)
+
+    def commit(self, rnd: _Round) -> tuple[list[int], bool]:
+        """Commit the accepted tokens and the target's own; return (tokens to emit, done)."""
+        res = rnd.result
+        new = list(res.accepted) + [res.next_token]
+        self.kv_len = len(self.tokens) + len(res.accepted)
         out, done = [], False
         for t in new:
-            if t in stops:
-                stats.finish_reason, done = "stop", True
+            if t in self.stops:
+                self.stats.finish_reason, done = "stop", True
                 break
             out.append(t)
-            n_new += 1
-            if n_new >= max_new_tokens:
-                stats.finish_reason, done = "length", True
+            self.n_new += 1
+            if self.n_new >= self.o.max_new_tokens:
+                self.stats.finish_reason, done = "length", True
                 break
+        self.tokens += new
+        if self.first:
+            self.stats.ttft_s = time.perf_counter() - self.t_start
+            self.first = False
+        self.stats.new_tokens = self.n_new
+        self.stats.total_s = time.perf_counter() - self.t_start
         return out, done
 
+    def close(self) -> None:
+        self.stats.new_tokens = self.n_new
+        self.stats.total_s = time.perf_counter() - self.t_start
+        try:
+            if self.drafter is not None:
+                self.drafter.finish(self.sid, self.tokens[: self.prompt_len + self.n_new], self.prompt_len)
+        except Exception:  # noqa: BLE001 - cleanup must not mask the result
+            pass
+        try:
+            self.verifier.release(self.sid)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], options: Optional[LoopOptions] = None, *,
+                         stats: Optional[GenerationStats] = None, **kw) -> Iterator[list[int]]:
+    """Yield lists of new tokens, one per round, until ``max_new_tokens`` or a stop id
+    (not yielded). ``stats`` is filled in place. ``drafter`` None and no ``self_draft``
+    is plain autoregressive decoding through the same verifier. The options come as a
+    ``LoopOptions`` or as its fields by keyword (not both)."""
+    if options is not None and kw:
+        raise TypeError("pass LoopOptions or its fields, not both")
+    o = options if options is not None else LoopOptions(**kw)
+    prompt_ids = list(prompt_ids)
+    validate_request(prompt_ids, o.max_new_tokens, verifier.vocab_size, o.max_new_limit)
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt_ids)
+    stats.lossy = o.sampling.lossy
+    g = _Generation(drafter, verifier, prompt_ids, o, stats)
     try:
-        first = True
         index = 0
         while True:
-            scope = round_scope(index) if round_scope is not None else contextlib.nullcontext({})
+            scope = o.round_scope(index) if o.round_scope is not None else contextlib.nullcontext({})
             with scope as facts:
-                tree, draft_s, want = TokenTree(), 0.0, 0
-                sd = None
-                rs = round_seed(sampling.seed, len(tokens))  # fresh every round: seeding.py
-                if not first or draft_first:
-                    remaining = max_new_tokens - n_new
-                    want = max(0, min(policy.next(), remaining - 1))
-                    if want > 0 and self_draft is not None:
-                        sd = SelfDraft(self_draft, want)
-                    elif want > 0 and drafter_ok:
-                        t0 = time.perf_counter()
-                        try:
-                            tree = drafter.propose(DraftContext(sid, list(tokens), len(prompt_ids), sampling,
-                                                                 round_seed=rs), want)
-                        except Exception as e:  # noqa: BLE001 - a lost drafter degrades to plain decoding
-                            tree = TokenTree()
-                            stats.fallbacks += 1
-                            if on_drafter_error is not None and on_drafter_error(e) is False:
-                                drafter_ok = False
-                        draft_s = time.perf_counter() - t0
-                append = tokens[kv_len:]
-                req = VerifyRequest(sid, kv_len, append, tree, sampling, rs,
-                                    self_draft=sd, want_entropy=not first)
-                t0 = time.perf_counter()
-                try:
-                    res = verifier.verify(req)
-                except SessionLost:
-                    req.keep_len, req.append_tokens = 0, list(tokens)
-                    res = verifier.verify(req)
-                dt = time.perf_counter() - t0
-                stats.target_forwards += 1
-                if first:
-                    stats.prefill_s += dt
-                else:
-                    stats.verify_s += dt - res.draft_ms / 1e3
-                    stats.draft_s += draft_s + res.draft_ms / 1e3
-                    depth = max(tree.depths()) + 1 if len(tree) else res.drafted
-                    stats.record_round(res.drafted, len(res.accepted), depth)
-                    policy.update(res.drafted, len(res.accepted), res.entropy, draft_s + res.draft_ms / 1e3,
-                                  max(dt - res.draft_ms / 1e3, 1e-6))
-                if facts is not None:
-                    facts.update(prefill=first, drafted=res.drafted, accepted=len(res.accepted),
-                                 depth=0 if first else depth, tree_size=res.tree_size,
-                                 draft_ms=draft_s * 1e3 + res.draft_ms, verify_ms=res.verify_ms,
-                                 wall_ms=(draft_s + dt) * 1e3, batch_size=res.batch_size)
+                rs = round_seed(o.sampling.seed, len(g.tokens))  # fresh every round: seeding.py
+                rnd = g.draft(rs)
+                g.verify(rnd, rs)
+                g.record(rnd, facts)
             index += 1
-            new = list(res.accepted) + [res.next_token]
-            kv_len = len(tokens) + len(res.accepted)
-            out, done = _emit(new)
-            tokens += new
-            if first:
-                stats.ttft_s = time.perf_counter() - t_start
-                first = False
-            stats.new_tokens = n_new
-            stats.total_s = time.perf_counter() - t_start
+            out, done = g.commit(rnd)
             if out:
                 yield out
             if done:
                 break
     finally:
-        stats.new_tokens = n_new
-        stats.total_s = time.perf_counter() - t_start
-        for party in (drafter, verifier):
-            try:
-                if party is drafter and party is not None:
-                    party.finish(sid, tokens[: len(prompt_ids) + n_new], len(prompt_ids))
-                elif party is verifier:
-                    party.release(sid)
-            except Exception:  # noqa: BLE001 - cleanup must not mask the result
-                pass
+        g.close()
 
 
 def generate_tokens(drafter, verifier, prompt_ids, **kw) -> tuple[list[int], GenerationStats]:

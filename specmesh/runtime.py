@@ -6,6 +6,12 @@ prompt or chat messages into token ids with the tokenizer's chat template, knows
 the stop ids, and builds any registered drafter (``prompt_lookup``, ``suffix``,
 ``draft_lm`` with its own engine, ``layerskip`` bound to this verifier).
 
+``device`` (``cpu`` by default here; the command-line entry points default to
+``auto``) is resolved once by ``specmesh.device.resolve_device``; the engine, the
+draft LM's engine and the block drafter live on it. On CUDA the engines are
+``GraphedEngine`` (CUDA-graph forwards, ``specmesh.cudagraph``) unless
+``cuda_graphs=False``.
+
 It knows nothing about gRPC.
 """
 
@@ -16,8 +22,9 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .drafters import DRAFTERS, make_drafter
+from .drafters import DRAFTERS, make_drafter, registry
 from .drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
+from .device import resolve_device
 from .engine import LlamaEngine
 from .loop import VerifyCosts
 from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model, \
@@ -78,22 +85,41 @@ def default_draft_model(target: str = DEFAULT_MODEL) -> Path:
     return d
 
 
+def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048, device="cpu",
+                cuda_graphs=True, quiet: bool = False) -> LlamaEngine:
+    """A serving engine on ``device`` (resolved here): ``GraphedEngine`` on CUDA unless
+    ``cuda_graphs`` is False (``"always"``: on any device; the CPU runs its static
+    forward without capture, for tests), else the eager ``LlamaEngine``."""
+    dev = resolve_device(device)
+    cls = LlamaEngine
+    if cuda_graphs == "always" or (dev.type == "cuda" and cuda_graphs):
+        from .cudagraph import GraphedEngine
+
+        cls = GraphedEngine
+    return cls.from_pretrained(path, dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len, quiet=quiet, device=dev)
+
+
 class Runtime:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048,
                  draft_model: Optional[str] = None, layerskip_exit: Optional[int] = None, quiet: bool = False,
-                 block_drafter: bool = True):
+                 block_drafter: bool = True, device="cpu", cuda_graphs=True):
+        """``device``: auto | cpu | cuda | cuda:N. ``cuda_graphs``: on CUDA, the engines
+        are ``GraphedEngine`` (False: the eager engine; "always": on the CPU too, see
+        ``make_engine``)."""
+        self.device = resolve_device(device)
+        self.cuda_graphs = cuda_graphs if cuda_graphs == "always" else self.device.type == "cuda" and bool(cuda_graphs)
         self.model_dir = resolve_model(model, quiet=quiet)
         self.model_name = model
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.engine = LlamaEngine.from_pretrained(str(self.model_dir), dtype=dtype, n_slots=n_slots,
-                                                  max_seq_len=max_seq_len, quiet=quiet)
+        self.engine = make_engine(str(self.model_dir), dtype, n_slots, max_seq_len, self.device, self.cuda_graphs,
+                                  quiet)
         self.verifier = EngineVerifier(self.engine)
         self.verify_costs = VerifyCosts()  # this verifier's cost per scored draft token, shared by its requests
         self.dtype = dtype
         self.max_seq_len = max_seq_len
         self.draft_model = draft_model
         if layerskip_exit is None:  # the exit chosen by `specmesh calibrate-layerskip`, else 24
-            from .strategies.calibrate import calibrated_exit
+            from .drafters.calibration import calibrated_exit
 
             layerskip_exit = calibrated_exit(model, dtype) or min(24, self.engine.n_layers - 1)
         self.layerskip_exit = layerskip_exit
@@ -105,6 +131,9 @@ class Runtime:
             from .blockdraft.serve import BlockSelfDrafter
 
             self.block_drafter = BlockSelfDrafter.from_checkpoint(self.verifier, bd)
+            if self.device.type != "cpu":  # the same weights, folded again on the device
+                self.block_drafter = BlockSelfDrafter(self.verifier, self.block_drafter.model.to(self.device),
+                                                      calibration=self.block_drafter.calibration)
             self.verifier.self_drafters["block"] = self.block_drafter
             self.verifier.self_drafters["block_tree"] = BlockSelfDrafter(
                 self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration,
@@ -145,8 +174,8 @@ class Runtime:
         if name == "draft_lm":
             if self._draft_lm is None:
                 path = self.draft_model or str(default_draft_model(self.model_name))
-                eng = LlamaEngine.from_pretrained(path, dtype=self.dtype, n_slots=self.engine.n_slots,
-                                                  max_seq_len=self.max_seq_len, quiet=True)
+                eng = make_engine(path, self.dtype, self.engine.n_slots, self.max_seq_len, self.device,
+                                  self.cuda_graphs, quiet=True)
                 self._draft_lm = DraftLMDrafter(eng)
             return self._draft_lm
         if name == "adaptive_lookup" and "embeddings" not in kw and "vocab_size" not in kw:
@@ -156,4 +185,5 @@ class Runtime:
         return make_drafter(name, **kw)
 
 
-DRAFTER_NAMES = ("prompt_lookup", "suffix", "adaptive_lookup", "cache", "draft_lm", "layerskip")
+# what ``drafter(name)`` builds; the one-pass block drafters run as self drafts (``self_draft=``)
+DRAFTER_NAMES = tuple(n for n in registry.SPECS if n not in registry.PER_ROUND)

@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from . import trees
+
 
 class InvalidArgument(ValueError):
     """Bad input. ``field`` names the offending field (mapped to INVALID_ARGUMENT)."""
@@ -82,8 +84,10 @@ class TokenTree:
                  (the drafter's distribution at the parent position). Siblings share
                  it. ``None`` (or empty) means a deterministic, one-hot draft.
     siblings   : how siblings carrying q were drawn — ``SIBLINGS_IID`` (independent
-                 draws from the shared q, may repeat) or ``SIBLINGS_WOR`` (distinct,
-                 each from q renormalised over the tokens not drawn before it).
+                 draws, each from its own q: i.i.d. when they share one, may
+                 repeat; a node without q is a deterministic draft) or
+                 ``SIBLINGS_WOR`` (distinct, each from the shared q renormalised
+                 over the tokens not drawn before it).
                  Required when two or more siblings carry q: each scheme has its
                  own exact acceptance rule (``acceptance.rejection_tree``) and
                  neither is exact for the other, so an unlabelled tree is refused.
@@ -107,18 +111,15 @@ class TokenTree:
 
     @property
     def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+        return trees.is_chain(self.parents)
 
     def depths(self) -> list[int]:
         """Depth of each node: 0 for children of the committed context."""
-        d: list[int] = []
-        for p in self.parents:
-            d.append(0 if p < 0 else d[p] + 1)
-        return d
+        return trees.depths(self.parents)
 
     def children(self, node: int) -> list[int]:
         """Children of ``node`` (-1 = root) in sibling order."""
-        return [i for i, p in enumerate(self.parents) if p == node]
+        return trees.children_index(self.parents).get(node, [])
 
     def validate(self, vocab_size: int, max_nodes: int = 1024) -> None:
         """Raise InvalidArgument naming the field when the tree is malformed."""
@@ -160,27 +161,23 @@ class TokenTree:
                                   f"got {self.siblings!r}")
 
     def _validate_siblings(self) -> None:
-        """Sibling groups that carry q: all or none of a group carry it, they share one
-        q, the tree says how they were drawn, and drawn without replacement means distinct."""
-        groups: dict[int, list[int]] = {}
-        for i, p in enumerate(self.parents):
-            groups.setdefault(p, []).append(i)
-        for par, kids in groups.items():
-            with_q = [i for i in kids if self.q_ids[i]]
-            if len(kids) < 2 or not with_q:
+        """A sibling group in which any node carries q must say how it was drawn;
+        drawn without replacement means one shared q on every sibling and distinct tokens."""
+        for par, kids in trees.children_index(self.parents).items():
+            if len(kids) < 2 or not any(self.q_ids[i] for i in kids):
                 continue
-            if len(with_q) != len(kids):
-                raise InvalidArgument("tree.q_ids", f"children of node {par}: some carry q and some do not")
-            first = kids[0]
-            for i in kids[1:]:
-                if self.q_ids[i] != self.q_ids[first] or self.q_probs[i] != self.q_probs[first]:
-                    raise InvalidArgument("tree.q_probs", f"children of node {par} carry different q; "
-                                          "siblings are draws from one distribution")
             if not self.siblings:
                 raise InvalidArgument("tree.siblings", f"children of node {par} carry q: say how they were drawn "
                                       f"({SIBLINGS_IID!r} or {SIBLINGS_WOR!r})")
+            if self.siblings != SIBLINGS_WOR:
+                continue
+            first = kids[0]
+            if any(self.q_ids[i] != self.q_ids[first] or self.q_probs[i] != self.q_probs[first] or not self.q_ids[i]
+                   for i in kids):
+                raise InvalidArgument("tree.q_probs", f"children of node {par} were drawn without replacement from "
+                                      "one q: every sibling must carry that same q")
             toks = [self.tokens[i] for i in kids]
-            if self.siblings == SIBLINGS_WOR and len(set(toks)) != len(toks):
+            if len(set(toks)) != len(toks):
                 raise InvalidArgument("tree.tokens", f"children of node {par} repeat a token but were "
                                       "drawn without replacement")
 

@@ -23,6 +23,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from . import acceptance as acc
+from . import trees
 from .engine import LlamaEngine
 from .types import (DraftContext, InvalidArgument, ResourceExhausted, SessionLost,
                     VerifyRequest, VerifyResult)
@@ -94,7 +95,8 @@ class EngineVerifier:
         if any(not 0 <= i < e.n_layers for i in layers):
             raise InvalidArgument("feature_layers", f"layers must be in [0, {e.n_layers})")
         self.feature_layers = layers
-        self.features = torch.zeros(e.n_slots, e.max_seq_len, len(layers) * e.hidden, dtype=torch.bfloat16)
+        self.features = torch.zeros(e.n_slots, e.max_seq_len, len(layers) * e.hidden, dtype=torch.bfloat16,
+                                    device=e.device)
 
     def session_features(self, slot: int, layers: Sequence[int], start: int = 0,
                          end: Optional[int] = None) -> torch.Tensor:
@@ -112,7 +114,7 @@ class EngineVerifier:
     def _store_features(self, slot: int, start: int, hidden: dict, rows: Sequence[int]) -> None:
         if self.features is None or not rows:
             return
-        idx = torch.tensor(list(rows), dtype=torch.long)
+        idx = torch.tensor(list(rows), dtype=torch.long, device=self.features.device)
         feats = torch.cat([hidden[i][idx] for i in self.feature_layers], -1)
         self.features[slot, start: start + len(rows)] = feats.to(self.features.dtype)
 
@@ -203,7 +205,7 @@ class EngineVerifier:
                         draft_ms = (time.perf_counter() - t0) * 1e3
                     a = len(append)
                     toks = append + tree.tokens
-                    pars = list(range(-1, a - 1)) + [a - 1 if p < 0 else p + a for p in tree.parents]
+                    pars = trees.after_chain(a, tree.parents)
                     rows = [a - 1] + [a + j for j in range(len(tree))]
                     items.append((slot, toks, pars))
                     meta.append((i, r, slot, a, tree, rows, draft_ms))
@@ -213,8 +215,9 @@ class EngineVerifier:
                                                      hidden_layers=self.feature_layers)
                     self.forwards += 1
                     fwd_ms = (time.perf_counter() - t1) * 1e3
-                    for (i, r, slot, a, tree, rows, draft_ms), so in zip(meta, scored):
-                        res = acc.accept(so.logits, tree, r.sampling, r.round_seed)
+                    decided = acc.accept_batch([so.logits for so in scored], [m[4] for m in meta],
+                                               [m[1].sampling for m in meta], [m[1].round_seed for m in meta])
+                    for (i, r, slot, a, tree, rows, draft_ms), so, res in zip(meta, scored, decided):
                         start = self.engine.length(slot)
                         kept = list(range(a)) + [a + j for j in res.path]
                         self.engine.commit(slot, kept)
@@ -289,7 +292,8 @@ class EngineVerifier:
     def info(self) -> dict:
         e = self.engine
         return {
-            "model": str(getattr(e, "model_dir", "")), "dtype": e.dtype_name, "vocab_size": e.vocab_size,
+            "model": str(getattr(e, "model_dir", "")), "dtype": e.dtype_name, "device": str(e.device),
+            "vocab_size": e.vocab_size,
             "slots_total": e.n_slots, "slots_used": len(self.pool.slots), "max_seq_len": e.max_seq_len,
             "kv_bytes_per_slot": e.kv_bytes_per_slot(), "kv_bytes_total": e.kv_bytes_per_slot() * e.n_slots,
             "weight_bytes": e.weight_bytes(), "sessions": list(self.pool.slots), "evictions": self.pool.evictions,

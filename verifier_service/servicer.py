@@ -15,12 +15,13 @@ from __future__ import annotations
 import time
 
 from specmesh.serving import convert
-from specmesh.serving.batcher import VerifyBatcher
 from specmesh.serving.convert import check_session_id
 from specmesh.serving.server import Service, time_left
 from specmesh.serving.settings import ServeSettings
 from specmesh.types import InvalidArgument
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+from .batcher import VerifyBatcher
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, verifier, batcher: VerifyBatcher):
@@ -62,13 +63,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def verifier_service(settings: ServeSettings, verifier=None) -> tuple[Service, VerifyBatcher]:
-    """The Verifier service over ``verifier`` (default: a Runtime from ``settings``
-    with the layerskip self drafter) and its batcher (stop it after the server)."""
+    """The Verifier service over ``verifier`` (default: a Runtime from ``settings`` on
+    ``settings.device``, with the self drafters) and its batcher (stop it after the server)."""
     if verifier is None:
         from specmesh.runtime import Runtime
 
         rt = Runtime(settings.model, dtype=settings.dtype, n_slots=settings.n_slots, max_seq_len=settings.max_seq_len,
-                     draft_model=settings.draft_model, layerskip_exit=settings.layerskip_exit, quiet=True)
+                     draft_model=settings.draft_model, layerskip_exit=settings.layerskip_exit, quiet=True,
+                     device=settings.device, cuda_graphs=settings.cuda_graphs)
         verifier = rt.verifier
     verifier.max_tree_nodes = settings.max_tree_nodes
     batcher = VerifyBatcher(verifier, settings.batch_window_ms, settings.max_batch)

@@ -1,18 +1,24 @@
 """Benchmarks: ``specmesh bench`` (in-process, one stream) and ``specmesh bench-sweep``
-(concurrency sweep through the gRPC services).
+(concurrency sweep through the gRPC services); ``calibrate`` and ``strategies`` add
+``specmesh calibrate-layerskip`` and ``specmesh bench-strategies`` themselves.
 
-``register(subparsers)`` adds both subcommands to the ``specmesh`` CLI; their
+``register(subparsers)`` adds the first two subcommands to the ``specmesh`` CLI; their
 functions import the heavy modules lazily so ``specmesh --help`` stays fast.
 
   workloads  find and read bench/workloads/*.jsonl
   systems    the system contract and our systems (ours_*)
   peers      Hugging Face and llama.cpp systems (hf_*, llamacpp_*)
+  device_check  ``specmesh device-check``: CUDA tests and a short GPU benchmark
   harness    one-process run, alternating systems per prompt; records
   report     report.md with the table and verdict lines
   charts     PNG charts
   sweep      concurrency sweep over gRPC (1, 4, 8 streams)
+  strategies ``specmesh bench-strategies``: workloads x strategies through the services
+  calibrate  ``specmesh calibrate-layerskip``: measure the layer-skip exit layer E and
+             write it where ``specmesh.drafters.calibration`` reads it
 
-This package knows nothing about gRPC except in ``sweep``.
+This package knows nothing about gRPC except in ``sweep`` and ``strategies`` (through
+the SDK and ``specmesh.serving.stack``).
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import argparse
 SYSTEMS_HELP = ("comma list of systems or groups (all, ours, hf, llamacpp). ours_ar, ours_prompt_lookup, "
                 "ours_suffix, ours_draft_lm, ours_layerskip (append _fp32/_bf16/_int8 to run on another engine "
                 "dtype, e.g. ours_ar_fp32,ours_suffix_fp32 for the greedy-identity check), hf_ar, hf_pld, "
-                "hf_assisted, llamacpp_ar, llamacpp_pld. Default: all")
+                "hf_assisted, llamacpp_ar, llamacpp_pld; hf_static_compile (HF static cache + torch.compile, "
+                "in no group). Default: all")
 
 
 def register(subparsers) -> None:
@@ -30,6 +37,10 @@ def register(subparsers) -> None:
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias or local Hugging Face model directory")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"], help="our engine's dtype")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (ours and the HF peers)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on CUDA, run our eager engine instead of replaying CUDA graphs")
+    p.add_argument("--hf-dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the HF peers")
     p.add_argument("--workloads", default="", help="comma list of workloads (default: all in --workloads-dir)")
     p.add_argument("--workloads-dir", default=None, help="directory of *.jsonl workloads (default: bench/workloads)")
     p.add_argument("--systems", default="all", help=SYSTEMS_HELP)
@@ -61,7 +72,8 @@ def config_from_args(args):
                        max_new_tokens=args.max_new_tokens, prompts=args.prompts, dtype=args.dtype,
                        budget=args.budget, adaptive=not args.fixed_budget, out=args.out, model=args.model, workloads_dir=args.workloads_dir,
                        slots=args.slots, max_seq_len=args.max_seq_len, threads=args.threads,
-                       progress=not args.no_progress, charts=not args.no_charts)
+                       progress=not args.no_progress, charts=not args.no_charts, device=args.device,
+                       cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype)
 
 
 def run(cfg, log=print, runtimes=None) -> dict:

@@ -50,6 +50,9 @@ class BenchConfig:
     threads: Optional[int] = None
     progress: bool = True
     charts: bool = True
+    device: str = "cpu"  # auto | cpu | cuda | cuda:N: our engines and the HF peers
+    cuda_graphs: bool = True  # on CUDA: GraphedEngine (False: the eager engine)
+    hf_dtype: str = "fp32"  # the HF peers' dtype (fp32 | bf16)
 
 
 def peak_rss_mb() -> float:
@@ -93,7 +96,7 @@ class Bench:
             main = self.runtimes.get(self.cfg.dtype)
             self.runtimes[dtype] = Runtime(self.cfg.model, dtype=dtype, n_slots=self.cfg.slots,
                                            max_seq_len=main.max_seq_len if main else self.cfg.max_seq_len,
-                                           quiet=True)
+                                           quiet=True, device=self.cfg.device, cuda_graphs=self.cfg.cuda_graphs)
         return self.runtimes[dtype]
 
     def _stage(self, what: str) -> None:
@@ -111,11 +114,22 @@ class Bench:
         self._stage("specmesh systems loaded")
         self._warmup(self.systems)
         self._stage("specmesh systems warmed up (before any peer is loaded)")
-        hf = HFModels(main.model_dir, lambda: default_draft_model(self.cfg.model))
+        hf = HFModels(main.model_dir, lambda: default_draft_model(self.cfg.model), device=_device_of(main),
+                      dtype=self.cfg.hf_dtype)
         threads = self.cfg.threads or _torch_threads()
         first_peer = len(self.systems)
         for n in peers:
-            if n.startswith("hf_"):
+            if n == "hf_static_compile":  # compiled at its warm-up: a refusal skips it, with the reason
+                try:
+                    static = make_hf(n, hf, main.stop_ids, max_cache_len=main.max_seq_len)
+                    self._warmup([static])
+                except Exception as e:  # noqa: BLE001 - reported, the rest of the run goes on
+                    why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                    self.skipped[n] = why
+                    self.log(f"note: skipping {n}: {why}")
+                    continue
+                self.systems.append(static)
+            elif n.startswith("hf_"):
                 self.systems.append(make_hf(n, hf, main.stop_ids))
             else:
                 why = llamacpp_unavailable(self.cfg.model, main.model_dir)
@@ -125,7 +139,7 @@ class Bench:
                     continue
                 self.systems.append(make_llamacpp(n, self.cfg.model, main.model_dir, main.stop_ids, threads,
                                                   self.cfg.max_seq_len))
-        self._warmup(self.systems[first_peer:])
+        self._warmup([s for s in self.systems[first_peer:] if s.name != "hf_static_compile"])
         self._stage("all systems loaded and warmed up")
 
     def _warmup(self, systems: list[System]) -> None:
@@ -191,7 +205,8 @@ class Bench:
             "torch_threads": _torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
             "wall_s": round(time.time() - t_start, 1), "python": sys.version.split()[0],
-            "hf_pld_tokens": 10,
+            "hf_pld_tokens": 10, "device": str(_device_of(main)),
+            "cuda_graphs": type(main.engine).__name__ == "GraphedEngine",
         }
         return {"meta": meta, "records": records, "outputs": outputs}
 
@@ -247,6 +262,12 @@ def _info(runtime) -> dict:
     i = runtime.verifier.info()
     return {k: i.get(k) for k in ("model", "dtype", "vocab_size", "slots_total", "max_seq_len", "kv_bytes_per_slot",
                                   "kv_bytes_total", "weight_bytes", "self_drafters")}
+
+
+def _device_of(runtime):
+    import torch
+
+    return getattr(runtime, "device", None) or torch.device("cpu")
 
 
 def _torch_threads() -> int:

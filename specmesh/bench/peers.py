@@ -1,11 +1,18 @@
 """Peer systems the benchmark compares against: Hugging Face ``generate`` and llama.cpp.
 
-  hf_ar         transformers ``generate``, fp32, greedy
+  hf_ar         transformers ``generate``, greedy (fp32 unless ``--hf-dtype``)
   hf_pld        the same with ``prompt_lookup_num_tokens=10`` (HF's prompt lookup)
   hf_assisted   the same with ``assistant_model`` = our default draft model directory
+  hf_static_compile  ``generate`` with ``cache_implementation="static"`` and the decode
+                step under ``torch.compile`` (CUDA graphs on CUDA: mode reduce-overhead;
+                on the CPU mode default, compiling takes minutes); its own model copy.
+                Compilation is kept out of the timing: the first call for each static
+                cache size is an untimed warm-up. Skipped, with the reason, when the
+                model or the compiler refuses.
   llamacpp_ar   llama-cpp-python on the model's GGUF, greedy (optional extra ``bench-peers``)
   llamacpp_pld  the same with llama-cpp-python's prompt-lookup draft model
 
+The HF models run on the benchmark's device (``--device``) in ``--hf-dtype``.
 Every peer gets the same prompt token ids, ``max_new_tokens`` and stop ids as our
 systems; stop tokens are stripped from the returned tokens like our loop does.
 τ for HF is counted with a forward hook on the target model (forwards after the
@@ -37,23 +44,36 @@ def _strip_stop(tokens: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
     return out
 
 
-class HFModels:
-    """Lazily loaded fp32 HF target (and draft) models, shared by the hf_* systems."""
+HF_DTYPES = ("fp32", "bf16")
 
-    def __init__(self, model_dir: Path, draft_dir_fn):
+
+class HFModels:
+    """Lazily loaded HF target (and draft) models on ``device`` in ``dtype`` (fp32 |
+    bf16), shared by the hf_* systems."""
+
+    def __init__(self, model_dir: Path, draft_dir_fn, device="cpu", dtype: str = "fp32"):
+        import torch
+
+        if dtype not in HF_DTYPES:
+            raise ValueError(f"hf dtype must be one of {HF_DTYPES}, got {dtype!r}")
         self.model_dir = Path(model_dir)
         self._draft_dir_fn = draft_dir_fn
+        self.device = torch.device(device)
+        self.dtype_name = dtype
+        self.dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
         self._target = None
         self._draft = None
+        self._static = None
         self.forwards = 0
+
+    def _load(self, path):
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).to(self.device).eval()
 
     def target(self):
         if self._target is None:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            m = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
-            m.eval()
+            m = self._load(self.model_dir)
 
             def _count(*_a, **_k):
                 self.forwards += 1
@@ -64,17 +84,22 @@ class HFModels:
 
     def draft(self):
         if self._draft is None:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            self._draft = AutoModelForCausalLM.from_pretrained(str(self._draft_dir_fn()), dtype=torch.float32).eval()
+            self._draft = self._load(self._draft_dir_fn())
         return self._draft
 
+    def static_target(self):
+        """A separate copy of the target for hf_static_compile (compilation wraps its call)."""
+        if self._static is None:
+            self._static = self._load(self.model_dir)
+        return self._static
 
-def make_hf(name: str, models: HFModels, stop_ids: Sequence[int]) -> System:
+
+def make_hf(name: str, models: HFModels, stop_ids: Sequence[int], max_cache_len: int = 2048) -> System:
     import torch
     from transformers import GenerationConfig
 
+    if name == "hf_static_compile":
+        return _make_hf_static(models, stop_ids, max_cache_len)
     model = models.target()
     extra: dict = {}  # model-level kwargs of generate()
     knobs: dict = {}  # generation-config fields
@@ -85,13 +110,15 @@ def make_hf(name: str, models: HFModels, stop_ids: Sequence[int]) -> System:
     stop_ids = list(stop_ids)
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=models.device)
         cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                                pad_token_id=stop_ids[0] if stop_ids else None, **knobs)
         f0 = models.forwards
+        _sync(models.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
             seq = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg, **extra)
+        _sync(models.device)
         dt = time.perf_counter() - t0
         raw = seq[0, ids.shape[1]:].tolist()
         out = _strip_stop(raw, stop_ids)
@@ -99,8 +126,67 @@ def make_hf(name: str, models: HFModels, stop_ids: Sequence[int]) -> System:
         fw = models.forwards - f0
         return RunOutput(out, dt, max(produced - 1, 0), max(fw - 1, 0))
 
-    return System(name, "hf", "hf_ar", run, dtype="fp32", budget=HF_PLD_TOKENS if name == "hf_pld" else None,
-                  speculative=name != "hf_ar", info={"generate_kwargs": sorted(extra) + sorted(knobs)})
+    return System(name, "hf", "hf_ar", run, dtype=models.dtype_name,
+                  budget=HF_PLD_TOKENS if name == "hf_pld" else None, speculative=name != "hf_ar",
+                  info={"generate_kwargs": sorted(extra) + sorted(knobs), "device": str(models.device)})
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _make_hf_static(models: HFModels, stop_ids: Sequence[int], max_cache_len: int) -> System:
+    """hf_static_compile (see the module docstring). Where this transformers version has
+    ``GenerationConfig.max_cache_len``, every call shares one cache size (one compile)."""
+    import torch
+    from transformers import GenerationConfig
+
+    model = models.static_target()
+    cuda = models.device.type == "cuda"
+    knobs: dict = {"cache_implementation": "static"}
+    fixed = hasattr(GenerationConfig(), "max_cache_len")
+    if fixed:
+        knobs["max_cache_len"] = max_cache_len
+    try:
+        from transformers import CompileConfig
+
+        cc = CompileConfig(fullgraph=False, mode="reduce-overhead" if cuda else "default")
+        if not cuda:
+            cc._compile_all_devices = True  # transformers compiles on accelerators only unless told
+        knobs["compile_config"] = cc
+    except ImportError:  # older transformers: compile the forward ourselves
+        model.forward = torch.compile(model.forward, mode="reduce-overhead" if cuda else "default")
+    stop_ids = list(stop_ids)
+    warmed: set = set()
+
+    def generate(ids, max_new_tokens):
+        cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                               pad_token_id=stop_ids[0] if stop_ids else None, **knobs)
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+
+    def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=models.device)
+        shape = max_cache_len if fixed else ids.shape[1] + max_new_tokens
+        if shape not in warmed:  # compile (and capture) outside the timing
+            generate(ids, max_new_tokens)
+            warmed.add(shape)
+        _sync(models.device)
+        t0 = time.perf_counter()
+        seq = generate(ids, max_new_tokens)
+        _sync(models.device)
+        dt = time.perf_counter() - t0
+        raw = seq[0, ids.shape[1]:].tolist()
+        out = _strip_stop(raw, stop_ids)
+        produced = min(len(raw), len(out) + 1)
+        return RunOutput(out, dt, max(produced - 1, 0), max(produced - 1, 0))
+
+    return System("hf_static_compile", "hf", "hf_ar", run, dtype=models.dtype_name, speculative=False,
+                  info={"generate_kwargs": sorted(knobs), "device": str(models.device),
+                        "one_cache_size": fixed})
 
 
 # ---------------------------------------------------------------- llama.cpp

@@ -41,6 +41,7 @@ def add_arguments(p) -> None:
     p.add_argument("--target", default="", help="router address host:port (default: --serve, or 127.0.0.1:50051)")
     p.add_argument("--serve", action="store_true", help="start the three services on free loopback ports first")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"], help="verifier dtype with --serve")
+    p.add_argument("--device", default="auto", help="verifier device with --serve: auto | cpu | cuda | cuda:N")
     p.add_argument("--streams", default="1,4,8", help="comma list of concurrent stream counts")
     p.add_argument("--systems", default="autoregressive,external:prompt_lookup",
                    help="comma list of strategy[:drafter] (plain first = the speedup reference)")
@@ -158,11 +159,12 @@ def _free_port() -> int:
 class Services:
     """``specmesh serve`` (all three) as a child process on free loopback ports."""
 
-    def __init__(self, dtype: str, n_slots: int, log_path: Path, ready_timeout: float = 300.0):
+    def __init__(self, dtype: str, n_slots: int, log_path: Path, ready_timeout: float = 300.0, device: str = "auto"):
         ports = {k: _free_port() for k in ("router", "drafter", "verifier")}
         self.address = f"127.0.0.1:{ports['router']}"
         cmd = [sys.executable, "-m", "specmesh.cli", "serve", "--dtype", dtype, "--n-slots", str(n_slots),
-               "--max-batch", str(max(n_slots, 1))] + [a for k, p in ports.items() for a in (f"--{k}-port", str(p))]
+               "--device", device, "--max-batch", str(max(n_slots, 1))]
+        cmd += [a for k, p in ports.items() for a in (f"--{k}-port", str(p))]
         self.log = open(log_path, "w", encoding="utf-8")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -252,7 +254,8 @@ def run_sweep(args) -> dict:
     pool = [{"prompt": p.prompt, "messages": p.messages} for ps in loads.values() for p in ps]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    services = Services(args.dtype, max(streams), out / "sweep-serve.log") if args.serve else None
+    services = (Services(args.dtype, max(streams), out / "sweep-serve.log", device=getattr(args, "device", "auto"))
+                if args.serve else None)
     target = services.address if services else (args.target or "127.0.0.1:50051")
     cells: list[dict] = []
     try:

@@ -14,7 +14,8 @@ draft–verify loop (``specmesh.loop``) over an in-process ``Runtime``:
 
 A ``_fp32`` / ``_bf16`` / ``_int8`` suffix runs the same system on an engine of
 that dtype (default: the run's ``--dtype``); its reference AR is ``ours_ar`` with
-the same suffix. Peer systems (Hugging Face, llama.cpp) live in ``peers``.
+the same suffix. Peer systems (Hugging Face, llama.cpp) live in ``peers``; ``hf_static_compile``
+is known but in no group (name it).
 
 This module knows nothing about workloads, timing policy or reports.
 """
@@ -25,12 +26,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+from ..drafters import registry
 from ..loop import AdaptiveBudget, generate_tokens
 from ..types import GenerationStats, InvalidArgument
 
 OURS_STRATEGIES = ("ar", "prompt_lookup", "suffix", "draft_lm", "layerskip", "block", "block_tree")
-SELF_STRATEGIES = ("layerskip", "block", "block_tree")  # drafted inside the verifier
+SELF_STRATEGIES = registry.SELF  # drafted inside the verifier
 HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
+HF_EXTRA_SYSTEMS = ("hf_static_compile",)  # known, but in no group: it compiles (minutes on a CPU)
 LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld")
 DTYPES = ("fp32", "bf16", "int8")
 DEFAULT_SYSTEMS = tuple(f"ours_{s}" for s in OURS_STRATEGIES) + HF_SYSTEMS + LLAMACPP_SYSTEMS
@@ -94,7 +97,7 @@ def expand(names: Sequence[str]) -> list[str]:
     for n in out:
         if n.startswith("ours_"):
             parse_ours(n, "fp32")
-        elif n not in HF_SYSTEMS + LLAMACPP_SYSTEMS:
+        elif n not in HF_SYSTEMS + HF_EXTRA_SYSTEMS + LLAMACPP_SYSTEMS:
             raise InvalidArgument("systems", f"unknown system {n!r}; known: {list(DEFAULT_SYSTEMS)} "
                                              f"(+ _fp32/_bf16/_int8 on ours_*) or groups {list(GROUPS)}")
     if not out:

@@ -67,10 +67,17 @@ def register(sub) -> None:
     p.add_argument("--data", default="data/distill")
     p.add_argument("--drafter", default=None, help="checkpoint whose model gap to measure")
     p.add_argument("--contexts", type=int, default=16)
-    p.add_argument("--rollouts", type=int, default=16)
+    p.add_argument("--rollouts", type=int, default=64,
+                   help="sampled prefixes per context where the prefix space is too large to enumerate")
+    p.add_argument("--max-prefixes", type=int, default=256,
+                   help="enumerate a slot's prefixes exactly while there are at most this many")
     p.add_argument("--slots", type=int, default=7)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--out", default="floor.png")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="target samples from its top-k renormalised (0 = full softmax); small k makes "
+                        "the early slots exactly enumerable")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="floor.png", help="PNG; the numbers go to the same name with .json")
     p.set_defaults(module=M, func="floor_main")
     p = sub.add_parser("accel-drafter", help="the whole drafter recipe on one accelerator in a time budget "
                        "(synthesised instructions, greedy responses, batched training, held-out τ)")
@@ -322,13 +329,16 @@ def train_main(args) -> int:
 
 
 def floor_main(args) -> int:
+    """Per-slot floors from the target's exact conditionals (``floor.floors``) on
+    held-out contexts, optionally the drafter's measured rejection and model gap."""
+    import torch
     from tqdm import tqdm
 
     from ..runtime import Runtime
     from .data import load_records
-    from .floor import floors, measured_rejection, model_gap, plot_floor, sample_rollouts
+    from .floor import EngineTarget, floors, plot_floor
 
-    rt = Runtime(args.model, dtype="fp32", n_slots=8, max_seq_len=1024, quiet=True)
+    rt = Runtime(args.model, dtype="fp32", n_slots=4, max_seq_len=1024, quiet=True, block_drafter=False)
     recs = load_records(Path(args.data), "heldout")[: args.contexts]
     if not recs:
         raise SystemExit(f"no held-out records in {args.data}")
@@ -337,32 +347,60 @@ def floor_main(args) -> int:
     for r in recs:
         cut = rng.randrange(0, max(1, len(r["response_ids"]) - args.slots))
         contexts.append(r["prompt_ids"] + r["response_ids"][:cut])
-    bar = tqdm(total=len(contexts), desc="target rollouts", file=sys.stderr)
-    rolls = sample_rollouts(rt.verifier, contexts, args.rollouts, args.slots, args.temperature,
-                            progress=bar.update)
-    bar.close()
-    res = floors(rolls)
+    slots = args.slots
+    drafts = None
     if args.drafter:
-        from .serve import BlockSelfDrafter
         from ..types import DraftContext
+        from .serve import BlockSelfDrafter
 
         d = BlockSelfDrafter.from_checkpoint(rt.verifier, args.drafter)
-        preds = []
+        keep = d.model.keep_ids
+        drafts = []
         for i, ctx in enumerate(contexts):
             sid = f"floor-pred-{i}"
             rt.verifier.prefill(sid, ctx[:-1])
-            lg = d.slot_logits(DraftContext(sid, ctx, len(ctx)))
+            lg = d.slot_logits(DraftContext(sid, ctx, len(ctx))).float()
             rt.verifier.release(sid)
-            preds.append([int(d.model.keep_ids[j]) for j in lg.argmax(-1)][: args.slots])
-        res["measured"] = measured_rejection(rolls, preds)
-        res["gap_order0"] = model_gap(res["measured"], res["order0"])
-    print("slot  floor(order0)  floor(order1)" + ("  measured  gap" if args.drafter else ""))
-    for k in range(len(res["order0"])):
-        line = f"{k + 1:4d}  {res['order0'][k]:13.3f}  {res['order1'][k]:13.3f}"
-        if args.drafter:
-            line += f"  {res['measured'][k]:8.3f}  {res['gap_order0'][k]:+.3f}"
+            qs = []
+            for k in range(lg.shape[0]):  # what the served drafter proposes from (serve.BlockSelfDrafter.propose)
+                q = torch.zeros(rt.vocab_size, dtype=torch.float64)
+                if args.temperature == 0:
+                    q[int(keep[int(lg[k].argmax())])] = 1.0
+                else:
+                    vals, idx = torch.topk(lg[k] / args.temperature, d.top_k)
+                    q[keep[idx]] = torch.softmax(vals.double(), -1)
+                qs.append(q)
+            drafts.append(qs)
+        slots = min(slots, len(drafts[0]))
+    target = EngineTarget(rt.verifier, args.temperature, args.top_k)
+    bar = tqdm(total=len(contexts), desc="target conditionals", file=sys.stderr)
+    try:
+        res = floors(target, contexts, slots, rollouts=args.rollouts, seed=args.seed, max_prefixes=args.max_prefixes,
+                     drafts=drafts, progress=bar.update)
+    finally:
+        bar.close()
+        target.close()
+    res.update(temperature=args.temperature, top_k=args.top_k, model=args.model, drafter=args.drafter)
+    def rng_(key: str, k: int) -> str:  # "a" where exact (or the bracket is closed), else "plug-in-upper"
+        lo, hi = res[key][k], res[key + "_upper"][k]
+        return f"{lo:.3f}" if abs(hi - lo) < 5e-4 else f"{lo:.3f}-{hi:.3f}"
+
+    head = (f"{'slot':>4}  {'exact':>5}  {'order0':>11}  {'order1':>11}  {'all':>5}  {'TV order0':>11}  "
+            f"{'TV order1':>11}")
+    if drafts is not None:
+        head += "  measured  gap0  meas.TV  gapTV"
+    print(head)
+    for k in range(slots):
+        line = (f"{k + 1:4d}  {res['exact'][k]:5.2f}  {rng_('order0', k):>11}  {rng_('order1', k):>11}  "
+                f"{res['order_all'][k]:5.3f}  {rng_('tv_order0', k):>11}  {rng_('tv_order1', k):>11}")
+        if drafts is not None:
+            line += (f"  {res['measured'][k]:8.3f}  {res['gap_order0'][k]:+.3f}  {res['measured_tv'][k]:7.3f}"
+                     f"  {res['gap_tv_order0'][k]:+.3f}")
         print(line)
+    print("one-token drafts: 1 - P(draft = target's sample); TV: drafts sampled from q under rejection sampling. "
+          "a-b: Monte Carlo bracket (plug-in, biased low - cross-fitted, biased high); exact: share of contexts "
+          "whose slot was enumerated exactly")
     plot_floor(res, args.out)
     Path(args.out).with_suffix(".json").write_text(json.dumps(res, indent=2))
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
     return 0

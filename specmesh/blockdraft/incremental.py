@@ -23,6 +23,9 @@ keys/values. ``FoldedDrafter.draft`` extends it by the new positions only, drops
 that fell out of the window or past a rollback, and rebuilds it when the features of
 the last reused row changed (a rewritten past changes every later hidden state).
 
+Every tensor lives on the device of the model's weights (the cache's buffers too, and
+the target features ``read`` returns are moved there).
+
 Knows nothing about sessions, verifiers, sampling or training.
 """
 
@@ -44,11 +47,11 @@ class ContextCache:
     rows contiguously, ~0.1 ms less per layer than a row-major view)."""
 
     def __init__(self, n_layers: int, capacity: int, block: int, n_features: int, n_heads: int,
-                 head_dim: int, fuse: bool, dtype: torch.dtype):
+                 head_dim: int, fuse: bool, dtype: torch.dtype, device=None):
         self.capacity = capacity
-        self.feats = torch.empty(capacity, n_features, dtype=dtype)
-        self.fused = torch.empty(capacity, n_heads * head_dim, dtype=dtype) if fuse else None
-        self.kv = torch.empty(n_layers, 2, n_heads, capacity + block, head_dim, dtype=dtype)
+        self.feats = torch.empty(capacity, n_features, dtype=dtype, device=device)
+        self.fused = torch.empty(capacity, n_heads * head_dim, dtype=dtype, device=device) if fuse else None
+        self.kv = torch.empty(n_layers, 2, n_heads, capacity + block, head_dim, dtype=dtype, device=device)
         self.start = self.n = self.off = 0
 
     @property
@@ -110,11 +113,12 @@ class FoldedDrafter:
             base = f(model.mask_emb).expand(cfg.block, H).clone()
             base[0] = 0.0
             self.block_base = (base + f(model.pos_emb)).to(dtype)  # [B, H]: slot 0 still needs the anchor
+        self.device = self.w_in.device
 
     def new_cache(self) -> ContextCache:
         c = self.cfg
         return ContextCache(c.n_layers, 2 * c.context_window + c.block, c.block, len(c.feature_layers) * c.hidden,
-                            self.nh, self.hd, c.fuse_last, self.dtype)
+                            self.nh, self.hd, c.fuse_last, self.dtype, self.device)
 
     def _rms(self, x: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.eps)
@@ -130,7 +134,8 @@ class FoldedDrafter:
         m = min(cache.end, length)
         reuse = cache.start <= c0 < m
         if reuse:  # the last reused row must still hold the features it was computed from
-            reuse = torch.equal(read(m - 1, m)[0].to(self.dtype), cache.feats[cache.off + m - 1 - cache.start])
+            last = read(m - 1, m)[0].to(device=self.device, dtype=self.dtype)
+            reuse = torch.equal(last, cache.feats[cache.off + m - 1 - cache.start])
         if reuse:
             cache.keep(c0, m)
         else:
@@ -140,7 +145,7 @@ class FoldedDrafter:
         lo = cache.off + cache.n  # buffer row of the first new position
         ctx_new = None
         if new:
-            feats = read(cache.end, length).to(self.dtype)
+            feats = read(cache.end, length).to(device=self.device, dtype=self.dtype)
             cache.feats[lo: lo + new] = feats
             y = self._rms(feats, None) @ self.w_in.T
             ctx_new = y[:, :H]

@@ -91,7 +91,7 @@ class BlockSelfDrafter(DrafterBase):
         gen = draft_generator(ctx)  # fresh every round (the context here is only the pending token)
         toks, qids, qps = [], [], []
         for k in range(k_max):
-            vals, idx = torch.topk(logits[k] / s.temperature, min(self.top_k, logits.shape[-1]))
+            vals, idx = torch.topk(logits[k].float().cpu() / s.temperature, min(self.top_k, logits.shape[-1]))
             q = torch.softmax(vals.double(), -1)
             j = int(torch.multinomial(q, 1, generator=gen)[0])
             toks.append(int(keep[idx[j]]))

@@ -126,7 +126,7 @@ class AdaptiveLookupDrafter(DrafterBase):
         self.spec_factor, self.retrieval_len = spec_factor, retrieval_len
         g = torch.Generator().manual_seed(seed)
         if embeddings is not None:
-            emb = torch.as_tensor(embeddings).float()
+            emb = torch.as_tensor(embeddings).detach().float().cpu()  # host-side, whatever the engine's device
             proj = torch.randn(emb.shape[1], dim, generator=g) / dim ** 0.5
             self.vectors = emb @ proj  # [V, dim]
         else:

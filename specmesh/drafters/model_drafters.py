@@ -32,6 +32,7 @@ def draw(logits: torch.Tensor, sampling: SamplingParams, top_k: int, gen: Option
         return int(logits.argmax()), None, None
     z = logits.float() / sampling.temperature
     vals, ids = torch.topk(z, min(top_k, z.shape[-1]))
+    vals, ids = vals.cpu(), ids.cpu()  # the draw uses the round's CPU generator (seeding.draft_generator)
     q = torch.softmax(vals.double(), -1)
     j = int(torch.multinomial(q, 1, generator=gen)[0])
     qp = (q / q.sum()).tolist()

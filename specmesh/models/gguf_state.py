@@ -5,7 +5,7 @@ bare accelerator machine): every tensor is dequantised by ``gguf.quants`` and
 renamed to the Hugging Face Llama names; q/k projections are un-permuted (llama.cpp
 stores them interleaved for its rope). The result equals what
 ``AutoModelForCausalLM.from_pretrained(gguf_file=...)`` builds, tensor for tensor
-(tests/test_blockdraft_accel.py checks this against the converted cache).
+(tests/unit/test_blockdraft_accel.py checks this against the converted cache).
 
 Knows Llama-architecture GGUF files only; no tokenizer, no config beyond the
 shapes it needs.

@@ -60,7 +60,8 @@ def trace_list(args) -> int:
     for r in reqs:
         a = r.attrs
         ms = ((r.span.get("end_ns") or 0) - (r.span.get("start_ns") or 0)) / 1e6
-        print(f"{r.trace_id:32s}  {r.session_id:32s}  {r.label:24s} {len(r.rounds):6d} "
+        lab = r.label + (" LOSSY" if a.get("specmesh.lossy") else "")
+        print(f"{r.trace_id:32s}  {r.session_id:32s}  {lab:24s} {len(r.rounds):6d} "
               f"{a.get('gen_ai.usage.output_tokens', 0):6d} {float(a.get('specmesh.tau', 0.0)):6.2f} {ms:6.0f}")
     return 0
 
@@ -74,7 +75,8 @@ def trace_show(args) -> int:
     print(f"request {req.span['span_id']} trace {req.trace_id} session {req.session_id}")
     print(f"strategy {req.label}, model {a.get('gen_ai.request.model', '')}, "
           f"{a.get('gen_ai.usage.input_tokens', '?')} prompt tokens, {a.get('gen_ai.usage.output_tokens', '?')} new, "
-          f"tau {float(a.get('specmesh.tau', 0.0)):.2f}, finish {a.get('gen_ai.response.finish_reasons', ['?'])}")
+          f"tau {float(a.get('specmesh.tau', 0.0)):.2f}, finish {a.get('gen_ai.response.finish_reasons', ['?'])}"
+          + (f", LOSSY acceptance ({a.get('specmesh.acceptance', '?')})" if a.get("specmesh.lossy") else ""))
     print(f"{'round':>5} {'drafted':>7} {'accepted':>8} {'draft ms':>9} {'network ms':>10} {'verify ms':>9} "
           f"{'other ms':>8} {'wall ms':>8} {'batch':>5}")
     tot = {k: 0.0 for k in ("draft", "network", "verify", "other")}

@@ -13,10 +13,15 @@ picks a free port. Every name starts with ``specmesh_``; counters end in
   verify / prefill / network seconds, fallbacks, round duration. Recorded per
   round by ``requests.RequestObservation`` from the same facts the loop puts in
   the per-response stats, so the counters add up to the responses' stats.
+  Requests with a relaxed (lossy) acceptance rule are counted again, with the
+  rule as label ``acceptance``: ``specmesh_lossy_requests_total``,
+  ``specmesh_lossy_generated_tokens_total``, ``specmesh_lossy_accepted_tokens_total``
+  (exact requests never appear there, so any sample of these families is lossy).
 - ``VerifierMetrics`` (label ``strategy``, sent by the router in
   ``x-specmesh-strategy``): verify batch size, queue time, forward time, scored
-  tree nodes; KV slots used/total, evictions and target forwards read from the
-  verifier at scrape time.
+  tree nodes, Verify calls that applied a lossy acceptance rule (label
+  ``acceptance``); KV slots used/total, evictions and target forwards read from
+  the verifier at scrape time.
 - ``DrafterMetrics`` (labels ``drafter``, ``strategy``): proposals, proposed
   tokens, draft time; sessions held, read at scrape time.
 - All: ``specmesh_rpc_duration_seconds`` and ``specmesh_rpc_errors_total``
@@ -44,6 +49,11 @@ TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 1
 
 def _label(strategy: str) -> str:
     return strategy or "unknown"
+
+
+def is_lossy(acceptance: str) -> bool:
+    """Every rule but "exact" is relaxed (``SamplingParams.lossy``); "" is the default, exact."""
+    return bool(acceptance) and acceptance != "exact"
 
 
 class ServiceMetrics:
@@ -147,6 +157,13 @@ class RouterMetrics(ServiceMetrics):
                                  "failed or was down", L, registry=r)
         self.round_time = Histogram("specmesh_round_duration_seconds", "Wall time of a round in the router", L,
                                     buckets=SECONDS, registry=r)
+        LA = L + ["acceptance"]
+        self.lossy_requests = Counter("specmesh_lossy_requests_total", "Generations ended that used a relaxed "
+                                      "(lossy) acceptance rule, by rule", LA, registry=r)
+        self.lossy_generated = Counter("specmesh_lossy_generated_tokens_total", "Tokens generated under a relaxed "
+                                       "(lossy) acceptance rule, by rule", LA, registry=r)
+        self.lossy_accepted = Counter("specmesh_lossy_accepted_tokens_total", "Drafted tokens accepted by a "
+                                      "relaxed (lossy) acceptance rule, by rule", LA, registry=r)
         self._counts: dict[tuple, list[int]] = {}  # (strategy, drafter) -> [drafted rounds, ceiling rounds]
         self._lock = threading.Lock()
 
@@ -159,15 +176,20 @@ class RouterMetrics(ServiceMetrics):
     def request_started(self, strategy: str, drafter: str) -> None:
         self.active.labels(strategy, drafter).inc()
 
-    def request_ended(self, strategy: str, drafter: str, finish_reason: str) -> None:
+    def request_ended(self, strategy: str, drafter: str, finish_reason: str, acceptance: str = "exact") -> None:
         self.active.labels(strategy, drafter).dec()
         self.requests.labels(strategy, drafter, finish_reason or "unknown").inc()
+        if is_lossy(acceptance):
+            self.lossy_requests.labels(strategy, drafter, acceptance).inc()
 
     def record_round(self, strategy: str, drafter: str, drafted: int, accepted: int, depth: int,
-                     wall_s: float, block: int = 0) -> None:
+                     wall_s: float, block: int = 0, acceptance: str = "exact") -> None:
         """One round after prefill: the same numbers ``GenerationStats.record_round`` adds;
-        ``block`` is the longest draft allowed (the ceiling bin is ``accepted == block``)."""
+        ``block`` is the longest draft allowed (the ceiling bin is ``accepted == block``);
+        ``acceptance`` is the request's rule (accepted tokens of a lossy one are counted again)."""
         lab = (strategy, drafter)
+        if accepted and is_lossy(acceptance):
+            self.lossy_accepted.labels(strategy, drafter, acceptance).inc(accepted)
         self.rounds.labels(*lab).inc()
         self.accept_len.labels(*lab).observe(accepted)
         self.round_time.labels(*lab).observe(wall_s)
@@ -190,9 +212,11 @@ class RouterMetrics(ServiceMetrics):
                 c[1] += int(ceiling)
                 self.ceiling_ratio.labels(*lab).set(c[1] / c[0])
 
-    def add_generated(self, strategy: str, drafter: str, n: int) -> None:
+    def add_generated(self, strategy: str, drafter: str, n: int, acceptance: str = "exact") -> None:
         if n > 0:
             self.generated.labels(strategy, drafter).inc(n)
+            if is_lossy(acceptance):
+                self.lossy_generated.labels(strategy, drafter, acceptance).inc(n)
 
     def request_finished(self, strategy: str, drafter: str, stats) -> None:
         """Request-level sums from the final stats (before the final message goes out)."""
@@ -222,6 +246,8 @@ class VerifierMetrics(ServiceMetrics):
                                  ["strategy"], buckets=SECONDS, registry=r)
         self.nodes = Counter("specmesh_verify_tree_nodes_total", "Draft tree nodes scored", ["strategy"],
                              registry=r)
+        self.lossy = Counter("specmesh_verify_lossy_calls_total", "Verify calls that applied a relaxed (lossy) "
+                             "acceptance rule, by rule", ["strategy", "acceptance"], registry=r)
         if verifier is not None:
             r.register(_Callback(verifier.info, [
                 ("specmesh_kv_slots_used", "KV slots holding a session", "gauge", "slots_used"),
@@ -240,6 +266,10 @@ class VerifierMetrics(ServiceMetrics):
         self.queue.labels(strategy).observe(max(0.0, q) / 1e3)
         if response.tree_size:
             self.nodes.labels(strategy).inc(response.tree_size)
+        sampling = getattr(request, "sampling", None)
+        acceptance = sampling.acceptance if sampling is not None else ""
+        if is_lossy(acceptance):
+            self.lossy.labels(strategy, acceptance).inc()
 
 
 # ---------------------------------------------------------------- drafter

@@ -26,6 +26,12 @@ side branches) is not a round: its RPCs hang under the Generate server span.
 response attributes and the request-level metrics; ``end(err)`` ends the span
 and the active-session count. With tracing off no span is made.
 
+A request whose sampling asks for a relaxed (lossy) acceptance rule is labelled
+from its first span on: ``specmesh.lossy`` (true) and ``specmesh.acceptance``
+(the rule) on the request span and on every round span, and the lossy counters
+of ``RouterMetrics`` (label ``acceptance``) count its requests, generated
+tokens and accepted drafted tokens.
+
 It knows nothing about gRPC, protos or tokenizers; a ``plan`` is anything with
 ids, strategy, reason, drafter, self_draft, max_new_tokens, budget, sampling.
 """
@@ -40,6 +46,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
 from . import rpc, tracing
+from .metrics import is_lossy
 
 
 class RouterObserver:
@@ -59,8 +66,13 @@ def _request_attributes(model: str, plan, session_id: str) -> dict:
          "gen_ai.request.stream": True, "gen_ai.usage.input_tokens": len(plan.ids),
          "gen_ai.response.id": session_id, "specmesh.strategy": plan.strategy,
          "specmesh.strategy_reason": plan.reason, "specmesh.drafter": plan.drafter or plan.self_draft or "",
-         "specmesh.draft_budget": plan.budget, "specmesh.acceptance": sp.acceptance}
+         "specmesh.draft_budget": plan.budget, "specmesh.acceptance": _acceptance(sp),
+         "specmesh.lossy": is_lossy(_acceptance(sp))}
     return a
+
+
+def _acceptance(sampling) -> str:
+    return getattr(sampling, "acceptance", "") or "exact"
 
 
 def _stats_attributes(model: str, s) -> dict:
@@ -84,6 +96,8 @@ class RequestObservation:
         self.stats, self.verifier, self.drafter = stats, verifier, drafter
         self.strategy = plan.strategy
         self.drafter_name = plan.drafter or plan.self_draft or ""
+        self.acceptance = _acceptance(plan.sampling)  # the verify rule; any but "exact" is lossy
+        self.lossy = is_lossy(self.acceptance)
         self.block = int(plan.budget)  # the longest draft a round may have: the ceiling bin
         self.call_scope = rpc.CallScope(plan.strategy, self.metrics)
         self.finished = self.ended = False
@@ -110,7 +124,7 @@ class RequestObservation:
     def _flush_generated(self) -> None:
         n = self.stats.new_tokens - self._generated
         if n > 0 and self.metrics is not None:
-            self.metrics.add_generated(self.strategy, self.drafter_name, n)
+            self.metrics.add_generated(self.strategy, self.drafter_name, n, self.acceptance)
         self._generated = self.stats.new_tokens
 
     def finish(self, stats) -> None:
@@ -137,7 +151,7 @@ class RequestObservation:
             outcome = "error"
         self._flush_generated()
         if self.metrics is not None:
-            self.metrics.request_ended(self.strategy, self.drafter_name, outcome)
+            self.metrics.request_ended(self.strategy, self.drafter_name, outcome, self.acceptance)
         if self.span is not None:
             if not self.finished and self.span.is_recording():
                 self.span.set_attributes(_stats_attributes(self.model, self.stats))
@@ -174,7 +188,8 @@ class RoundScope:
             self.span = tracing.tracer().start_span(
                 "specmesh.round", context=req.ctx,
                 attributes={"specmesh.round.index": self.index, "specmesh.round.phase": max(req.phase, 0),
-                            "specmesh.strategy": req.strategy, "specmesh.drafter": req.drafter_name})
+                            "specmesh.strategy": req.strategy, "specmesh.drafter": req.drafter_name,
+                            "specmesh.acceptance": req.acceptance, "specmesh.lossy": req.lossy})
             self._ctx_token = otel_context.attach(trace.set_span_in_context(self.span))
         return self.facts
 
@@ -190,7 +205,7 @@ class RoundScope:
             drafted, accepted = int(f.get("drafted", 0)), int(f.get("accepted", 0))
             if req.metrics is not None and not prefill:
                 req.metrics.record_round(req.strategy, req.drafter_name, drafted, accepted, depth, wall_s,
-                                         req.block)
+                                         req.block, req.acceptance)
             if span is not None and span.is_recording():
                 net, dnet = req.network_s()
                 span.set_attributes({

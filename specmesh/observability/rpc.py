@@ -20,6 +20,9 @@ Streaming handlers never keep a context attached across a ``yield``: the span
 is attached around each step of the inner iterator, so a generator closed from
 another thread or by the garbage collector cannot detach the wrong context.
 
+``wrap_handler`` (a copy of a method handler with its behaviour wrapped) is the
+helper every server interceptor uses, ``specmesh.serving.interceptors`` too.
+
 This module knows nothing about the services' messages or metrics names.
 """
 
@@ -29,7 +32,7 @@ import collections
 import contextvars
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 from opentelemetry import context as otel_context
@@ -93,6 +96,21 @@ def _status(context, err: Optional[BaseException]) -> grpc.StatusCode:
     return grpc.StatusCode.CANCELLED if isinstance(err, GeneratorExit) else grpc.StatusCode.UNKNOWN
 
 
+def wrap_handler(handler: Optional[grpc.RpcMethodHandler], wrap_behavior: Callable, deserializer=None):
+    """A copy of ``handler`` whose behaviour is ``wrap_behavior(behavior, streaming_response)``."""
+    if handler is None:
+        return None
+    deser = deserializer(handler.request_deserializer) if deserializer else handler.request_deserializer
+    ser = handler.response_serializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(wrap_behavior(handler.unary_unary, False), deser, ser)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(wrap_behavior(handler.unary_stream, True), deser, ser)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(wrap_behavior(handler.stream_unary, False), deser, ser)
+    return grpc.stream_stream_rpc_method_handler(wrap_behavior(handler.stream_stream, True), deser, ser)
+
+
 def _server_span(method: str, metadata, context):
     parent = propagate.extract({k: v for k, v in metadata if isinstance(v, str)})
     attrs = rpc_attributes(method)
@@ -107,8 +125,6 @@ class ServerInterceptor(grpc.ServerInterceptor):
         self.observer = observer
 
     def intercept_service(self, continuation, details):
-        from specmesh.serving.interceptors import _wrap
-
         handler = continuation(details)
         method = details.method
         if handler is None or handler.stream_unary or handler.stream_stream or method.startswith(UNTRACED):
@@ -171,7 +187,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
 
             return run_stream if streaming else run
 
-        return _wrap(handler, observe)
+        return wrap_handler(handler, observe)
 
 
 # ---------------------------------------------------------------- client

@@ -1,3 +1,7 @@
-"""The gRPC serving layer: settings, server assembly, interceptors, proto <-> domain
-conversion, the verifier's dynamic batcher and the adapters the router's loop uses.
-The servicers themselves live in drafter_service/, verifier_service/ and router/."""
+"""What the three gRPC services share: settings (``settings``), server assembly
+(``server``: health, reflection, TLS, drain), interceptors (auth, size limit, error
+mapping), proto <-> domain conversion (``convert``), client channels (``channels``),
+the ``specmesh serve`` / ``specmesh generate`` command line (``cli``) and the
+in-process stack builder (``stack``). Each service's own code lives in its folder:
+``specmesh.router`` (with its remote adapters and replica sets),
+``specmesh.drafter_service`` and ``specmesh.verifier_service`` (with its batcher)."""

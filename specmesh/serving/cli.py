@@ -37,6 +37,8 @@ _FLAGS = [
     ("--host", "host", str, "bind address (default 127.0.0.1)"),
     ("--model", "model", str, "model alias or local HF directory (verifier, router tokenizer)"),
     ("--dtype", "dtype", str, "fp32 | bf16 | int8 (verifier)"),
+    ("--device", "device", str, "verifier and draft LM: auto | cpu | cuda | cuda:N (default auto)"),
+    ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false"),
     ("--n-slots", "n_slots", int, "KV slots of the verifier"),
     ("--max-seq-len", "max_seq_len", int, "longest sequence per slot"),
     ("--drafter-address", "drafter_address", str, "router: drafter host:port ('none' = no drafter)"),
@@ -90,7 +92,7 @@ def register(sub) -> None:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ray", action="store_true",
                    help="run the three as Ray Serve deployments on a local Ray cluster; --config is then a Serve "
-                        "config or RayAppConfig YAML (specmesh.ray_app)")
+                        "config or RayAppConfig YAML (specmesh.deploy.ray)")
     p.set_defaults(module="specmesh.serving.cli", func="serve_main")
 
     g = sub.add_parser("generate", help="stream a generation from a running router")
@@ -124,10 +126,12 @@ def serve_main(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "ray", False):
-        from specmesh.ray_app.cli import serve_ray
+        from specmesh.deploy.ray.cli import serve_ray
 
         return serve_ray(args)
     settings = settings_from_args(args)
+    if args.service in (None, "verifier", "drafter"):
+        settings.torch_device()  # a device this machine lacks: one clear error before anything starts
     if args.service is None:
         return serve_all(settings)
     return serve_one(args.service, settings)
@@ -140,16 +144,16 @@ def serve_one(service: str, s) -> int:
     tracing.setup_from_env(f"specmesh-{service}")  # OTEL_* variables; off unless asked for
     cleanup, router = None, None
     if service == "verifier":
-        from verifier_service.servicer import verifier_service
+        from specmesh.verifier_service.servicer import verifier_service
 
         svc, batcher = verifier_service(s)
         cleanup = batcher.stop
     elif service == "drafter":
-        from drafter_service.servicer import drafter_service
+        from specmesh.drafter_service.servicer import drafter_service
 
         svc = drafter_service(s)
     else:
-        from router.servicer import router_service
+        from specmesh.router.servicer import router_service
 
         svc, router = router_service(s)
         cleanup = router.close
@@ -161,7 +165,8 @@ def serve_one(service: str, s) -> int:
     running = build_server(s, [svc], s.port_of(service))
     mode = "tls" if running.tls else "insecure"
     auth = "token" if s.token() else "no auth"
-    print(f"specmesh {service} listening on {running.address} ({mode}, {auth})", flush=True)
+    dev = f", device {s.torch_device()}" if service == "verifier" else ""
+    print(f"specmesh {service} listening on {running.address} ({mode}, {auth}{dev})", flush=True)
     if metrics is not None:
         mhost = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
         try:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import hmac
 import logging
 from concurrent.futures import CancelledError
-from typing import Callable, Optional
+from typing import Optional
 
 import grpc
 
+from ..observability.rpc import wrap_handler
 from ..types import InvalidArgument, ResourceExhausted, SessionLost
 
 log = logging.getLogger("specmesh.serving")
@@ -35,21 +36,6 @@ OPEN_METHODS = ("/grpc.health.v1.Health/",)
 PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.FAILED_PRECONDITION,
                 grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.CANCELLED}
-
-
-def _wrap(handler: Optional[grpc.RpcMethodHandler], wrap_behavior: Callable, deserializer=None):
-    """A copy of ``handler`` whose behaviour is ``wrap_behavior(behavior, streaming_response)``."""
-    if handler is None:
-        return None
-    deser = deserializer(handler.request_deserializer) if deserializer else handler.request_deserializer
-    ser = handler.response_serializer
-    if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(wrap_behavior(handler.unary_unary, False), deser, ser)
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(wrap_behavior(handler.unary_stream, True), deser, ser)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(wrap_behavior(handler.stream_unary, False), deser, ser)
-    return grpc.stream_stream_rpc_method_handler(wrap_behavior(handler.stream_stream, True), deser, ser)
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
@@ -75,7 +61,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
 
             return refuse_stream if streaming else refuse
 
-        return _wrap(handler, deny)
+        return wrap_handler(handler, deny)
 
 
 class _Oversize:
@@ -150,4 +136,4 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         handler = continuation(details)
         if handler is None or handler.stream_unary or handler.stream_stream:
             return handler  # streaming requests (reflection) are left as they are
-        return _wrap(handler, guard, sized)
+        return wrap_handler(handler, guard, sized)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextvars
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -44,12 +45,17 @@ class ServeSettings(BaseSettings):
 
     # ---- model (verifier; the router loads only the tokenizer)
     model: str = "smollm2-135m-instruct"
-    dtype: Literal["fp32", "bf16", "int8"] = "fp32"
+    # bf16: the fastest exact dtype here that is not a quantisation (the engine is
+    # batch-invariant on CPU, so greedy speculation equals plain decoding; README)
+    dtype: Literal["fp32", "bf16", "int8"] = "bf16"
     n_slots: int = Field(8, ge=1, description="KV slots of the verifier")
     max_seq_len: int = Field(2048, ge=16)
     layerskip_exit: Optional[int] = Field(None, ge=1, description="layer-skip exit layer; None = the calibrated "
                                           "one (specmesh calibrate-layerskip), else 24")
     draft_model: Optional[str] = Field(None, description="draft LM directory for draft_lm (default: derived)")
+    device: str = Field("auto", description="verifier and draft LM: auto | cpu | cuda | cuda:N (auto: CUDA when "
+                        "torch.cuda.is_available()); whether it exists is checked when a service starts")
+    cuda_graphs: bool = Field(True, description="on CUDA, replay CUDA graphs for small forwards (GraphedEngine)")
 
     # ---- limits
     max_prompt_tokens: int = Field(1536, ge=1)
@@ -62,7 +68,8 @@ class ServeSettings(BaseSettings):
 
     # ---- strategies
     default_strategy: Literal["autoregressive", "external", "self", "proactive", "ssr", "auto"] = "external"
-    default_drafter: Literal["prompt_lookup", "suffix", "adaptive_lookup", "draft_lm"] = "prompt_lookup"
+    default_drafter: str = Field("prompt_lookup", description="the external drafter of requests that name none "
+                                 "(one of drafters.registry.EXTERNAL)")
     draft_budget: int = Field(6, ge=1)
     auto_anticipate: bool = Field(False, description="anticipate every finished turn that has a conversation_id")
     anticipate_tokens: int = Field(512, ge=1, description="idle tokens per anticipation (upper limit)")
@@ -121,6 +128,30 @@ class ServeSettings(BaseSettings):
         if isinstance(v, str):
             return [a.strip() for a in v.split(",") if a.strip()]
         return v
+
+    @field_validator("default_drafter")
+    @classmethod
+    def _default_drafter(cls, v: str) -> str:
+        from specmesh.drafters.registry import EXTERNAL
+
+        if v not in EXTERNAL:
+            raise ValueError(f"default_drafter: must be one of {list(EXTERNAL)}, got {v!r}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        v = str(v).strip().lower()
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"device: expected auto | cpu | cuda | cuda:N, got {v!r}")
+        return v
+
+    def torch_device(self):
+        """The ``torch.device`` of ``device`` on this machine; raises
+        ``InvalidArgument("device", ...)`` when it does not exist here."""
+        from specmesh.device import resolve_device
+
+        return resolve_device(self.device)
 
     @field_validator("ssr_fractions")
     @classmethod

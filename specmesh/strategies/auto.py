@@ -11,15 +11,25 @@ session's live stats, and say why.
    rewrite / quote instruction)                         -> external suffix (its drafts are
    bounded by the match length; in bench-strategies it beat prompt_lookup and
    adaptive_lookup on the copy-heavy workloads)
-5. otherwise: layer-skip if its calibration measured a speedup, else the draft LM if
-   this session measured one, else external suffix — a cheap drafter that drafts
-   only where the text repeats (draft length bounded by the match length).
+5. fresh text (open writing, chat: no copy cues), in order:
+   a. the trained block drafter's tree (``self`` / ``block_tree``) when the
+      verifier has it loaded (``Features.block_tree``): measured 1.64–2.00x plain
+      decoding in bf16 and 1.19–1.27x in fp32 on open_writing / chat_multiturn
+      (docs/block-drafter.md), where n-gram drafters find little to copy;
+   b. layer-skip if its calibration measured a speedup (untrained: it measured at
+      most 0.96x here, so in practice never);
+   c. the draft LM if this session measured one above 1x;
+   d. external suffix — a cheap drafter that drafts only where the text repeats
+      (draft length bounded by the match length).
 
 Then the session's stats overrule: when the chosen (strategy, drafter) has been
-measured in this session at a speedup under ``off_below``, speculation is switched
-off (autoregressive; re-tried every ``probe_every`` requests of the session so a
-changing workload can win it back). A drafter unavailable (no drafter service)
-degrades to self, then to autoregressive.
+measured in this session at a speedup under ``off_below``, it is switched away —
+the block tree to the next fresh-text choice (b–d, itself subject to the same
+rule), anything else to autoregressive — and re-tried every ``probe_every``-th
+request of the session that would have chosen it (requests measured plus requests
+switched away, ``Measured.skipped``), so a changing workload can win it back. A drafter
+unavailable (no drafter service) degrades to self (block tree, or a calibrated
+layer-skip), then to autoregressive.
 
 ``SessionBook`` keeps per session (conversation id, else client) and per
 (strategy, drafter) the EMA of the accepted length per round (tau - 1) and of the
@@ -37,7 +47,7 @@ from __future__ import annotations
 import re
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 LONG_PROMPT_TOKENS = 384
@@ -58,6 +68,7 @@ class Features:
     edit_cue: bool = False
     drafter_up: bool = True
     layerskip_speedup: Optional[float] = None  # from calibrate-layerskip, None = not calibrated
+    block_tree: bool = False  # the verifier has the trained block drafter (self drafter "block_tree")
 
 
 def text_features(text: str) -> dict:
@@ -74,7 +85,8 @@ class Measured:
     tau: float = 1.0
     speedup: float = 1.0
     alpha: float = 0.6
-    n: int = 0
+    n: int = 0  # finished requests measured
+    skipped: int = 0  # requests auto switched away from it (so every probe_every-th request re-tries it)
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,7 @@ class Choice:
     strategy: str
     drafter: str  # external drafter or self-draft method; "" for autoregressive
     reason: str
+    switched_from: tuple[str, ...] = ()  # labels the session's measurements switched away from
 
 
 def label(strategy: str, drafter: str) -> str:
@@ -100,6 +113,9 @@ def _by_features(f: Features, stats: dict[str, Measured]) -> Choice:
             if v]
     if cues:
         return Choice("external", "suffix", f"auto: prompt-reusing input ({', '.join(cues)}) -> suffix decoding")
+    if f.block_tree:
+        return Choice("self", "block_tree", "auto: fresh text (no copy cues); the verifier has the trained block "
+                      "drafter -> self block_tree")
     if f.layerskip_speedup is not None and f.layerskip_speedup > 1.0:
         return Choice("self", "layerskip", f"auto: fresh text; layer-skip calibrated at "
                       f"{f.layerskip_speedup:.2f}x -> self")
@@ -111,22 +127,49 @@ def _by_features(f: Features, stats: dict[str, Measured]) -> Choice:
                   "suffix decoding (drafts only where text repeats; off for the session if it measures a slowdown)")
 
 
+def _verdict(m: Optional[Measured], off_below: float, probe_every: int) -> str:
+    """What the session's measurement of a choice says: "" (nothing against it), "off"
+    (measured under ``off_below``) or "probe" (the same, but this is every
+    ``probe_every``-th request of the session for it: try it again)."""
+    if m is None or not m.n or m.speedup >= off_below:
+        return ""
+    return "probe" if (m.n + m.skipped) % probe_every == 0 else "off"
+
+
 def choose(f: Features, stats: Optional[dict[str, Measured]] = None, off_below: float = 0.97,
            probe_every: int = 4) -> Choice:
-    """The strategy for a request (see the module docstring for the rules)."""
+    """The strategy for a request (see the module docstring for the rules).
+    ``Choice.switched_from`` names what the session's measurements switched away
+    from (the caller counts them with ``SessionBook.skip``, so re-probes come round)."""
     stats = stats or {}
     c = _by_features(f, stats)
+    if c.drafter == "block_tree":
+        lab = label(c.strategy, c.drafter)
+        m = stats.get(lab)
+        v = _verdict(m, off_below, probe_every)
+        if v == "probe":
+            return Choice(c.strategy, c.drafter, c.reason + f"; re-probing (measured {m.speedup:.2f}x)")
+        if v == "off":
+            f = replace(f, block_tree=False)
+            alt = _by_features(f, stats)
+            c = Choice(alt.strategy, alt.drafter, f"{c.reason}; but it measured {m.speedup:.2f}x in this session "
+                       f"-> {alt.reason.removeprefix('auto: ')}", (lab,))
     needs_drafter = c.strategy in ("external", "proactive", "ssr")
     if needs_drafter and not f.drafter_up:
+        if c.strategy == "external" and f.block_tree:
+            return Choice("self", "block_tree", c.reason + "; drafter service down -> self block_tree",
+                          c.switched_from)
         if c.strategy == "external" and f.layerskip_speedup and f.layerskip_speedup > 1.0:
-            return Choice("self", "layerskip", c.reason + "; drafter service down -> self")
-        return Choice("autoregressive", "", c.reason + "; drafter service down -> autoregressive")
-    m = stats.get(label(c.strategy, c.drafter))
-    if m is not None and m.n and m.speedup < off_below and c.strategy in ("external", "self"):
-        if m.n % probe_every:
-            return Choice("autoregressive", "", f"{c.reason}; but {label(c.strategy, c.drafter)} measured "
-                          f"{m.speedup:.2f}x in this session -> speculation off")
-        return Choice(c.strategy, c.drafter, c.reason + f"; re-probing (measured {m.speedup:.2f}x)")
+            return Choice("self", "layerskip", c.reason + "; drafter service down -> self", c.switched_from)
+        return Choice("autoregressive", "", c.reason + "; drafter service down -> autoregressive", c.switched_from)
+    lab = label(c.strategy, c.drafter)
+    m = stats.get(lab)
+    v = _verdict(m, off_below, probe_every) if c.strategy in ("external", "self") else ""
+    if v == "off":
+        return Choice("autoregressive", "", f"{c.reason}; but {lab} measured {m.speedup:.2f}x in this session "
+                      "-> speculation off", c.switched_from + (lab,))
+    if v == "probe":
+        return Choice(c.strategy, c.drafter, c.reason + f"; re-probing (measured {m.speedup:.2f}x)", c.switched_from)
     return c
 
 
@@ -183,6 +226,14 @@ class SessionBook:
                 m.alpha = alpha if first else (1 - w) * m.alpha + w * alpha
             m.n += 1
 
+    def skip(self, key: str, labels: Sequence[str]) -> None:
+        """``choose`` switched this session away from ``labels`` (they measured too slow)."""
+        with self._lock:
+            d = self._s.get(key, {})
+            for lab in labels:
+                if lab in d:
+                    d[lab].skipped += 1
+
     def record_ar(self, new_tokens: int, total_s: float, ttft_s: float) -> None:
         if new_tokens < 2 or total_s <= ttft_s:
             return
@@ -192,10 +243,10 @@ class SessionBook:
 
 
 def features_from(prompt_ids: Sequence[int], text: str, turns: int, reasoning: bool, anticipation_ready: bool,
-                  drafter_up: bool, layerskip_speedup: Optional[float]) -> Features:
+                  drafter_up: bool, layerskip_speedup: Optional[float], block_tree: bool = False) -> Features:
     return Features(prompt_tokens=len(prompt_ids), turns=turns, reasoning=reasoning,
                     anticipation_ready=anticipation_ready, drafter_up=drafter_up,
-                    layerskip_speedup=layerskip_speedup, **text_features(text))
+                    layerskip_speedup=layerskip_speedup, block_tree=block_tree, **text_features(text))
 
 
 __all__ = ["Choice", "Features", "Measured", "SessionBook", "choose", "features_from", "label", "measured_speedup",

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
 from .. import seeding
-from ..loop import AdaptiveBudget, BudgetPolicy, generate_tokens, speculative_generate
+from ..loop import AdaptiveBudget, BudgetPolicy, LoopOptions, generate_tokens, speculative_generate
 from ..types import GenerationStats, InvalidArgument, SamplingParams, SessionLost
 from .adapt import KeepSession, ResumePrefix
 
@@ -245,8 +245,10 @@ def reasoning_generate(verifier, prompt_ids: Sequence[int], fmt: ThinkFormat, *,
     answer_from: Optional[int] = None
     t_end: Optional[float] = None
     try:
-        loop1 = speculative_generate(drafter, keep, prompt_ids, sampling, think_n, stop_ids, sid, budget(), s1,
-                                     self_draft, on_drafter_error, max_new_limit, round_scope=round_scope)
+        loop1 = speculative_generate(drafter, keep, prompt_ids, LoopOptions(
+            sampling=sampling, max_new_tokens=think_n, stop_ids=stop_ids, session_id=sid, budget=budget(),
+            self_draft=self_draft, on_drafter_error=on_drafter_error, max_new_limit=max_new_limit,
+            round_scope=round_scope), stats=s1)
         try:
             for chunk in loop1:
                 prev = len(thinking)
@@ -295,10 +297,12 @@ def reasoning_generate(verifier, prompt_ids: Sequence[int], fmt: ThinkFormat, *,
             offset = s1.target_forwards
             scope2 = lambda i: round_scope(i + offset)  # noqa: E731
         released = True  # the answer loop releases the session
-        loop2 = speculative_generate(answer_drafter if answer_drafter is not None else drafter, resumed,
-                                     prompt_ids + out, sampling, max_new_tokens - len(out), stop_ids, sid, budget(),
-                                     s2, self_draft, on_drafter_error, max_new_limit, round_scope=scope2,
-                                     draft_first=True)  # the KV holds the thinking: draft the answer at once
+        loop2 = speculative_generate(
+            answer_drafter if answer_drafter is not None else drafter, resumed, prompt_ids + out, LoopOptions(
+                sampling=sampling, max_new_tokens=max_new_tokens - len(out), stop_ids=stop_ids, session_id=sid,
+                budget=budget(), self_draft=self_draft, on_drafter_error=on_drafter_error,
+                max_new_limit=max_new_limit, round_scope=scope2,
+                draft_first=True), stats=s2)  # the KV holds the thinking: draft the answer at once
         try:
             for chunk in loop2:
                 out += chunk

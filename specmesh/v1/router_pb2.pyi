@@ -106,16 +106,18 @@ class ListStrategiesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StrategyInfo(_message.Message):
-    __slots__ = ("name", "description", "drafters", "available")
+    __slots__ = ("name", "description", "drafters", "available", "default_drafter")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     AVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     name: str
     description: str
     drafters: _containers.RepeatedScalarFieldContainer[str]
     available: bool
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., drafters: _Optional[_Iterable[str]] = ..., available: _Optional[bool] = ...) -> None: ...
+    default_drafter: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., drafters: _Optional[_Iterable[str]] = ..., available: _Optional[bool] = ..., default_drafter: _Optional[str] = ...) -> None: ...
 
 class ListStrategiesResponse(_message.Message):
     __slots__ = ("strategies", "default_strategy", "default_drafter")

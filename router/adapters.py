@@ -1,0 +1,208 @@
+"""The router's gRPC adapters of the core contracts, used by its draft–verify loop.
+
+- ``RemoteDrafter`` implements the drafter contract (``propose`` / ``release`` /
+  ``finish``) over the Drafter service. It remembers what the service holds for
+  its session and sends only the delta (keep_len = common prefix, append the
+  rest); when the service lost the session (FAILED_PRECONDITION) it resends
+  everything once. A call failing with UNAVAILABLE or DEADLINE_EXCEEDED marks
+  the drafter unhealthy (``PeerHealth``): the exception reaches the loop, which
+  falls back to plain decoding for that round, and further rounds skip drafting
+  (empty draft, no RPC) until the backoff has passed; then the next round
+  probes the drafter again.
+- ``RemoteVerifier`` implements the ``Verifier`` protocol over one of several
+  Verifier replicas (``replicas.ReplicaSet``): the session is pinned to a
+  replica (least-loaded or rendezvous hash). FAILED_PRECONDITION becomes
+  ``SessionLost`` (the loop re-prefills from its committed tokens); UNAVAILABLE
+  marks the replica down, re-pins the session (to another replica when there
+  is one) and raises ``SessionLost`` too, and a re-prefill that meets
+  UNAVAILABLE is retried with a short backoff for up to ``retry_s`` (a
+  restarting replica).
+- Both measure network time: RPC wall time minus the server's handler time.
+
+This module knows nothing about tokenizers, strategies or how servers are built.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional, Sequence
+
+import grpc
+
+from specmesh.drafters.prompt_lookup import common_prefix_len
+from specmesh.serving import convert
+from specmesh.types import DraftContext, SessionLost, TokenTree, VerifyRequest, VerifyResult
+from specmesh.v1 import drafter_pb2, verifier_pb2
+
+from .replicas import Peer, ReplicaSet
+
+DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+RELEASE_TIMEOUT_S = 2.0
+
+
+class Calls:
+    """Per-generation call settings: auth metadata, timeouts and an optional
+    absolute deadline (``time.monotonic()`` based) and cancel flag."""
+
+    def __init__(self, token: Optional[str] = None, timeout_s: float = 30.0, deadline: Optional[float] = None,
+                 cancelled: Optional[threading.Event] = None):
+        self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self.timeout_s, self.deadline = timeout_s, deadline
+        self.cancelled = cancelled or threading.Event()
+
+    def timeout(self, cap: Optional[float] = None) -> float:
+        t = min(self.timeout_s, cap or self.timeout_s)
+        if self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline exceeded")
+            t = min(t, left)
+        return t
+
+
+# ---------------------------------------------------------------- drafter
+
+class RemoteDrafter:
+    """The drafter contract over the Drafter service (one instance per generation)."""
+
+    def __init__(self, peer: Peer, drafter: str, calls: Calls, timeout_s: float = 2.0, cache_id: str = ""):
+        self.peer, self.name, self.calls, self.timeout_s = peer, drafter, calls, timeout_s
+        self.cache_id = cache_id  # draft cache the "cache" drafter reads
+        self._held: dict[str, list[int]] = {}  # session -> tokens the service holds
+        self.network_s = 0.0
+        self.skipped = 0  # rounds without drafting while the drafter was down
+
+    def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
+        if not self.peer.health.available():
+            self.skipped += 1
+            return TokenTree()
+        sid, tokens = ctx.session_id, ctx.tokens
+        held = self._held.pop(sid, [])  # unknown until this call succeeds
+        keep = common_prefix_len(held, tokens)
+        while True:
+            req = drafter_pb2.ProposeRequest(
+                session_id=sid, drafter=self.name, sync=convert.sync_to_proto(keep, tokens[keep:]),
+                prompt_len=ctx.prompt_len, sampling=convert.sampling_to_proto(ctx.sampling), budget=budget,
+                cache_id=ctx.cache_id or self.cache_id)
+            t0 = time.perf_counter()
+            try:
+                resp = self.peer.stub.Propose(req, timeout=self.calls.timeout(self.timeout_s),
+                                              metadata=self.calls.metadata)
+                break
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION and keep > 0:
+                    keep = 0  # the drafter lost the session: resend everything once
+                    continue
+                if e.code() in DOWN:
+                    self.peer.health.failed()
+                raise
+        self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
+        self.peer.health.ok()
+        self._held[sid] = list(tokens)
+        tree = convert.tree_from_proto(resp.tree)
+        tree.source = resp.source
+        return tree
+
+    def _release(self, session_id: str, finished: bool, tokens: Sequence[int] = (), prompt_len: int = 0) -> None:
+        held = self._held.pop(session_id, None)
+        if held is None or not self.peer.health.available():
+            return  # the service never held it, lost it or is down; its LRU frees leftovers
+        keep = common_prefix_len(held, list(tokens)) if finished else 0
+        req = drafter_pb2.DrafterReleaseRequest(session_id=session_id, finished=finished, prompt_len=prompt_len,
+                                                sync=convert.sync_to_proto(keep, list(tokens)[keep:]))
+        self.peer.stub.Release(req, timeout=RELEASE_TIMEOUT_S, metadata=self.calls.metadata)
+
+    def release(self, session_id: str) -> None:
+        self._release(session_id, False)
+
+    def finish(self, session_id: str, tokens: list[int], prompt_len: int) -> None:
+        # a cancelled generation is released, not learned from
+        self._release(session_id, not self.calls.cancelled.is_set(), tokens, prompt_len)
+
+
+# ---------------------------------------------------------------- verifier
+
+class RemoteVerifier:
+    """The Verifier protocol over a ``ReplicaSet`` (one instance per generation)."""
+
+    def __init__(self, replicas: ReplicaSet, vocab_size: int, calls: Calls, retry_s: float = 15.0):
+        self.replicas, self.vocab_size, self.calls, self.retry_s = replicas, vocab_size, calls, retry_s
+        self.peer: Optional[Peer] = None
+        self.network_s = 0.0
+        self.reprefills = 0
+        self.address = ""  # replica of the last successful verify
+        self._calls = 0
+        self._touched: list[Peer] = []
+
+    def _pin(self, session_id: str, avoid: Sequence[Peer] = ()) -> Peer:
+        self.peer = self.replicas.pin(session_id, self.peer, avoid)
+        if self.peer not in self._touched:
+            self._touched.append(self.peer)
+        return self.peer
+
+    def prefer(self, address: str) -> bool:
+        """Pin this generation to the replica at ``address`` (one holding a warm KV
+        for its session) before the first call; False when there is no such replica."""
+        if self.peer is not None:
+            return self.peer.address == address
+        for p in self.replicas.peers:
+            if p.address == address:
+                with self.replicas._lock:
+                    p.load += 1
+                self.peer = p
+                self._touched.append(p)
+                return True
+        return False
+
+    def verify(self, req: VerifyRequest) -> VerifyResult:
+        peer = self.peer or self._pin(req.session_id)
+        if req.keep_len == 0 and self._calls:
+            self.reprefills += 1
+        self._calls += 1
+        msg = convert.verify_request_to_proto(req)
+        give_up, wait = time.monotonic() + self.retry_s, 0.05
+        while True:
+            t0 = time.perf_counter()
+            try:
+                resp = peer.stub.Verify(msg, timeout=self.calls.timeout(), metadata=self.calls.metadata)
+                break
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    raise SessionLost(e.details()) from None
+                if e.code() != grpc.StatusCode.UNAVAILABLE or self.calls.cancelled.is_set():
+                    raise
+                peer.health.failed()
+                peer = self._pin(req.session_id, avoid=[peer])
+                if req.keep_len > 0:  # the KV may be gone: rebuild from the committed tokens
+                    raise SessionLost(f"verifier unavailable ({e.details()}); re-prefill") from None
+                if time.monotonic() + wait > give_up:
+                    raise
+                time.sleep(wait)
+                wait = min(2 * wait, 0.5)
+        peer.health.ok()
+        self.address = peer.address
+        self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
+        return convert.verify_result_from_proto(resp)
+
+    def release(self, session_id: str) -> None:
+        """Free the session on every replica it touched (best effort: a dead
+        replica holds nothing worth freeing)."""
+        if self.peer is not None:
+            self.replicas.unpin(self.peer)
+            self.peer = None
+        touched, self._touched = self._touched, []
+        for p in touched:
+            try:
+                p.stub.Release(verifier_pb2.VerifierReleaseRequest(session_id=session_id),
+                               timeout=RELEASE_TIMEOUT_S, metadata=self.calls.metadata)
+            except grpc.RpcError:
+                pass
+
+    def info(self) -> dict:
+        from google.protobuf.json_format import MessageToDict
+
+        peer = self.peer or self.replicas.peers[0]
+        m = peer.stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=self.calls.timeout(),
+                           metadata=self.calls.metadata)
+        return MessageToDict(m, preserving_proto_field_name=True)

@@ -1,0 +1,321 @@
+"""``specmesh device-check``: what a CUDA machine says about specmesh, in a few minutes.
+
+On a machine where ``torch.cuda.is_available()``:
+
+1. runs the CUDA tests (``pytest -m cuda tests/deploy/test_cuda.py``) in a subprocess;
+2. times one engine forward scoring 1, 4, 16 tokens (and 4 sessions x 9 tokens) on
+   ``GraphedEngine`` (CUDA graphs) and on the eager ``LlamaEngine``;
+3. a short benchmark, same prompts for every system, order rotating per prompt, bf16,
+   greedy, ``--max-new-tokens`` (128): our plain decoding and ``self:block_tree`` on
+   both engines, Hugging Face ``generate`` eager and with ``cache_implementation=
+   "static"`` + ``torch.compile`` (``hf_static_compile``), on a few ``open_writing`` and
+   ``chat_multiturn`` bench prompts;
+
+and writes ``results.json`` and ``report.md`` to ``--out``. Each phase checks the
+time left (``--budget-s``, default 280 s) and is skipped, with a note, when it would
+not fit. Exit status: 0 all ran and the tests passed, 1 a test failed or a phase
+broke, 3 no CUDA here (said in one line; nothing crashes). ``--allow-cpu`` runs the
+same steps on the CPU to check the script itself (numbers meaningless there).
+
+Imports nothing heavy at module level (the CLI parser imports it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKLOADS = ("open_writing", "chat_multiturn")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--out", default="device-check-out", help="directory for results.json and report.md")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--device", default="cuda", help="cuda | cuda:N (cpu only with --allow-cpu)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=2, help="prompts per workload (open_writing, chat_multiturn)")
+    p.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole check")
+    p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
+    p.add_argument("--no-hf", action="store_true", help="leave the Hugging Face systems out")
+    p.add_argument("--allow-cpu", action="store_true", help="run on the CPU (checks the script, not the GPU)")
+
+
+def _env(device) -> dict:
+    import torch
+
+    d = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda_build": torch.version.cuda,
+         "device": str(device)}
+    try:
+        import transformers
+
+        d["transformers"] = transformers.__version__
+    except ImportError:
+        d["transformers"] = None
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        d.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1), gpus=torch.cuda.device_count())
+    return d
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------- phases
+def run_tests(timeout_s: float) -> dict:
+    """``pytest -m cuda tests/deploy/test_cuda.py`` in a subprocess; counts and the output's tail."""
+    test_file = ROOT / "tests" / "deploy" / "test_cuda.py"
+    if not test_file.exists():
+        return {"ran": False, "reason": f"{test_file} not found (run from a source checkout)"}
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", str(test_file), "-q", "-rs", "-p", "no:cacheprovider"]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stdout or b"")[-3000:]
+        return {"ran": True, "rc": None, "reason": f"timed out after {timeout_s:.0f} s",
+                "tail": tail.decode(errors="replace") if isinstance(tail, bytes) else tail}
+    text = out.stdout + out.stderr
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    counts = {w: int(n) for n, w in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", last)}
+    return {"ran": True, "rc": out.returncode, "seconds": round(time.perf_counter() - t0, 1), "counts": counts,
+            "tail": text[-3000:], "command": " ".join(cmd[2:])}
+
+
+def time_forwards(engine, prompt: list[int], device, reps: int = 20) -> list[dict]:
+    """Median / p10 / p90 ms of one ``score`` (chain of n tokens after the prompt) and of a
+    4-session ``score_batch``; the slots are reset afterwards."""
+    rows = []
+    engine.reset(0)
+    engine.prefill(0, prompt)
+    cases = [(f"1 x {n}", [(0, prompt[:n], list(range(-1, n - 1)))]) for n in (1, 4, 16)]
+    if engine.n_slots >= 4:
+        for s in range(1, 4):
+            engine.reset(s)
+            engine.prefill(s, prompt[: len(prompt) - 3 * s])
+        cases.append(("4 x 9", [(s, prompt[:9], list(range(-1, 8))) for s in range(4)]))
+    for label, items in cases:
+        for _ in range(3):
+            engine.score_batch(items)
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = engine.score_batch(items)
+            _sync(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            del out
+        q = statistics.quantiles(times, n=10)
+        rows.append({"engine": type(engine).__name__, "sessions x tokens": label,
+                     "median_ms": round(statistics.median(times), 3), "p10_ms": round(q[0], 3),
+                     "p90_ms": round(q[-1], 3)})
+    for s in range(min(engine.n_slots, 4)):
+        engine.reset(s)
+    return rows
+
+
+def build_systems(rts: dict, hf_models, budget: int, log) -> tuple[list, dict]:
+    """Our systems on each runtime (tag -> Runtime), then the HF peers; (systems, skipped)."""
+    from dataclasses import replace
+
+    from .peers import make_hf
+    from .systems import make_ours
+
+    systems, skipped = [], {}
+    for tag, rt in rts.items():
+        for name in ("ours_ar", "ours_block_tree"):
+            try:
+                s = make_ours(name, rt, budget, rt.dtype, adaptive=True)
+            except Exception as e:  # noqa: BLE001 - e.g. no block drafter checkpoint for this model
+                skipped[f"{name}_{tag}"] = f"{type(e).__name__}: {e}"
+                continue
+            systems.append(replace(s, name=f"{name}_{tag}", reference=f"ours_ar_{tag}"))
+    if hf_models is not None:
+        rt = next(iter(rts.values()))
+        systems.append(make_hf("hf_ar", hf_models, rt.stop_ids))
+        try:
+            static = make_hf("hf_static_compile", hf_models, rt.stop_ids, max_cache_len=rt.max_seq_len)
+            static.run(rt.encode("Say hello."), 16)  # compiles (outside any timing)
+            systems.append(static)
+        except Exception as e:  # noqa: BLE001 - reported as skipped
+            skipped["hf_static_compile"] = f"{type(e).__name__}: {str(e).strip()[:300]}"
+            log(f"note: skipping hf_static_compile: {skipped['hf_static_compile']}")
+    return systems, skipped
+
+
+def run_bench(systems: list, encoded: dict, max_new_tokens: int, deadline: float, log) -> tuple[dict, list]:
+    """Every prompt on every system, the order rotating per prompt; stops early (noted)
+    when the deadline passes. Returns (runs, notes)."""
+    runs: dict = {}
+    notes: list[str] = []
+    k = 0
+    for w, items in encoded.items():
+        for pid, ids in items:
+            if time.monotonic() > deadline:
+                notes.append(f"stopped before {w}/{pid}: out of time")
+                return runs, notes
+            order = systems[k % len(systems):] + systems[: k % len(systems)]
+            k += 1
+            for s in order:
+                out = s.run(ids, max_new_tokens)
+                runs.setdefault((s.name, w), []).append((pid, out, 0.0))
+                log(f"  {w} {pid} {s.name}: {len(out.tokens)} tokens in {out.seconds:.2f} s")
+    return runs, notes
+
+
+# ---------------------------------------------------------------- report
+def render(result: dict) -> str:
+    env = result["env"]
+    lines = ["# specmesh device-check", "",
+             f"{env.get('gpu', env['device'])}, torch {env['torch']} (CUDA {env['cuda_build']}), "
+             f"transformers {env.get('transformers')}, python {env['python']}; {result['wall_s']} s in all.", ""]
+    t = result.get("tests")
+    lines += ["## CUDA tests", ""]
+    if not t or not t.get("ran"):
+        lines.append(f"not run: {(t or {}).get('reason', 'skipped')}")
+    else:
+        lines.append(f"`{t.get('command', 'pytest -m cuda')}`: rc {t.get('rc')}, {t.get('counts')}, "
+                     f"{t.get('seconds', '?')} s" + (f" ({t['reason']})" if t.get("reason") else ""))
+        lines += ["", "```", t.get("tail", "").strip()[-1500:], "```"]
+    lines += ["", "## One forward (ms; bf16, after a prompt)", ""]
+    fw = result.get("forwards") or []
+    if fw:
+        lines += ["| engine | sessions x tokens | median | p10 | p90 |", "|---|---|---|---|---|"]
+        lines += [f"| {r['engine']} | {r['sessions x tokens']} | {r['median_ms']} | {r['p10_ms']} | {r['p90_ms']} |"
+                  for r in fw]
+    else:
+        lines.append("not run")
+    lines += ["", f"## Benchmark (bf16, greedy, {result['max_new_tokens']} new tokens, "
+                  f"{', '.join(f'{w}: {n}' for w, n in result.get('workloads', {}).items())} prompts)", ""]
+    recs = result.get("records") or []
+    if recs:
+        lines += ["| system | workload | tok/s | speedup vs own AR | τ | identical to own AR | tokens |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in recs:
+            lines.append(f"| {r['system']} | {r['workload']} | {r['tokens_per_s']} | {r['speedup_vs_own_ar']} | "
+                         f"{r['tau']} | {r['identical_prompts']}/{r['prompts']} | {r['new_tokens']} |")
+    else:
+        lines.append("not run")
+    for name, why in (result.get("skipped") or {}).items():
+        lines.append(f"- skipped {name}: {why}")
+    for n in result.get("notes") or []:
+        lines.append(f"- {n}")
+    if result.get("engine_calls"):
+        lines += ["", f"GraphedEngine calls: {result['engine_calls']}"]
+    lines += ["", "Speedups are ratios to the same family's AR measured in this run; bf16 greedy outputs may "
+                  "differ at near-ties, so 'identical' is reported, not asserted (fp32 identity is a CUDA test). "
+                  "Compilation and graph capture happen before timing.", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- main
+def main(args) -> int:
+    import torch
+
+    from ..device import resolve_device
+    from ..types import InvalidArgument
+
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print(f"specmesh device-check: no CUDA device here (torch.cuda.is_available() is False; torch "
+              f"{torch.__version__}, CUDA build {torch.version.cuda or 'none'}). Run it on a machine with an "
+              f"NVIDIA GPU and a CUDA build of torch (or --allow-cpu to check the script itself).", file=sys.stderr)
+        return 3
+    try:
+        device = resolve_device(args.device)
+    except InvalidArgument as e:
+        print(f"specmesh device-check: {e}", file=sys.stderr)
+        return 3
+    if device.type != "cuda" and not args.allow_cpu:
+        print("specmesh device-check: --device must be cuda or cuda:N (or pass --allow-cpu)", file=sys.stderr)
+        return 3
+    t_start = time.monotonic()
+    deadline = t_start + args.budget_s
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    result: dict = {"env": _env(device), "max_new_tokens": args.max_new_tokens, "skipped": {}, "notes": []}
+    status = 0
+
+    if args.skip_tests:
+        result["tests"] = {"ran": False, "reason": "--skip-tests"}
+    else:
+        log("device-check: pytest -m cuda ...")
+        result["tests"] = run_tests(timeout_s=min(150.0, max(30.0, deadline - time.monotonic() - 90)))
+        if result["tests"].get("rc") not in (0, 5):  # 5: nothing collected
+            status = 1
+    try:
+        status = max(status, _bench_phase(args, device, deadline, result, log))
+    except Exception as e:  # noqa: BLE001 - a broken phase is a result too
+        import traceback
+
+        result["notes"].append(f"benchmark phase failed: {type(e).__name__}: {e}")
+        result["traceback"] = traceback.format_exc()[-4000:]
+        log(result["traceback"])
+        status = 1
+    result["wall_s"] = round(time.monotonic() - t_start, 1)
+    (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
+    (out_dir / "report.md").write_text(render(result))
+    print(f"wrote {out_dir}/results.json, report.md ({result['wall_s']} s); status {status}")
+    return status
+
+
+def _bench_phase(args, device, deadline: float, result: dict, log) -> int:
+    from ..runtime import Runtime
+    from . import workloads as wl
+    from .harness import Bench, BenchConfig
+    from .peers import HFModels
+
+    if os.environ.get("SPECMESH_BLOCK_DRAFTER") == "":
+        result["notes"].append("SPECMESH_BLOCK_DRAFTER is empty: no block drafter")
+    log(f"device-check: loading {args.model} (bf16) on {device}, graphed and eager ...")
+    graphs = True if device.type == "cuda" else "always"  # on the CPU: the static forward without capture
+    rts = {"graphed": Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True, device=device,
+                              cuda_graphs=graphs),
+           "eager": Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True, device=device,
+                            cuda_graphs=False)}
+    g = rts["graphed"]
+    loads = wl.load(list(WORKLOADS), args.prompts)
+    encoded = {w: [(p.id, g.encode(p.prompt, p.messages)) for p in ps] for w, ps in loads.items()}
+    result["workloads"] = {w: len(v) for w, v in encoded.items()}
+    if hasattr(g.engine, "warm_up"):
+        n = g.engine.warm_up(batch_sizes=(1, 4), hidden_layers=g.verifier.feature_layers)
+        result["notes"].append(f"GraphedEngine: {n} buckets prepared before timing")
+    prompt = next(iter(encoded.values()))[0][1]
+    result["forwards"] = []
+    for rt in (g, rts["eager"]):
+        result["forwards"] += time_forwards(rt.engine, prompt, device)
+    log("device-check: forwards " + json.dumps(result["forwards"]))
+    if time.monotonic() > deadline - 30:
+        result["notes"].append("benchmark skipped: out of time")
+        return 1
+    hf = None if args.no_hf else HFModels(g.model_dir, None, device=device, dtype="bf16")
+    systems, skipped = build_systems(rts, hf, 8, log)
+    result["skipped"].update(skipped)
+    warm = g.encode("Say hello and name three colours.")
+    for s in systems:
+        s.run(warm, 16)
+    runs, notes = run_bench(systems, encoded, args.max_new_tokens, deadline - 10, log)
+    result["notes"] += notes
+    bench = Bench(BenchConfig(dtype="bf16", max_new_tokens=args.max_new_tokens, out=str(args.out)), log=log)
+    bench.systems = systems
+    result["records"] = bench.aggregate(list(encoded), runs)
+    result["outputs"] = [{"system": s, "workload": w, "id": pid, "tokens": o.tokens}
+                         for (s, w), rs in runs.items() for pid, o, _ in rs]
+    result["engine_calls"] = getattr(g.engine, "calls", None)
+    toks = {(o["system"], o["workload"], o["id"]): o["tokens"] for o in result["outputs"]}
+    pairs = [(k, k2) for k in toks if k[0] == "ours_ar_graphed" for k2 in [("ours_ar_eager",) + k[1:]] if k2 in toks]
+    if pairs:
+        same = sum(toks[a] == toks[b] for a, b in pairs)
+        result["notes"].append(f"plain decoding, GraphedEngine vs eager engine (bf16): {same}/{len(pairs)} "
+                               "outputs identical")
+    return 1 if notes else 0

@@ -1,0 +1,72 @@
+"""The one drafter registry: every drafter's name and traits.
+
+Every list of drafter names in the project derives from ``SPECS`` (the router's
+per-strategy lists, the loop's cost model, the runtime, the bench, the settings'
+choices), so a new drafter is added in one place. How each is *built* stays with
+its owner (``drafters.make_drafter`` for the context-only ones, ``Runtime`` and the
+drafter service for model-backed ones): building needs models this module does not
+know.
+
+Traits:
+- ``where``: ``external`` (runs anywhere: the drafter service or in process) or
+  ``verifier`` (self-speculative: needs the target's own weights, KV or hidden
+  states, so it runs inside the verifier process).
+- ``cost``: ``free`` (lookups: next to nothing, and they bound their own length),
+  ``token`` (one model step per drafted token) or ``round`` (one pass proposes the
+  whole block: the block drafter).
+- ``shape``: ``chain`` or ``tree``.
+- ``selectable``: a user may name it in a request (``cache`` is the proactive and
+  SSR strategies' own drafter, chosen by the strategy).
+
+Knows nothing about models, tensors or gRPC.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    name: str
+    where: str  # "external" | "verifier"
+    cost: str  # "free" | "token" | "round"
+    shape: str  # "chain" | "tree"
+    summary: str
+    selectable: bool = True
+
+
+SPECS: dict[str, DrafterSpec] = {s.name: s for s in (
+    DrafterSpec("prompt_lookup", "external", "free", "chain", "n-gram prompt lookup (longest suffix match)"),
+    DrafterSpec("suffix", "external", "free", "tree", "suffix decoding: per-request and global suffix trees"),
+    DrafterSpec("adaptive_lookup", "external", "free", "tree",
+                "lexical lookup, then embedding retrieval, branched hypotheses as a tree"),
+    DrafterSpec("cache", "external", "free", "tree",
+                "suffix drafting over a conversation's draft cache (proactive / SSR texts)", selectable=False),
+    DrafterSpec("draft_lm", "external", "token", "chain", "a small LM with the target's tokenizer"),
+    DrafterSpec("layerskip", "verifier", "token", "chain", "the target's first E layers and its head"),
+    DrafterSpec("block", "verifier", "round", "chain",
+                "the trained block drafter on the target's hidden states: a chain in one pass"),
+    DrafterSpec("block_tree", "verifier", "round", "tree",
+                "the trained block drafter: a calibrated best-first tree in one pass"),
+)}
+
+
+def names(where: Optional[str] = None, cost: Optional[str] = None, shape: Optional[str] = None,
+          selectable: Optional[bool] = None) -> tuple[str, ...]:
+    """Registered drafter names with the given traits, in registration order."""
+    return tuple(s.name for s in SPECS.values()
+                 if (where is None or s.where == where) and (cost is None or s.cost == cost)
+                 and (shape is None or s.shape == shape) and (selectable is None or s.selectable == selectable))
+
+
+def spec(name: str) -> Optional[DrafterSpec]:
+    return SPECS.get(name)
+
+
+EXTERNAL = names(where="external", selectable=True)  # what `external` requests may name
+SELF = names(where="verifier")  # in-verifier (``self`` strategy) drafters
+FREE = names(cost="free")  # drafts cost next to nothing: full length, capped by entropy
+PER_ROUND = names(cost="round")  # one pass per block: draft cost per round, not per token
+PER_ROUND_TREES = names(cost="round", shape="tree")  # of those, the best-first trees

@@ -1,0 +1,128 @@
+"""On a CUDA GPU (skipped without one; ``specmesh device-check`` runs them):
+
+- ``GraphedEngine`` with captured CUDA graphs equals the eager engine on the same GPU
+  (fp32, TF32 off): chains, trees, several sessions, padded buckets, graphs replayed
+  with new inputs, and the KV the replays wrote;
+- the block drafter's serving pass on the GPU equals its CPU pass;
+- greedy speculative decoding equals plain decoding on the real model on the GPU
+  (fp32, TF32 off, CUDA graphs) for prompt lookup, layer-skip and the block tree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support import tiny_hf
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _same(a, b, atol=1e-4):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.logits.device.type == "cuda" and y.logits.device.type == "cuda"
+        torch.testing.assert_close(y.logits, x.logits, atol=atol, rtol=0)
+        assert torch.equal(x.logits.argmax(-1), y.logits.argmax(-1))
+
+
+def test_resolve_device_on_cuda():
+    from specmesh.device import describe, resolve_device
+
+    d = resolve_device("auto")
+    assert d.type == "cuda" and resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert "GiB" in describe(d)
+
+
+def test_graphed_engine_captured_equals_eager():
+    from specmesh.cudagraph import GraphedEngine
+    from specmesh.engine import LlamaEngine
+
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    eager = LlamaEngine(cfg, sd, n_slots=3, max_seq_len=128, device="cuda")
+    graphed = GraphedEngine(cfg, sd, n_slots=3, max_seq_len=128, device="cuda")
+    assert graphed.capture
+    for e in (eager, graphed):
+        e.prefill(0, list(range(5, 17)))
+        e.prefill(1, list(range(30, 33)))
+        e.prefill(2, [7])
+    items = [(0, [40, 41, 42], [-1, 0, 1]), (2, [50, 51, 52, 53, 54, 55], [-1, 0, 0, 1, 1, 2]), (1, [60], [-1])]
+    rows = [None, [0, 3, 5], [0]]
+    _same(eager.score_batch(items, rows=rows), graphed.score_batch(items, rows=rows))
+    for e in (eager, graphed):
+        e.commit(0, [0, 1, 2])
+        e.commit(2, [0, 1, 4])
+        e.commit(1, [0])
+    for r in range(5):  # the same graphs replayed on new inputs and lengths
+        items = [(2, [61 + r, 62], [-1, -1]), (0, [63], [-1]), (1, [64, 65, 66, 67, 68 + r], [-1, 0, 1, 2, 3])]
+        _same(eager.score_batch(items), graphed.score_batch(items))
+        for e in (eager, graphed):
+            e.commit(1, [0, 1])
+            e.commit(0, [0])
+    assert [graphed.length(s) for s in range(3)] == [eager.length(s) for s in range(3)]
+    for n in (1, 2, 4, 8, 16):
+        chain = [(0, [(7 * i + n) % 96 for i in range(n)], list(range(-1, n - 1)))]
+        _same(eager.score_batch(chain, hidden_layers=[1]), graphed.score_batch(chain, hidden_layers=[1]))
+    assert graphed.calls["captures"] >= 5 and graphed.calls["graphed"] > graphed.calls["eager"]
+
+
+def test_block_drafter_pass_on_cuda_equals_cpu():
+    from specmesh.blockdraft.incremental import FoldedDrafter
+    from specmesh.blockdraft.model import BlockDrafter, BlockDrafterConfig
+
+    torch.manual_seed(0)
+    H = 64
+    cfg = BlockDrafterConfig(block=4, n_layers=1, hidden=H, n_heads=4, ffn=96, feature_layers=[0, 1],
+                             context_window=16, vocab_size=96, n_keep=32)
+    model = BlockDrafter(cfg, torch.randn(96, H), torch.randn(96, H), torch.ones(H), torch.arange(32))
+    feats = torch.randn(40, 2 * H)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        f = FoldedDrafter(model.to(dev).float())
+        cache = f.new_cache()
+        assert cache.kv.device.type == dev
+        got = [f.draft(cache, 5, n, lambda a, b: feats[a:b]) for n in (10, 12, 30)]
+        outs.append([g.cpu() for g in got])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def gpu_runtime():
+    from specmesh.runtime import Runtime
+
+    return Runtime("smollm2-135m-instruct", dtype="fp32", n_slots=2, max_seq_len=1024, quiet=True, device="cuda")
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "layerskip", "block_tree"])
+def test_greedy_speculation_identical_on_gpu(gpu_runtime, drafter):
+    from specmesh.cudagraph import GraphedEngine
+    from specmesh.demo import PROMPTS
+    from specmesh.loop import AdaptiveBudget, generate_tokens
+
+    rt = gpu_runtime
+    assert isinstance(rt.engine, GraphedEngine) and rt.engine.k_cache.is_cuda
+    if drafter in ("layerskip", "block_tree") and drafter not in rt.verifier.self_drafters:
+        pytest.skip(f"no {drafter} drafter in this runtime")
+    for _, prompt in PROMPTS[:2]:
+        ids = rt.encode(prompt)
+        plain, _ = generate_tokens(None, rt.verifier, ids, max_new_tokens=64, stop_ids=rt.stop_ids)
+        kw = {"budget": AdaptiveBudget(8)}
+        if drafter in rt.verifier.self_drafters:
+            d, kw["self_draft"] = None, drafter
+        else:
+            d = rt.drafter(drafter)
+        out, stats = generate_tokens(d, rt.verifier, ids, max_new_tokens=64, stop_ids=rt.stop_ids, **kw)
+        assert out == plain, (drafter, prompt[:40])
+    assert rt.engine.calls["graphed"] > 0

@@ -1,0 +1,271 @@
+"""Devices on the CPU: ``resolve_device`` and its errors, ``--device`` through the
+settings, CLI and Runtime, and ``GraphedEngine``'s static-shape forward (run without
+capture) against the eager engine: chains, trees, several sessions of different
+lengths, padded buckets, the fallback, and the KV it writes. Fast, tiny models;
+``tests/e2e/test_device_real.py`` runs the real model through ``GraphedEngine``."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from specmesh.cudagraph import GraphedEngine
+from specmesh.device import resolve_device
+from specmesh.engine import LlamaEngine
+from specmesh.types import InvalidArgument
+from tests.support import tiny_hf
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------- resolve_device
+def test_resolve_device_auto_and_cpu():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(" CPU ") == torch.device("cpu")
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+    auto = resolve_device("auto")
+    assert auto.type == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device(None) == auto and resolve_device("") == auto
+
+
+@pytest.mark.parametrize("spec", ["gpu", "cuda:x", "tpu:0", "cuda:-1", "mps", "meta"])
+def test_resolve_device_rejects_garbage(spec):
+    with pytest.raises(InvalidArgument) as e:
+        resolve_device(spec)
+    assert e.value.field == "device" and "cpu" in str(e.value)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0", "cuda:3"])
+def test_resolve_device_without_cuda(spec):
+    with pytest.raises(InvalidArgument, match=r"device: cuda(:\d)? requested but torch.cuda.is_available\(\) is False"):
+        resolve_device(spec)
+
+
+def test_resolve_device_counts_gpus(monkeypatch):
+    """cuda:N beyond the visible GPUs names how many there are (faked: one GPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert resolve_device("cuda") == torch.device("cuda", 0)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(InvalidArgument, match=r"cuda:3 requested but only 1 GPU visible"):
+        resolve_device("cuda:3")
+
+
+# ---------------------------------------------------------------- settings, CLI, Runtime
+def test_settings_device_field(monkeypatch):
+    from pydantic import ValidationError
+
+    from specmesh.serving.settings import load_settings
+
+    assert load_settings(None).device == "auto" and load_settings(None).cuda_graphs is True
+    assert load_settings(None, device="CUDA:1").device == "cuda:1"
+    monkeypatch.setenv("SPECMESH_DEVICE", "cpu")
+    s = load_settings(None)
+    assert s.device == "cpu" and s.torch_device() == torch.device("cpu")
+    with pytest.raises(ValidationError, match="expected auto | cpu | cuda | cuda:N"):
+        load_settings(None, device="gpu0")
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="needs a machine without CUDA")
+def test_serve_refuses_a_missing_gpu_at_start_up(capsys):
+    """``specmesh serve verifier --device cuda`` on a machine without CUDA: one clear
+    line and exit 2 before any model or port is touched; a garbage device too."""
+    from specmesh.cli import main
+
+    assert main(["serve", "verifier", "--port", "0", "--device", "cuda", "--metrics", "false"]) == 2
+    err = capsys.readouterr().err
+    assert "specmesh: error: device: cuda requested but torch.cuda.is_available() is False" in err
+    assert main(["serve", "--device", "gpu7"]) == 2
+    err = capsys.readouterr().err
+    assert "specmesh: error: invalid settings" in err and "expected auto | cpu | cuda | cuda:N, got 'gpu7'" in err
+
+
+def test_cli_device_flags_parse():
+    from specmesh.cli import build_parser
+    from specmesh.serving.cli import settings_from_args
+
+    ap = build_parser()
+    a = ap.parse_args(["demo", "--device", "cpu", "--no-cuda-graphs"])
+    assert a.device == "cpu" and a.cuda_graphs is False
+    assert ap.parse_args(["demo"]).device == "auto" and ap.parse_args(["demo"]).cuda_graphs is True
+    b = ap.parse_args(["bench", "--device", "cuda:1", "--hf-dtype", "bf16"])
+    from specmesh.bench import config_from_args
+
+    cfg = config_from_args(b)
+    assert (cfg.device, cfg.cuda_graphs, cfg.hf_dtype) == ("cuda:1", True, "bf16")
+    s = settings_from_args(ap.parse_args(["serve", "verifier", "--device", "cpu", "--cuda-graphs", "false"]))
+    assert s.device == "cpu" and s.cuda_graphs is False
+    assert ap.parse_args(["device-check", "--out", "x"]).out == "x"
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="needs a machine without CUDA")
+def test_device_check_without_cuda_says_so(capsys, tmp_path):
+    from specmesh.cli import main
+
+    assert main(["device-check", "--out", str(tmp_path / "o")]) == 3
+    assert "no CUDA device here" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama as a Hugging Face directory, with the real model's tokenizer files."""
+    from specmesh.models.loading import resolve_model
+
+    src = resolve_model("smollm2-135m-instruct", quiet=True)
+    d = tmp_path_factory.mktemp("tiny-model")
+    model, _ = tiny_hf()
+    model.save_pretrained(d)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def test_runtime_device_plumbing(tiny_model_dir):
+    from specmesh.runtime import Runtime
+
+    rt = Runtime(str(tiny_model_dir), n_slots=2, max_seq_len=64, layerskip_exit=1, quiet=True, block_drafter=False,
+                 device="cpu")
+    assert rt.device == torch.device("cpu") and rt.cuda_graphs is False and type(rt.engine) is LlamaEngine
+    assert rt.engine.k_cache.device.type == "cpu"
+    g = Runtime(str(tiny_model_dir), n_slots=2, max_seq_len=64, layerskip_exit=1, quiet=True, block_drafter=False,
+                device="cpu", cuda_graphs="always")
+    assert isinstance(g.engine, GraphedEngine) and not g.engine.capture and g.engine.n_slots == 2
+    if NO_CUDA:
+        with pytest.raises(InvalidArgument, match="device"):
+            Runtime(str(tiny_model_dir), device="cuda", quiet=True, block_drafter=False)
+
+
+def test_ray_config_asks_for_gpus_when_the_device_is_cuda():
+    from specmesh.deploy.ray.config import RayAppConfig
+
+    cfg = RayAppConfig.model_validate({"settings": {"device": "cuda"}})
+    assert cfg.verifier.options("Verifier")["ray_actor_options"]["num_gpus"] == 1
+    assert cfg.drafter.options("Drafter")["ray_actor_options"]["num_gpus"] == 0  # drafters stay on the CPU
+    assert cfg.serve_settings("verifier").device == "cuda" and cfg.serve_settings("drafter").device == "cpu"
+    gpu_drafter = RayAppConfig.model_validate({"drafter": {"device": "cuda:0"}, "verifier": {"num_gpus": 0.5}})
+    assert gpu_drafter.drafter.num_gpus == 1 and gpu_drafter.verifier.num_gpus == 0.5
+    assert gpu_drafter.device("verifier") == "auto"
+    plain = RayAppConfig.model_validate({})
+    assert plain.verifier.num_gpus == 0 and plain.device("drafter") == "cpu"
+    with pytest.raises(ValueError):
+        RayAppConfig.model_validate({"verifier": {"device": "gpu"}})
+
+
+# ---------------------------------------------------------------- GraphedEngine without capture
+def _pair(**kw):
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    eager = LlamaEngine(cfg, sd, n_slots=3, max_seq_len=64)
+    static = GraphedEngine(cfg, sd, n_slots=3, max_seq_len=64, capture=False, **kw)
+    return eager, static
+
+
+def _same(a, b, hidden=()):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.logits.shape == y.logits.shape
+        torch.testing.assert_close(y.logits, x.logits, atol=1e-4, rtol=0)
+        assert torch.equal(x.logits.argmax(-1), y.logits.argmax(-1))
+        for li in hidden:
+            torch.testing.assert_close(y.hidden[li], x.hidden[li], atol=1e-4, rtol=1e-5)
+
+
+def _both(engines, fn):
+    return [fn(e) for e in engines]
+
+
+def test_graphed_engine_matches_eager_chains_trees_and_sessions():
+    eager, static = _pair()
+    assert static.n_slots == 3 and static.k_cache.shape[1] == 4  # + the padding's scratch slot
+    for e in (eager, static):
+        e.prefill(0, list(range(5, 17)))  # 12 tokens: bucket 16
+        e.prefill(1, list(range(30, 33)))  # 3: bucket 4
+        e.prefill(2, [7])  # 1
+    assert static.calls["graphed"] == 3 and static.calls["eager"] == 0
+    chain = (0, [40, 41, 42], [-1, 0, 1])
+    tree = (2, [50, 51, 52, 53, 54, 55], [-1, 0, 0, 1, 1, 2])
+    single = (1, [60], [-1])
+    items = [chain, tree, single]
+    rows = [None, [0, 3, 5], [0]]
+    a, b = (e.score_batch(items, rows=rows, hidden_layers=[0, 2]) for e in (eager, static))
+    _same(a, b, hidden=[0, 2])
+    assert b[1].logits.shape[0] == 3 and b[0].hidden[2].shape == (3, eager.hidden)
+    # the KV the static forward wrote makes later calls match: commit a tree path and go on
+    for e in (eager, static):
+        e.commit(0, [0, 1, 2])
+        e.commit(2, [0, 1, 4])
+        e.commit(1, [0])
+    a, b = (e.score_batch([(2, [61, 62], [-1, -1]), (0, [63], [-1]), (1, [64, 65, 66, 67, 68], [-1, 0, 1, 2, 3])])
+            for e in (eager, static))
+    _same(a, b)
+    assert [static.length(s) for s in range(3)] == [15, 4, 4]
+    # single-slot score (what layer-skip drafting calls) with extra and fewer layers
+    for e in (eager, static):
+        e.score(1, [70], [-1], extra=0)
+    a, b = (e.score(1, [71], [-1], rows=[0], n_layers=2, extra=1) for e in (eager, static))
+    _same([a], [b])
+    keys = list(static._steps)
+    assert (4, 8, 3, (0, 2)) in keys and any(k[2] == 2 for k in keys)  # batch 3 -> 4, 6 tokens -> 8, layers 2
+
+
+def test_graphed_engine_buckets_padding_and_fallback():
+    eager, static = _pair(batch_buckets=(1, 2, 4), token_buckets=(2, 4))
+    assert static.batch_buckets == (1, 2, 4)
+    for e in (eager, static):
+        e.prefill(0, [3, 4, 5])  # bucket (1, 4)
+        e.prefill(1, [6])  # bucket (1, 2): one padding token
+        e.prefill(2, list(range(10, 20)))  # 10 tokens > 4: eager
+    assert static.calls == {"graphed": 2, "eager": 1, "captures": 0}
+    a, b = (e.score_batch([(1, [7, 8, 9], [-1, 0, 0]), (2, [11], [-1])]) for e in (eager, static))
+    _same(a, b)  # 2 sessions x 3 tokens -> bucket (2, 4)
+    assert static.calls["graphed"] == 3
+    # invalid input and oversized calls go to the eager engine, which raises the same errors
+    for bad in ([(0, [1, 2, 3, 4, 5], [-1, 0, 1, 2, 3])], [(0, [1], [-1]), (0, [2], [-1])]):
+        _same(eager.score_batch(bad), static.score_batch(bad))
+    with pytest.raises(InvalidArgument, match="parents"):
+        static.score_batch([(0, [1, 2], [-1, 5])])
+    with pytest.raises(InvalidArgument, match="tokens"):
+        static.score_batch([(0, [10**6], [-1])])
+    assert static.calls["eager"] == 5
+    # padding writes go to the scratch slot: slot 1 (1 committed token) scores one token at
+    # position 1; its padding token (position 2) leaves the slot untouched
+    assert static.length(1) == 1
+    before = static.k_cache[:, 1, :, :3].clone()
+    static.score_batch([(0, [1], [-1]), (1, [2], [-1])])  # bucket (2, 2): a padding token each
+    after = static.k_cache[:, 1, :, :3]
+    assert torch.equal(after[..., 0, :], before[..., 0, :]) and torch.equal(after[..., 2, :], before[..., 2, :])
+    assert not torch.equal(after[..., 1, :], before[..., 1, :])
+
+
+def test_graphed_engine_bf16_and_the_verifier():
+    """bf16 (refined top logits) through ``EngineVerifier``: greedy rounds with a drafted
+    tree give the same tokens on both engines."""
+    from specmesh.types import SamplingParams, TokenTree, VerifyRequest
+    from specmesh.verifier import EngineVerifier
+
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    # against the ragged eager forward (the padded static forward is not the batch-invariant one)
+    vs = [EngineVerifier(LlamaEngine(cfg, sd, dtype="bf16", n_slots=2, max_seq_len=64, batch_invariant=False)),
+          EngineVerifier(GraphedEngine(cfg, sd, dtype="bf16", n_slots=2, max_seq_len=64, capture=False))]
+    outs = []
+    for v in vs:
+        v.enable_features([1])
+        toks, got = [5, 6, 7, 8], []
+        keep = 0
+        for r in range(6):
+            tree = TokenTree(tokens=[(t * 7 + r) % 96 for t in toks[-3:]], parents=[-1, 0, 0])
+            res = v.verify(VerifyRequest("s", keep, toks[keep:], tree, SamplingParams()))
+            keep = len(toks)
+            new = res.accepted + [res.next_token]
+            got += new
+            toks = toks + new
+        outs.append((got, v.features[v.slot_of("s"), :len(toks) - 1].clone()))
+    assert outs[0][0] == outs[1][0]
+    torch.testing.assert_close(outs[1][1].float(), outs[0][1].float(), atol=0.15, rtol=0.02)  # ~1 bf16 ulp
+    assert vs[1].engine.calls["graphed"] > 0

@@ -1,0 +1,112 @@
+"""Default drafters in the router's strategy resolution, against fake replicas:
+``self`` without a drafter gets the trained block drafter's tree when the verifiers
+have it (layer-skip otherwise), ``auto`` picks it on fresh text and switches away
+where it measured a slowdown, and the router's look-up of the verifiers' self
+drafters (Verifier/Info, cached, intersected over replicas).
+``tests/services/test_defaults_grpc.py`` checks the same defaults through real
+gRPC servers on loopback."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from specmesh.router import strategies as rs
+from specmesh.router.core import GenerateSpec
+from specmesh.types import InvalidArgument
+
+# ---------------------------------------------------------------- the look-up, fake replicas
+
+
+class _Stub:
+    def __init__(self, names=None, fail=False):
+        self.names, self.fail, self.calls = names or [], fail, 0
+
+    def Info(self, req, timeout=None, metadata=()):
+        self.calls += 1
+        if self.fail:
+            raise _RpcError()
+        return SimpleNamespace(self_drafters=list(self.names))
+
+
+class _RpcError(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+
+def _router(*stubs, default_drafter="prompt_lookup"):
+    peers = [SimpleNamespace(address=f"v{i}", stub=s, health=SimpleNamespace(available=lambda: True))
+             for i, s in enumerate(stubs)]
+    s = SimpleNamespace(verifier_timeout_s=5.0, default_drafter=default_drafter, default_strategy="external",
+                        model="m", dtype="fp32", layerskip_exit=None)
+    return SimpleNamespace(replicas=SimpleNamespace(peers=peers), token=None, s=s, drafter=None)
+
+
+def test_self_drafters_are_the_replicas_intersection_and_cached(monkeypatch):
+    full = _Stub(["block", "block_tree", "layerskip"])
+    st = rs.Strategies(_router(full))
+    assert st.self_drafters() == {"block", "block_tree", "layerskip"}
+    assert st.default_drafters()["self"] == "block_tree"
+    st.self_drafters()
+    assert full.calls == 1  # cached
+    # a second replica without the block drafter: a session may land there, so layer-skip
+    st = rs.Strategies(_router(_Stub(["block", "block_tree", "layerskip"]), _Stub(["layerskip"])))
+    assert st.self_drafters() == {"layerskip"} and st.default_drafters()["self"] == "layerskip"
+    # a replica that does not answer is left out; none answering: unknown (layer-skip) and retried soon
+    st = rs.Strategies(_router(_Stub(fail=True), _Stub(["block_tree", "layerskip"])))
+    assert st.default_drafters()["self"] == "block_tree"
+    dead = _Stub(fail=True)
+    st = rs.Strategies(_router(dead))
+    assert st.self_drafters() == frozenset() and st.default_drafters()["self"] == "layerskip"
+    clock = [1000.0]
+    monkeypatch.setattr(rs.time, "monotonic", lambda: clock[0])
+    st._self_until = 0.0
+    st.self_drafters()
+    n = dead.calls
+    clock[0] += rs.SELF_INFO_RETRY_S / 2
+    st.self_drafters()
+    assert dead.calls == n
+    clock[0] += rs.SELF_INFO_RETRY_S
+    dead.fail, dead.names = False, ["layerskip", "block_tree"]
+    assert st.self_drafters() == {"layerskip", "block_tree"} and dead.calls == n + 1
+
+
+def test_resolve_self_default_and_validation():
+    ids = [5, 6, 7]
+    with_block = rs.Strategies(_router(_Stub(["block", "block_tree", "layerskip"])))
+    r = with_block.resolve(GenerateSpec(prompt="x", strategy="self"), ids, False)
+    assert (r.strategy, r.self_draft) == ("self", "block_tree") and "block drafter" in r.reason
+    r = with_block.resolve(GenerateSpec(prompt="x", strategy="self", drafter="layerskip"), ids, False)
+    assert r.self_draft == "layerskip" and r.reason == "requested"
+    without = rs.Strategies(_router(_Stub(["layerskip"])))
+    r = without.resolve(GenerateSpec(prompt="x", strategy="self"), ids, False)
+    assert r.self_draft == "layerskip" and "no block drafter" in r.reason
+    with pytest.raises(InvalidArgument, match="block"):
+        without.resolve(GenerateSpec(prompt="x", strategy="self", drafter="block_tree"), ids, False)
+    with pytest.raises(InvalidArgument):
+        with_block.resolve(GenerateSpec(prompt="x", strategy="self", drafter="suffix"), ids, False)
+    d = with_block.default_drafters()
+    assert d == {"autoregressive": "", "external": "prompt_lookup", "self": "block_tree", "proactive": "cache",
+                 "ssr": "cache", "auto": ""}
+
+
+def test_resolve_auto_uses_the_block_tree_on_fresh_text_and_switches_away(monkeypatch):
+    monkeypatch.setattr(rs.Strategies, "layerskip_speedup", lambda self: None)
+    monkeypatch.setattr(rs, "_drafter_up", lambda router: True)
+    ids = list(range(2, 30))
+    fresh = GenerateSpec(prompt="Write a poem about autumn.", strategy="auto", conversation_id="c1")
+    st = rs.Strategies(_router(_Stub(["block", "block_tree", "layerskip"])))
+    r = st.resolve(fresh, ids, False)
+    assert (r.strategy, r.self_draft, r.drafter) == ("self", "block_tree", None) and r.reason.startswith("auto:")
+    code = GenerateSpec(prompt="Fix this:\n```python\nx = 1\n```", strategy="auto", conversation_id="c1")
+    assert st.resolve(code, ids, False).drafter == "suffix"
+    # the session measured the tree below 1x: the next request goes to suffix decoding, the switch is counted
+    st.book.record("conv:c1", "self:block_tree", 1.1, 0.7)
+    r = st.resolve(fresh, ids, False)
+    assert (r.strategy, r.drafter) == ("external", "suffix") and "0.70x" in r.reason
+    assert st.book.get("conv:c1")["self:block_tree"].skipped == 1
+    # without a block drafter, fresh text goes to suffix decoding as before
+    st2 = rs.Strategies(_router(_Stub(["layerskip"])))
+    assert st2.resolve(fresh, ids, False).drafter == "suffix"

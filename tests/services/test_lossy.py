@@ -1,0 +1,93 @@
+"""Lossy (relaxed) acceptance is labelled everywhere: one exact and one typical
+request through a real router, drafter and verifier on loopback (tiny random
+model, the instrumented ``TinyTracedStack`` of tests/support.py): the response's
+``lossy`` flag, the router's and the verifier's Prometheus metrics (read from
+/metrics) and the OpenTelemetry spans (in-memory exporter) of the request and of
+every round."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import TinyTracedStack, samples, scrape, spans_done, spans_of, total, wait_for
+
+N = 16
+PROMPT = "abcabcabcabc hello hello hello abcabc"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    stack = TinyTracedStack(tmp_path_factory.mktemp("lossy") / "tiny.jsonl")
+    yield stack
+    stack.close()
+
+
+@pytest.mark.parametrize("strategy,drafter", [("external", "prompt_lookup"), ("self", "")])
+def test_exact_and_typical_requests_are_labelled(tiny, strategy, drafter):
+    from specmesh import Client
+
+    before = {k: samples(scrape(p)) for k, p in tiny.ports.items()}
+    tiny.mem.clear()
+    results = {}
+    with Client(tiny.address, timeout=60) as c:
+        for acceptance in ("exact", "typical"):
+            results[acceptance] = c.generate(PROMPT, strategy=strategy, drafter=drafter, max_new_tokens=N,
+                                             draft_budget=4, raw_prompt=True, temperature=0.8, seed=5,
+                                             acceptance=acceptance)
+    exact, typical = results["exact"], results["typical"]
+    # the response
+    assert not exact.stats.lossy and typical.stats.lossy
+    assert typical.stats.new_tokens > 0 and typical.stats.rounds > 0
+    # the spans: request span and every round span carry the rule and the flag
+    assert wait_for(lambda: spans_done(tiny.mem, results.values()))
+    spans = spans_of(tiny.mem)
+    for acceptance, r in results.items():
+        req = [s for s in spans if s["name"] == "specmesh.generate"
+               and s["attributes"].get("gen_ai.response.id") == r.session_id]
+        assert len(req) == 1
+        a = req[0]["attributes"]
+        assert a["specmesh.acceptance"] == acceptance and a["specmesh.lossy"] is (acceptance == "typical")
+        rounds = [s for s in spans if s["name"] == "specmesh.round" and s["parent_id"] == req[0]["span_id"]]
+        assert len(rounds) == r.stats.rounds + 1  # + the prefill round
+        for rnd in rounds:
+            ra = rnd["attributes"]
+            assert ra["specmesh.acceptance"] == acceptance, ra
+            assert ra["specmesh.lossy"] is (acceptance == "typical"), ra
+    # the router's metrics: the lossy families count the typical request only, with its rule as label
+    after = {k: samples(scrape(p)) for k, p in tiny.ports.items()}
+    rt_b, rt_a = before["router"], after["router"]
+    lab = dict(strategy=typical.stats.strategy, drafter=typical.stats.drafter)
+    d = lambda name, **kw: total(rt_a, name, **kw) - total(rt_b, name, **kw)  # noqa: E731
+    assert wait_for(lambda: total(samples(scrape(tiny.ports["router"])), "specmesh_lossy_requests_total", **lab)
+                    - total(rt_b, "specmesh_lossy_requests_total", **lab) == 1)
+    rt_a = samples(scrape(tiny.ports["router"]))
+    assert d("specmesh_lossy_requests_total", acceptance="typical", **lab) == 1
+    assert d("specmesh_lossy_generated_tokens_total", acceptance="typical", **lab) == typical.stats.new_tokens
+    assert d("specmesh_lossy_accepted_tokens_total", acceptance="typical", **lab) == typical.stats.accepted_tokens
+    assert d("specmesh_lossy_requests_total") == 1  # the exact request is not there
+    assert not any(n.startswith("specmesh_lossy") and dict(ls).get("acceptance") == "exact" for n, ls in rt_a)
+    assert d("specmesh_requests_total", **lab) == 2  # both are still ordinary requests
+    # the verifier: one lossy Verify call per target forward of the typical request, none for the exact one
+    vb, va = before["verifier"], after["verifier"]
+    assert total(va, "specmesh_verify_lossy_calls_total", acceptance="typical", strategy=strategy) - \
+        total(vb, "specmesh_verify_lossy_calls_total", acceptance="typical", strategy=strategy) == \
+        typical.stats.target_forwards
+    assert total(va, "specmesh_verify_lossy_calls_total") - total(vb, "specmesh_verify_lossy_calls_total") == \
+        typical.stats.target_forwards
+
+
+def test_trace_cli_marks_the_lossy_request(tiny, tmp_path, capsys):
+    from specmesh import Client
+    from specmesh.cli import main
+
+    with Client(tiny.address, timeout=60) as c:
+        r = c.generate(PROMPT, strategy="external", drafter="prompt_lookup", max_new_tokens=8, raw_prompt=True,
+                       temperature=0.8, seed=2, acceptance="typical")
+    assert wait_for(lambda: spans_done(tiny.mem, [r]))
+    capsys.readouterr()
+    assert main(["trace", "show", str(tiny.jsonl_path), "--request", r.session_id,
+                 "--out", str(tmp_path / "t.png")]) == 0
+    assert "LOSSY acceptance (typical)" in capsys.readouterr().out
+    assert main(["trace", "list", str(tiny.jsonl_path)]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if r.session_id in x]
+    assert line and "LOSSY" in line[0]

@@ -1,0 +1,249 @@
+"""Sampled speculation follows the target's distribution exactly, through the loop.
+
+For every drafter and strategy, thousands of short sampled generations (3 new
+tokens, drafting from the first round) on a tiny random model with a 6-token
+vocabulary are compared by a chi-square test with the exact joint distribution of
+plain sampling, computed by enumerating every prefix with the target's own
+logits (temperature, top-k and top-p applied). Mechanisms that would break it: a
+drafter reusing its randomness across rounds (the old per-request seeding of the
+self drafters), draws correlated with the acceptance uniforms, an inexact sibling
+rule. The same test run with those mechanisms put back must fail (so the test
+has the power to see them). Every run has a fixed seed: the outcome is
+deterministic, not a matter of luck on a given day.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+from specmesh import seeding
+from specmesh.blockdraft.model import BlockDrafterConfig
+from specmesh.blockdraft.serve import BlockSelfDrafter
+from specmesh.blockdraft.train import new_model
+from specmesh.drafters import CacheDrafter, PromptLookupDrafter, SuffixDrafter, make_drafter
+from specmesh.drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
+from specmesh.engine import LlamaEngine
+from specmesh.loop import AdaptiveBudget, generate_tokens, speculative_generate
+from specmesh.strategies.ssr import ThinkFormat, local_side_answer, reasoning_generate
+from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, SamplingParams, TokenTree
+from tests.support import SMALL_DRAFT as DRAFT
+from tests.support import SMALL_N_NEW as N_NEW
+from tests.support import SMALL_PROMPT as PROMPT
+from tests.support import SMALL_TARGET as TARGET
+from tests.support import SMALL_V as V
+from tests.support import chi2, exact_joint
+from tests.support import small_target_engine as target_engine
+
+pytestmark = pytest.mark.slow  # thousands of generations per case (minutes on 2 cores); CI runs them
+
+ALPHA = 1e-3  # deterministic seeds: a pass is a pass on every run
+
+
+def verifier(n_slots: int = 4):
+    from specmesh.verifier import EngineVerifier
+
+    return EngineVerifier(target_engine(n_slots))
+
+
+SAMPLINGS = {
+    "t1": SamplingParams(temperature=1.0),
+    "t07_k3": SamplingParams(temperature=0.7, top_k=3),
+    "t13_p08": SamplingParams(temperature=1.3, top_p=0.8),
+}
+
+
+def sample_counts(run: Callable[[SamplingParams], list[int]], sampling: SamplingParams, n: int,
+                  pick: Callable[[list[int]], tuple] = tuple) -> Counter:
+    c: Counter = Counter()
+    for seed in range(n):
+        sp = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                            seed=seed)
+        c[pick(run(sp))] += 1
+    return c
+
+
+def loop_runner(ver, drafter=None, self_draft: Optional[str] = None, budget: int = 2, draft_first: bool = True):
+    def run(sp: SamplingParams) -> list[int]:
+        out: list[int] = []
+        for chunk in speculative_generate(drafter, ver, PROMPT, sampling=sp, max_new_tokens=N_NEW, budget=budget,
+                                          self_draft=self_draft, draft_first=draft_first):
+            out += chunk
+        return out
+    return run
+
+
+# ---------------------------------------------------------------- drafters
+
+_TRAINED: dict = {}
+
+
+def _trained_block_model():
+    """A block drafter trained for a few seconds on the target's own samples (an
+    untrained one always proposes the same token, which the target rarely picks)."""
+    if "m" not in _TRAINED:
+        from specmesh.blockdraft.train import prepare, train
+
+        eng = target_engine(1)
+        records = []
+        for s in range(24):
+            prompt = PROMPT[s % 4:]
+            out, _ = generate_tokens(None, verifier(1), prompt, sampling=SamplingParams(temperature=1.0, seed=500 + s),
+                                     max_new_tokens=12)
+            records.append({"prompt_ids": prompt, "response_ids": out})
+        torch.manual_seed(5)
+        cfg = BlockDrafterConfig(block=4, n_layers=1, hidden=32, n_heads=4, ffn=48, feature_layers=[0, 1],
+                                 context_window=16, vocab_size=V, n_keep=V)
+        model = new_model(cfg, TARGET[1], torch.arange(V))
+        train(model, prepare(eng, records, cfg.feature_layers, quiet=True), steps=80, lr=3e-3, batch=4,
+              anchors_per_seq=8, quiet=True)
+        _TRAINED["m"] = model.eval()
+    return _TRAINED["m"]
+
+
+def _block(ver, tree: bool) -> BlockSelfDrafter:
+    return BlockSelfDrafter(ver, _trained_block_model(), tree=tree, amp=False)
+
+
+class Bound:
+    """A cache drafter reading one cache id (what the router's adapter sets)."""
+
+    def __init__(self, cache: CacheDrafter, cache_id: str):
+        self.cache, self.cache_id = cache, cache_id
+
+    def propose(self, ctx, budget):
+        ctx.cache_id = self.cache_id
+        return self.cache.propose(ctx, budget)
+
+    def release(self, sid):
+        self.cache.release(sid)
+
+    def finish(self, sid, toks, p):
+        self.cache.release(sid)
+
+
+def make_case(name: str) -> tuple:
+    """(verifier, drafter, self_draft, budget) for a drafter / strategy by name."""
+    ver = verifier()
+    if name == "prompt_lookup":
+        return ver, PromptLookupDrafter(), None, 2
+    if name == "suffix":
+        return ver, SuffixDrafter(), None, 2
+    if name == "adaptive_lookup":
+        return ver, make_drafter("adaptive_lookup", embeddings=ver.engine.embed, min_similarity=0.0), None, 2
+    if name == "draft_lm":
+        return ver, DraftLMDrafter(LlamaEngine(*DRAFT, n_slots=2, max_seq_len=64), top_k=V), None, 2
+    if name == "layerskip":
+        ver.self_drafters["layerskip"] = LayerSkipDrafter(ver, exit_layer=1, top_k=V)
+        return ver, None, "layerskip", 2
+    if name in ("block", "block_tree"):
+        ver.self_drafters[name] = _block(ver, tree=name == "block_tree")
+        return ver, None, name, 3
+    if name == "proactive":  # a cache holding anticipated continuations (sampled with other seeds)
+        cache = CacheDrafter()
+        texts = []
+        for s in range(6):
+            t, _ = generate_tokens(None, ver, PROMPT, sampling=SamplingParams(temperature=1.0, seed=10_000 + s),
+                                   max_new_tokens=4)
+            texts.append(PROMPT[-3:] + t)
+        cache.seed("conv", texts)
+        return ver, Bound(cache, "conv"), None, 2
+    raise KeyError(name)
+
+
+CASES = [("prompt_lookup", "t1"), ("suffix", "t07_k3"), ("adaptive_lookup", "t13_p08"), ("draft_lm", "t1"),
+         ("draft_lm", "t07_k3"), ("layerskip", "t1"), ("layerskip", "t13_p08"), ("block", "t1"),
+         ("block_tree", "t07_k3"), ("proactive", "t1")]
+N_SAMPLES = 3000
+
+
+class DraftCount:
+    """Wraps the verifier to count drafted nodes: the test must exercise the rules."""
+
+    def __init__(self, ver):
+        self.ver, self.drafted, self.accepted = ver, 0, 0
+        self.vocab_size = ver.vocab_size
+
+    def verify(self, req):
+        res = self.ver.verify(req)
+        self.drafted += res.drafted
+        self.accepted += len(res.accepted)
+        return res
+
+    def release(self, sid):
+        self.ver.release(sid)
+
+    def __getattr__(self, k):
+        return getattr(self.ver, k)
+
+
+@pytest.mark.parametrize("name,samp", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+def test_sampled_speculation_matches_the_exact_distribution(name, samp):
+    sampling = SAMPLINGS[samp]
+    ver, drafter, self_draft, budget = make_case(name)
+    counter = DraftCount(ver)
+    counts = sample_counts(loop_runner(counter, drafter, self_draft, budget), sampling, N_SAMPLES)
+    p = chi2(counts, exact_joint(PROMPT, [None] * N_NEW, sampling))
+    assert counter.drafted > N_SAMPLES // 2, f"{name}: only {counter.drafted} drafted tokens"
+    assert 0 < counter.accepted < counter.drafted, (name, counter.accepted, counter.drafted)
+    assert p > ALPHA, f"{name}/{samp}: chi-square p = {p:.2e}"
+
+
+# ---------------------------------------------------------------- the test has power
+
+def _old_seeding(ctx, device=None):
+    """The bug this file guards against: the draft's randomness keyed by the request
+    only, so every round of a request reuses the same draws."""
+    return seeding.generator(ctx.sampling.seed, seeding.DRAFT, device)
+
+
+def _shared_stream(ctx, device=None):
+    """A drafter drawing from the verifier's acceptance stream: draft and test correlated."""
+    rs = ctx.round_seed if ctx.round_seed is not None else seeding.round_seed(ctx.sampling.seed, len(ctx.tokens))
+    return seeding.generator(rs, seeding.ACCEPT, device)
+
+
+@pytest.mark.parametrize("broken", [_old_seeding, _shared_stream], ids=["old-seeding", "shared-stream"])
+def test_the_same_test_fails_with_broken_draft_randomness(broken, monkeypatch):
+    import specmesh.drafters.model_drafters as md
+
+    monkeypatch.setattr(md, "draft_generator", broken)
+    sampling = SAMPLINGS["t1"]
+    ver, drafter, self_draft, budget = make_case("layerskip")
+    counts = sample_counts(loop_runner(ver, drafter, self_draft, budget), sampling, N_SAMPLES)
+    p = chi2(counts, exact_joint(PROMPT, [None] * N_NEW, sampling))
+    assert p < ALPHA, f"the broken variant passed (p = {p:.3f}): the test has no power"
+
+
+# ---------------------------------------------------------------- ssr: lossless w.r.t. full-CoT decoding
+
+def test_ssr_sampled_answer_matches_full_cot_decoding():
+    """One thinking token (the budget), the forced close (4, 5), two answer tokens: the
+    answer is drafted from side branches' answers (sampled on their own stream) and must
+    follow plain sampling of the same procedure exactly."""
+    from specmesh.loop import BudgetPolicy
+
+    fmt = ThinkFormat(open_ids=(), close_ids=(4, 5), end_seqs=((5, 5, 5, 5),), line_ids=())
+    ver = verifier(6)
+    cache = CacheDrafter()
+    sampling = SAMPLINGS["t1"]
+    counter = DraftCount(ver)
+
+    def run(sp: SamplingParams) -> list[int]:
+        side = local_side_answer(ver, [], 3, sampling=sp)
+        out: list[int] = []
+        for ch in reasoning_generate(counter, PROMPT, fmt, sampling=sp, max_new_tokens=5, thinking_budget=1,
+                                     drafter=SuffixDrafter(), answer_drafter=Bound(cache, "ssr"), side_answer=side,
+                                     seed=lambda texts: cache.seed("ssr", texts, replace=True), side_async=False,
+                                     fractions=(0.5,), budget=lambda: BudgetPolicy(2)):
+            out += ch
+        assert out[1:3] == [4, 5]
+        return out
+
+    counts = sample_counts(run, sampling, N_SAMPLES, pick=lambda o: (o[0], o[3], o[4]))
+    assert counter.drafted > N_SAMPLES // 2 and 0 < counter.accepted < counter.drafted
+    p = chi2(counts, exact_joint(PROMPT, [None, 4, 5, None, None], sampling))
+    assert p > ALPHA, f"ssr: chi-square p = {p:.2e}"

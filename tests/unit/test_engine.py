@@ -1,0 +1,166 @@
+"""Engine: logits equal Hugging Face's forward; tree scoring + commit == prefill of the
+path; rollback; batched == unbatched; layer exit; dtypes — in the ragged and the
+batch-invariant forward (bitwise invariance itself: test_batch_invariance.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support import tiny_engine
+from specmesh.types import InvalidArgument, ResourceExhausted
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_logits_match_hf(kind, invariant):
+    eng, model = tiny_engine(kind=kind)
+    eng.set_batch_invariant(invariant)
+    ids = [3, 17, 5, 88, 41, 9, 60, 2]
+    out = eng.score(0, ids, list(range(-1, len(ids) - 1))).logits
+    torch.testing.assert_close(out, _hf_logits(model, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_incremental_decode_matches_full_forward():
+    eng, model = tiny_engine()
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    eng.prefill(0, ids[:3])
+    rows = [eng.prefill(0, [t]) for t in ids[3:]]
+    ref = _hf_logits(model, ids)
+    for k, r in enumerate(rows):
+        torch.testing.assert_close(r, ref[3 + k], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_tree_score_then_commit_equals_prefill_of_path(invariant):
+    eng, _ = tiny_engine()
+    eng.set_batch_invariant(invariant)
+    prompt = [4, 8, 15, 16, 23]
+    # tree: two branches under the root; path = nodes 1 -> 3 -> 4
+    tokens = [30, 31, 32, 33, 34, 35]
+    parents = [-1, -1, 0, 1, 3, 3]
+    eng.prefill(0, prompt)
+    tree_out = eng.score(0, tokens, parents).logits
+    eng.commit(0, [1, 3, 4])
+    after_commit = eng.prefill(0, [50])
+    # reference: a fresh slot that prefilled the accepted path as a chain
+    eng.prefill(1, prompt)
+    chain_out = eng.score(1, [31, 33, 34], [-1, 0, 1]).logits
+    eng.commit(1, [0, 1, 2])
+    ref_after = eng.prefill(1, [50])
+    torch.testing.assert_close(tree_out[[1, 3, 4]], chain_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after_commit, ref_after, atol=1e-5, rtol=1e-5)
+    n = eng.length(0)
+    assert n == eng.length(1) == len(prompt) + 4
+    torch.testing.assert_close(eng.k_cache[:, 0, :, :n], eng.k_cache[:, 1, :, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eng.v_cache[:, 0, :, :n], eng.v_cache[:, 1, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_rollback_restores_next_logits():
+    eng, model = tiny_engine()
+    eng.prefill(0, [1, 2, 3, 4])
+    eng.prefill(0, [70, 71, 72])
+    eng.rollback(0, 3)
+    assert eng.length(0) == 4
+    torch.testing.assert_close(eng.prefill(0, [5]), _hf_logits(model, [1, 2, 3, 4, 5])[-1], atol=1e-4, rtol=1e-4)
+    with pytest.raises(InvalidArgument):
+        eng.rollback(0, 99)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_batched_equals_unbatched(invariant):
+    eng, _ = tiny_engine(n_slots=3)
+    eng.set_batch_invariant(invariant)
+    eng.prefill(0, [1, 2, 3])
+    eng.prefill(1, [9, 8, 7, 6, 5, 4, 3])
+    items = [(0, [10, 11, 12], [-1, 0, 0]), (1, [20], [-1]), (2, [40, 41, 42, 43], [-1, 0, 1, 2])]
+    batched = eng.score_batch(items)
+    for (slot, toks, pars), b in zip(items, batched):
+        single = eng.score(slot, toks, pars)
+        torch.testing.assert_close(b.logits, single.logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_hidden_states_and_layer_exit(invariant):
+    eng, model = tiny_engine()
+    eng.set_batch_invariant(invariant)
+    ids = [7, 3, 9, 1]
+    out = eng.score(0, ids, [-1, 0, 1, 2], hidden_layers=[0, 2])
+    with torch.no_grad():
+        hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.hidden[0], hs[1][0], atol=1e-4, rtol=1e-4)
+    early = eng.score(1, ids, [-1, 0, 1, 2], n_layers=1).logits
+    assert early.shape == out.logits.shape and not torch.allclose(early, out.logits)
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_low_precision_close_to_fp32(dtype, invariant):
+    ref, _ = tiny_engine("fp32")
+    low, _ = tiny_engine(dtype)
+    low.set_batch_invariant(invariant)
+    ids = list(range(10, 30))
+    a = ref.score(0, ids, list(range(-1, 19))).logits
+    b = low.score(0, ids, list(range(-1, 19))).logits
+    agree = (a.argmax(-1) == b.argmax(-1)).float().mean()
+    assert agree >= 0.8
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
+
+
+def test_bad_input_changes_nothing():
+    eng, _ = tiny_engine(max_seq_len=16)
+    eng.prefill(0, [1, 2, 3])
+    with pytest.raises(InvalidArgument, match="tokens"):
+        eng.score(0, [500], [-1])
+    with pytest.raises(InvalidArgument, match="parents"):
+        eng.score(0, [1, 2], [-1, 5])
+    with pytest.raises(ResourceExhausted):
+        eng.score(0, list(range(20)), list(range(-1, 19)))
+    assert eng.length(0) == 3
+    with pytest.raises(InvalidArgument):
+        from specmesh.engine import LlamaEngine
+        LlamaEngine(eng.config, {}, dtype="fp16")
+
+
+def test_invariant_forward_matches_ragged_and_is_switchable():
+    """The two forwards compute the same function (fp32: to rounding); switching keeps
+    the sessions; the tiles are validated; ``from_pretrained`` takes the device."""
+    import inspect
+
+    from specmesh.engine import LlamaEngine
+
+    eng, _ = tiny_engine(max_seq_len=100)
+    assert not eng.batch_invariant and eng.k_cache.shape[3] == 100
+    eng.prefill(0, [1, 2, 3, 4, 5])
+    ragged = eng.score(0, [6, 7, 8], [-1, 0, 0]).logits
+    eng.set_batch_invariant(True)
+    assert eng.k_cache.shape[3] == 100 and eng._k_buf.shape[3] % eng.key_block == 0
+    assert eng.length(0) == 5
+    torch.testing.assert_close(eng.score(0, [6, 7, 8], [-1, 0, 0]).logits, ragged, atol=1e-5, rtol=1e-5)
+    with pytest.raises(InvalidArgument):
+        LlamaEngine(eng.config, {}, dtype="bf16", row_tiles=(4, 2))
+    params = inspect.signature(LlamaEngine.from_pretrained).parameters
+    assert params["device"].default == "cpu"
+
+
+@pytest.mark.slow
+def test_smollm2_logits_match_hf(runtime):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(runtime.model_dir), dtype=torch.float32).eval()
+    ids = runtime.encode("Explain speculative decoding in one sentence.")
+    runtime.verifier.release("hfcheck")
+    slot = runtime.verifier.pool.allocate("hfcheck")
+    try:
+        runtime.engine.reset(slot)
+        out = runtime.engine.score(slot, ids, list(range(-1, len(ids) - 1))).logits
+    finally:
+        runtime.verifier.release("hfcheck")
+    ref = _hf_logits(hf, ids)
+    torch.testing.assert_close(out, ref, atol=2e-3, rtol=1e-3)
+    assert (out.argmax(-1) == ref.argmax(-1)).all()

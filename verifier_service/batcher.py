@@ -1,0 +1,137 @@
+"""Dynamic batching of verify requests from many sessions into one forward.
+
+Handler threads call ``VerifyBatcher.verify(req)``; one worker thread collects
+queued requests of *different* sessions and runs them as one
+``EngineVerifier.verify_batch`` call (one ragged forward). Rule: take what is
+queued (at most one request per session, at most ``max_batch``); while the
+batch is smaller than the number of sessions seen within the last
+``recent_s`` seconds (the ones likely to send a request soon), wait up to
+``window_ms`` for more. A lone session therefore never waits, and requests that
+queue up during a forward all go into the next one. ``verify_batch`` returns a
+result or an exception per request, so one bad request fails only itself, and a
+batched result equals the unbatched one. A request whose caller has gone
+(``alive()`` false: cancelled or past its deadline) is dropped unrun.
+
+This module knows nothing about gRPC, protos or how results are accepted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from concurrent.futures import CancelledError, Future
+from typing import Callable, Optional
+
+from specmesh.types import VerifyRequest, VerifyResult
+
+
+class VerifyBatcher:
+    def __init__(self, verifier, window_ms: float = 2.0, max_batch: int = 8, recent_s: float = 1.0):
+        self.verifier = verifier
+        self.window = window_ms / 1e3
+        self.max_batch = max(1, max_batch)
+        self.recent_s = recent_s
+        self._queue: deque[tuple[VerifyRequest, Future, Optional[Callable]]] = deque()
+        self._recent: dict[str, float] = {}  # session id -> last submit (monotonic)
+        self._cv = threading.Condition()
+        self._stopped = False
+        self.batches = 0
+        self.requests = 0
+        self.max_batch_seen = 0
+        self._worker = threading.Thread(target=self._run, name="specmesh-verify-batcher", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------ public
+    def submit(self, req: VerifyRequest, alive: Optional[Callable[[], bool]] = None) -> Future:
+        """Queue ``req``; ``alive()`` false when its turn comes (the caller gave up:
+        cancelled, deadline) drops it unrun, so a stale request cannot recreate a
+        session its caller already released."""
+        fut: Future = Future()
+        with self._cv:
+            if self._stopped:
+                raise RuntimeError("batcher stopped")
+            self._queue.append((req, fut, alive))
+            self._recent[req.session_id] = time.monotonic()
+            self._cv.notify()
+        return fut
+
+    def verify(self, req: VerifyRequest, timeout: Optional[float] = None,
+               alive: Optional[Callable[[], bool]] = None) -> VerifyResult:
+        """Verify through the batcher; raises the request's own exception."""
+        return self.submit(req, alive).result(timeout)
+
+    def forget(self, session_id: str) -> None:
+        """The session ended: stop expecting requests from it."""
+        with self._cv:
+            self._recent.pop(session_id, None)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._worker.join(timeout=5)
+
+    def info(self) -> dict:
+        return {"batches": self.batches, "batched_requests": self.requests, "max_batch_seen": self.max_batch_seen}
+
+    # ------------------------------------------------------------ worker
+    def _expected(self) -> int:
+        cutoff = time.monotonic() - self.recent_s
+        for sid in [s for s, t in self._recent.items() if t < cutoff]:
+            del self._recent[sid]
+        return len(self._recent)
+
+    def _take(self, batch: list, sids: set) -> None:
+        """Move queued requests of sessions not yet in ``batch`` into it (FIFO)."""
+        later = []
+        while self._queue and len(batch) < self.max_batch:
+            item = self._queue.popleft()
+            if item[0].session_id in sids:
+                later.append(item)  # a second request of a session waits for the next forward
+            else:
+                batch.append(item)
+                sids.add(item[0].session_id)
+        self._queue.extendleft(reversed(later))
+
+    def _collect(self) -> list:
+        with self._cv:
+            while not self._queue and not self._stopped:
+                self._cv.wait()
+            batch: list = []
+            sids: set = set()
+            self._take(batch, sids)
+            deadline = time.monotonic() + self.window
+            while batch and len(batch) < self.max_batch and len(batch) < self._expected():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+                self._take(batch, sids)
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._collect()
+            if not batch:
+                return  # stopped and drained
+            gone = [(r, f) for r, f, alive in batch if alive is not None and not alive()]
+            batch = [(r, f) for r, f, alive in batch if alive is None or alive()]
+            for _, fut in gone:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(CancelledError("the caller went away"))
+            if not batch:
+                continue
+            try:
+                results = self.verifier.verify_batch([r for r, _ in batch])
+            except Exception as e:  # noqa: BLE001 - delivered to every caller of the batch
+                results = [e] * len(batch)
+            self.batches += 1
+            self.requests += len(batch)
+            self.max_batch_seen = max(self.max_batch_seen, len(batch))
+            for (_, fut), res in zip(batch, results):
+                if fut.set_running_or_notify_cancel():
+                    if isinstance(res, BaseException):
+                        fut.set_exception(res)
+                    else:
+                        fut.set_result(res)
