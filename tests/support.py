@@ -85,12 +85,13 @@ def tiny_engine(dtype: str = "fp32", n_slots: int = 3, max_seq_len: int = 128, k
 V = 96
 
 
-def tiny_weights(seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4, kv: int = 2, inter: int = 96):
-    """(config, state dict) of a random Llama with vocabulary ``V``."""
+def random_llama(seed: int, scale: float, vocab: int, layers: int = 2, hidden: int = 64, heads: int = 4,
+                 kv: int = 2, inter: int = 96) -> tuple[dict, dict]:
+    """(config, state dict) of a random-weight Llama: normal(0, ``scale``) matrices, unit norms."""
     g = torch.Generator().manual_seed(seed)
     hd = hidden // heads
-    r = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731
-    sd = {"model.embed_tokens.weight": r(V, hidden), "model.norm.weight": torch.ones(hidden)}
+    r = lambda *s: torch.randn(*s, generator=g) * scale  # noqa: E731
+    sd = {"model.embed_tokens.weight": r(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes = {"self_attn.q_proj": (heads * hd, hidden), "self_attn.k_proj": (kv * hd, hidden),
@@ -99,8 +100,13 @@ def tiny_weights(seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 
         sd.update({f"{p}{k}.weight": r(*shape) for k, shape in shapes.items()})
         sd.update({f"{p}{k}.weight": torch.ones(hidden) for k in ("input_layernorm", "post_attention_layernorm")})
     cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "vocab_size": V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+           "num_key_value_heads": kv, "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     return cfg, sd
+
+
+def tiny_weights(seed: int = 0, layers: int = 2, hidden: int = 64, heads: int = 4, kv: int = 2, inter: int = 96):
+    """(config, state dict) of a random Llama with vocabulary ``V``."""
+    return random_llama(seed, 0.3, V, layers, hidden, heads, kv, inter)
 
 
 @functools.cache
@@ -497,20 +503,7 @@ SMALL_N_NEW = 3
 
 def small_weights(seed: int, scale: float, layers: int = 2, hidden: int = 32, heads: int = 4, kv: int = 2,
                   inter: int = 48) -> tuple[dict, dict]:
-    g = torch.Generator().manual_seed(seed)
-    hd = hidden // heads
-    r = lambda *s: torch.randn(*s, generator=g) * scale  # noqa: E731
-    sd = {"model.embed_tokens.weight": r(SMALL_V, hidden), "model.norm.weight": torch.ones(hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (heads * hd, hidden), "self_attn.k_proj": (kv * hd, hidden),
-                  "self_attn.v_proj": (kv * hd, hidden), "self_attn.o_proj": (hidden, heads * hd),
-                  "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
-        sd.update({f"{p}{k}.weight": r(*shape) for k, shape in shapes.items()})
-        sd.update({f"{p}{k}.weight": torch.ones(hidden) for k in ("input_layernorm", "post_attention_layernorm")})
-    cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
-           "num_key_value_heads": kv, "vocab_size": SMALL_V, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
-    return cfg, sd
+    return random_llama(seed, scale, SMALL_V, layers, hidden, heads, kv, inter)
 
 
 SMALL_TARGET = small_weights(0, 0.4)
