@@ -24,29 +24,21 @@ into calls — so greedy speculation returns exactly the tokens of plain decodin
 bf16 and int8 too. What breaks it in the ragged forward (measured on CPU, torch
 2.13): matmuls whose row count crosses a kernel boundary (bf16: 1 row in small
 shapes, over 32 rows; fp32: 1, 2-3, 4+ rows); SDPA, whose result for a query
-depends on the key length and on whether its query block has a single row; tree
-nodes, which see their ancestors at other key indices than the same tokens in a
-chain; and the row count of everything else only through these. The invariant
-forward:
-
-- runs every matmul, with the norms and the MLP around it, on row tiles whose size
-  stays inside one kernel class (``row_tiles`` = (min, max) rows; padding rows
-  where a call has fewer);
-- attends in two parts merged by log-sum-exp: SDPA over the keys before the row
-  (committed keys, then its ancestors in chain order), a KV head's query heads
-  folded into the rows so a tile's row count stays inside one kernel class
-  (``attn_rows``), keys padded to a multiple of ``key_block`` aligned at key 0
-  (padding masked); and the row's own key, merged elementwise (ops whose
-  vectorised and scalar paths agree). A tree needs one SDPA call per group of
-  nodes whose ancestors lie on one root-to-node path (its ancestors are written
-  there in chain order first, the tree layout restored for ``commit``): siblings,
-  most of a drafter's tree, share one.
-
-``batch_invariant=False`` is the ragged forward (one matmul over all rows, one
-SDPA per sequence), kept for comparison (``set_batch_invariant``). The kernel
-classes are measured facts about these CPU kernels, not guarantees:
-tests/unit/test_batch_invariance.py checks them where it runs. The invariant forward is
-CPU-only.
+depends on the key length and on whether its query block has a single row; and
+tree nodes, which see their ancestors at other key indices than the same tokens
+in a chain. The invariant forward runs every matmul on row tiles whose size stays
+inside one kernel class (``row_tiles`` = (min, max) rows; padding rows where a call
+has fewer), and attention as SDPA over query tiles whose row count (a KV head's
+query heads folded into the rows, ``attn_rows``) stays inside one kernel class,
+against keys padded to a multiple of ``key_block`` aligned at key 0 (the padding
+masked), so a query always meets the same kernels and its keys at the same
+indices. A tree is attended one root-to-leaf path at a time, the path's keys
+written in chain order after the committed ones (the tree layout is restored for
+``commit``). ``batch_invariant=False`` is the ragged forward (one matmul over all
+rows, one SDPA per sequence), kept for comparison (``set_batch_invariant``). The
+kernel classes are measured facts about these CPU kernels, not guarantees:
+tests/unit/test_batch_invariance.py checks them where it runs. The invariant
+forward is CPU-only.
 
 Works for Llama configs (GQA, RoPE with optional llama3 scaling left out, tied
 embeddings) and Qwen2-style q/k/v bias. Every tensor it makes lives on
@@ -164,39 +156,43 @@ def _depths(parents: Sequence[int]) -> list[int]:
     return d
 
 
-def _prefix_groups(parents: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """Group a tree's nodes by the chain of ancestors they attend to besides themselves:
-    [(path, rows)], path = root-to-node indices of a node with children (one per such
-    node with no child that has children, in index order; [] when no node has
-    children), rows = the nodes whose ancestors are a prefix of that path (each node
-    in exactly one group). A chain is one group."""
+def _paths(parents: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Cover a tree by root-to-leaf paths: [(path, new)], path = node indices root to
+    leaf, new = the nodes first covered by it (a suffix of the path). Every node is in
+    exactly one ``new``; leaves in index order."""
     n = len(parents)
-    anc: list[list[int]] = []  # each node's ancestors, root first
-    inner = [False] * n
-    for i, p in enumerate(parents):
-        anc.append(anc[p] + [p] if p >= 0 else [])
+    has_child = [False] * n
+    for p in parents:
         if p >= 0:
-            inner[p] = True
-    ends = [x for x in range(n) if inner[x] and not any(inner[c] for c in range(x + 1, n) if parents[c] == x)]
-    groups = [(anc[x] + [x], []) for x in ends] or [([], [])]
-    for i in range(n):
-        a = anc[i]
-        next(rows for path, rows in groups if path[: len(a)] == a).append(i)
-    return groups
+            has_child[p] = True
+    done = [False] * n
+    out = []
+    for leaf in range(n):
+        if has_child[leaf]:
+            continue
+        path = [leaf]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path.reverse()
+        new = [i for i in path if not done[i]]
+        for i in new:
+            done[i] = True
+        out.append((path, new))
+    return out
 
 
 @dataclass
 class _Attn:
-    """One SDPA call of the batch-invariant forward: ``t`` tiles of ``R`` tokens of one
-    segment whose ancestors lie on one path, against the slot's keys [0, Lp)."""
-    write: Optional[torch.Tensor]  # flat rows of the path, written to [base, base + len) first; None: in place
-    q_rows: Optional[torch.Tensor]  # [t * R] flat query rows (the last repeated as padding); None: rows 0..n-1
+    """One SDPA call of the batch-invariant forward: ``t`` tiles of ``R`` tokens (rows of
+    one root-to-leaf path of a segment, or of a chain) against its slot's keys [0, Lp)."""
+    write: Optional[tuple[int, object]]  # (depth e, flat rows: slice or index) to write at base + e first
+    q_rows: Optional[torch.Tensor]  # [t * R] flat query rows (the last repeated as padding); None: a slice
     out_rows: torch.Tensor  # [n] flat rows of the first n outputs
     n: int
     t: int
     R: int
     Lp: int
-    mask: torch.Tensor  # [t, 1, R * g, Lp] additive: token at depth e sees keys [0, base + e)
+    mask: torch.Tensor  # [t, 1, R * g, Lp] additive: a token at depth e sees keys [0, base + e]
 
 
 class LlamaEngine:
@@ -493,8 +489,8 @@ class LlamaEngine:
 
     def _mm(self, lin: Linear, x: torch.Tensor) -> torch.Tensor:
         """lin(x) over balanced row tiles of ``row_tiles`` = (min, max) rows of x [N, in]
-        (N already padded by ``_padded_rows``), one matrix at a time (a prompt's tiles
-        find the weights in cache)."""
+        (N already padded by ``_padded_rows``), one matrix at a time (so a prompt's
+        tiles find the weights in cache)."""
         N = x.shape[0]
         t, _ = self._split(N, *self.row_tiles)
         if t == 1:
@@ -512,110 +508,110 @@ class LlamaEngine:
         lo, hi = self.row_tiles
         return -(-n // hi) * hi if lo == hi else max(n, lo)
 
-    def _attn_plan(self, segs) -> list[tuple[int, int, int, int, bool, list[_Attn]]]:
-        """Per segment: (slot, start, n, base, restore, prefix calls). A row at position
-        p attends to keys [0, p) through SDPA (the prefix) and to its own key, merged by
-        log-sum-exp. The prefix of a token at depth e is the committed keys plus its e
-        ancestors in chain order at [base, base + e): one call per group of
-        ``_prefix_groups`` (a chain: one), the group's path written there first unless
-        it is there already (``restore``: put the tree layout back for ``commit``). Each
-        call's queries are t tiles of R tokens (``attn_tiles``), its keys padded to a
-        multiple of ``key_block``. Rows with no key before them (position 0) are in no
-        call."""
+    def _attn_plan(self, segs, n_real: int, n_rows: int) -> list[tuple[int, int, int, int, Optional[tuple],
+                                                                       list[_Attn]]]:
+        """Per segment: (slot, start, n, base, restore, attention calls). A chain is one
+        call; a tree one call per root-to-leaf path (``_paths``), its keys in chain order
+        at [base, base + len) first (only from where the previous path differs;
+        ``restore`` = (e0, e1): put the tree layout back there afterwards, for
+        ``commit``). Each call's queries are t tiles of R tokens (``attn_tiles``, from
+        ``attn_rows``), its keys [0, Lp) with Lp the path's end rounded up to
+        ``key_block``; a token at depth e sees keys [0, base + e]. Padding query rows
+        repeat the last row's mask; they are the forward's padding rows (rows
+        n_real..n_rows, after the last segment) where those follow a chain, else
+        copies of its last row."""
         B, dev = self.key_block, self.device
         g = self.n_heads // self.n_kv
         plan = []
         for slot, s, n, base, par in segs:
-            depth = _depths(par)
-            calls, restore = [], False
-            for path, rows in _prefix_groups(par):
-                rows = [i for i in rows if base + depth[i] > 0]
-                if not rows:
-                    continue
-                in_place = not restore and path == list(range(len(path)))
-                restore = restore or not in_place
+            chain = all(p == i - 1 for i, p in enumerate(par))
+            paths = [(list(range(n)), list(range(n)))] if chain else _paths(par)
+            calls, cur = [], list(range(n))  # cur[e]: the node whose keys are at base + e
+            for path, new in paths:
+                e0 = next((e for e, x in enumerate(path) if cur[e] != x), len(path))
+                write = None
+                if e0 < len(path):
+                    w = path[e0:]
+                    rows = slice(s + w[0], s + w[-1] + 1) if w == list(range(w[0], w[0] + len(w))) else \
+                        torch.tensor([s + i for i in w], dtype=torch.long, device=dev)
+                    write = (e0, rows)
+                    cur[e0: len(path)] = w
+                depth = {node: e for e, node in enumerate(path)}
                 Lp = -(-(base + len(path)) // B) * B
-                m = len(rows)
+                m = len(new)
                 t, R = self._split(m, *self.attn_tiles)
-                qn = rows + [rows[-1]] * (t * R - m)
-                vis = [base + depth[i] for i in qn for _ in range(g)]  # keys before each (token, head) row
+                vis = [base + depth[i] + 1 for i in new]  # keys each token sees
+                vis += [vis[-1]] * (t * R - m)
+                vis = [v for v in vis for _ in range(g)]  # rows: (token, query head of the KV head)
                 mask = torch.zeros(t * R * g, Lp, dtype=self.act_dtype, device=dev)
                 mask.masked_fill_(torch.arange(Lp, device=dev)[None] >= torch.tensor(vis, device=dev)[:, None],
                                   float("-inf"))
-                contiguous = t * R == m and [s + i for i in rows] == list(range(m))
-                calls.append(_Attn(
-                    write=None if in_place else torch.tensor([s + i for i in path], dtype=torch.long, device=dev),
-                    q_rows=None if contiguous else torch.tensor([s + i for i in qn], dtype=torch.long, device=dev),
-                    out_rows=torch.tensor([s + i for i in rows], dtype=torch.long, device=dev),
-                    n=m, t=t, R=R, Lp=Lp, mask=mask.view(t, 1, R * g, Lp)))
-            plan.append((slot, s, n, base, restore, calls))
+                if chain and (t * R == m or (s + n == n_real and s + t * R <= n_rows)):
+                    q_rows = None  # the slice [s, s + t * R): the chain, then padding rows
+                else:
+                    q_rows = torch.tensor([s + i for i in new] + [s + new[-1]] * (t * R - m), dtype=torch.long,
+                                          device=dev)
+                calls.append(_Attn(write=write, q_rows=q_rows,
+                                   out_rows=torch.tensor([s + i for i in new], dtype=torch.long, device=dev),
+                                   n=m, t=t, R=R, Lp=Lp, mask=mask.view(t, 1, R * g, Lp)))
+            moved = [e for e in range(n) if cur[e] != e]
+            plan.append((slot, s, n, base, (moved[0], moved[-1] + 1) if moved else None, calls))
         return plan
 
     def _forward_invariant(self, segs, ids, posi, sel, n_layers, hidden_layers):
         """Batch-invariant forward (module docstring)."""
         N0 = ids.shape[0]
         N = self._padded_rows(N0)
-        if N > N0:  # padding rows (token 0 at position 0) fill the row tiles; attention skips them
+        if N > N0:  # padding rows (token 0 at position 0) fill the row tiles; no segment reads them
             ids = torch.cat([ids, ids.new_zeros(N - N0)])
             posi = torch.cat([posi, posi.new_zeros(N - N0)])
-        plan = self._attn_plan(segs)
-        sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        plan = self._attn_plan(segs, N0, N)
+        whole = len(plan) == 1 and len(plan[0][5]) == 1 and plan[0][5][0].q_rows is None \
+            and plan[0][5][0].t * plan[0][5][0].R == N  # one call covers every row in order
         cos = self.cos[posi][:, None]  # [N, 1, hd]
         sin = self.sin[posi][:, None]
         x = self.embed[ids].float()  # [N, H] residual stream, fp32 in every dtype mode
-        ad, eps, dev = self.act_dtype, self.eps, self.device
+        ad, eps = self.act_dtype, self.eps
         hidden: dict[int, torch.Tensor] = {}
         nq, nk, hd = self.n_heads, self.n_kv, self.head_dim
-        g, scale = nq // nk, self.head_dim ** -0.5
+        g = nq // nk
         for li in range(n_layers):
             L = self.layers[li]
             qkv = self._mm(L.qkv, rms_norm(x, L.ln1, eps, ad))  # [N, (nq + 2nk) * hd]
-            qk = rope(qkv[:N0, : (nq + nk) * hd].view(N0, nq + nk, hd), cos[:N0], sin[:N0])  # [N0, nq + nk, hd]
-            q = qk[:, :nq].view(N0, nk, g, hd)
-            k = qk[:, nq:]  # [N0, nk, hd]
-            v = qkv[:N0, (nq + nk) * hd:].view(N0, nk, hd)
-            kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [nk, N0, hd]
+            qk = rope(qkv[:, : (nq + nk) * hd].view(N, nq + nk, hd), cos, sin)  # [N, nq + nk, hd]
+            q = qk[:, :nq]  # [N, nq, hd]
+            k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
+            v = qkv[:, (nq + nk) * hd:].view(N, nk, hd).transpose(0, 1)
+            a = None if whole else torch.zeros(N, nq, hd, dtype=ad, device=self.device)
             kb, vb = self._k_buf[li], self._v_buf[li]
-            # prefix: SDPA over the keys before each row (output and log-sum-exp per row and head)
-            oa = la = None
-            for slot, s, n, base, restore, cs in plan:
+            for slot, s, n, base, restore, calls in plan:
                 kc, vc = kb[slot], vb[slot]  # [nk, T, hd]
-                kc[:, base: base + n] = kt[:, s: s + n]  # tree layout (what commit reads)
-                vc[:, base: base + n] = vt[:, s: s + n]
-                for c in cs:
-                    if c.write is not None:  # the group's ancestors in chain order
-                        kc[:, base: base + c.write.shape[0]] = kt[:, c.write]
-                        vc[:, base: base + c.write.shape[0]] = vt[:, c.write]
-                    qc = q[: c.n] if c.q_rows is None else q[c.q_rows]
-                    qc = qc.view(c.t, c.R, nk, g, hd).transpose(1, 2).reshape(c.t, nk, c.R * g, hd)
+                kc[:, base: base + n] = k[:, s: s + n]  # tree layout (a chain's is its chain order)
+                vc[:, base: base + n] = v[:, s: s + n]
+                for c in calls:
+                    if c.write is not None:  # this path's keys in chain order, from where they differ
+                        e0, rows = c.write
+                        kw = k[:, rows]
+                        kc[:, base + e0: base + e0 + kw.shape[1]] = kw
+                        vc[:, base + e0: base + e0 + kw.shape[1]] = v[:, rows]
+                    qt = q[s: s + c.t * c.R] if c.q_rows is None else q[c.q_rows]
+                    # [t, nk, R * g, hd]: a KV head's query heads folded into its rows
+                    qt = qt.view(c.t, c.R, nk, g, hd).transpose(1, 2).reshape(c.t, nk, c.R * g, hd)
                     ks = kc[:, : c.Lp].unsqueeze(0).expand(c.t, -1, -1, -1)
                     vs = vc[:, : c.Lp].unsqueeze(0).expand(c.t, -1, -1, -1)
-                    o, lse = sdpa(qc, ks, vs, 0.0, False, attn_mask=c.mask)  # [t, nk, R * g, hd], [t, nk, R * g]
-                    o = o.view(c.t, nk, c.R, g, hd).transpose(1, 2).reshape(-1, nk, g, hd)[: c.n].float()
-                    lse = lse.view(c.t, nk, c.R, g).transpose(1, 2).reshape(-1, nk, g)[: c.n]
-                    if c.q_rows is None and c.n == N0:  # one call for every row, in order
-                        oa, la = o, lse
-                        continue
-                    if oa is None:
-                        oa = torch.zeros(N0, nk, g, hd, device=dev)
-                        la = torch.full((N0, nk, g), float("-inf"), device=dev)
-                    oa[c.out_rows] = o
-                    la[c.out_rows] = lse
-                if restore:
-                    kc[:, base: base + n] = kt[:, s: s + n]
-                    vc[:, base: base + n] = vt[:, s: s + n]
-            # the row's own key, merged with the prefix by log-sum-exp: the prefix weighs
-            # 1 / (1 + exp(s - la)) (elementwise ops whose vectorised and scalar paths agree
-            # bitwise: exp, add, reciprocal, lerp — torch.sigmoid's do not)
-            a = (torch.zeros if N > N0 else torch.empty)(N, nq * hd, dtype=ad, device=dev)  # padding rows: 0
-            if oa is None:  # no row has a key before it (a sequence's first token)
-                a[:N0].view(N0, nk, g, hd).copy_(v[:, :, None])
-            else:
-                sk = torch.linalg.vecdot(q.float(), k.float()[:, :, None]) * scale  # [N0, nk, g] own scores
-                w = torch.exp(sk - la).add_(1.0).reciprocal_()
-                a[:N0].view(N0, nk, g, hd).copy_(torch.lerp(v.float()[:, :, None], oa, w[..., None]))
-
-            x = x + self._mm(L.o, a)
+                    o = F.scaled_dot_product_attention(qt, ks, vs, attn_mask=c.mask)
+                    o = o.view(c.t, nk, c.R, g, hd).transpose(1, 2)  # [t, R, nk, g, hd]
+                    if whole:
+                        a = o
+                    elif c.q_rows is None:
+                        a[s: s + c.n] = o.reshape(c.t * c.R, nq, hd)[: c.n]
+                    else:
+                        a[c.out_rows] = o.reshape(c.t * c.R, nq, hd)[: c.n]
+                if restore is not None:  # the tree layout, for commit
+                    e0, e1 = restore
+                    kc[:, base + e0: base + e1] = k[:, s + e0: s + e1]
+                    vc[:, base + e0: base + e1] = v[:, s + e0: s + e1]
+            x = x + self._mm(L.o, a.reshape(N, nq * hd))
             g_, u_ = self._mm(L.gate_up, rms_norm(x, L.ln2, eps, ad)).chunk(2, -1)
             x = x + self._mm(L.down, F.silu(g_) * u_)
             if li in hidden_layers:

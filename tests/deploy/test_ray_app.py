@@ -30,7 +30,7 @@ PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
 ]
 CONFIG = {
-    "settings": {"n_slots": 6, "max_seq_len": 512, "max_new_tokens": 64, "default_max_new_tokens": N,
+    "settings": {"dtype": "fp32", "n_slots": 6, "max_seq_len": 512,  # fp32: the reference is the fp32 runtime "max_new_tokens": 64, "default_max_new_tokens": N,
                  "workers": 8, "drain_s": 0.0, "drafter_backoff_s": 0.5, "drafter_backoff_max_s": 2.0,
                  "router_port": 0, "batch_window_ms": 2.0},
     "router": {"num_cpus": 0.25},
