@@ -83,8 +83,7 @@ def main(argv=None) -> int:
     results: dict = {"identity": {}, "speed": {}, "tau": {}, "args": vars(a)}
 
     for dtype in dtypes:
-        rt = Runtime(a.model, dtype=dtype, n_slots=4, max_seq_len=2048, quiet=True,
-                     layerskip_exit=24)  # (no calibration lookup: the drafters measured here do not use it)
+        rt = Runtime(a.model, dtype=dtype, n_slots=4, max_seq_len=2048, quiet=True)
         eng = rt.engine
         costs = {m: VerifyCosts() for m in ("on", "off")}
         ids = {p.id: encode(rt, p) for p in prompts + sprompts}
