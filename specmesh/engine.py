@@ -54,6 +54,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import trees
 from .rowops import topk_rows
 from .types import InvalidArgument, ResourceExhausted
 
@@ -136,49 +137,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.
     n, h, d = x.shape
     swapped = x.view(n, h, 2, d // 2).flip(2).view(n, h, d)
     return x * cos + swapped * sin_signed
-
-
-def ancestor_mask(parents: Sequence[int], device=None) -> torch.Tensor:
-    """[n, n] bool: mask[i, j] = node j is node i itself or one of its ancestors."""
-    n = len(parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(parents):
-        if p >= 0:
-            m[i] = m[p]
-        m[i, i] = True
-    return m if device is None else m.to(device)
-
-
-def _depths(parents: Sequence[int]) -> list[int]:
-    d: list[int] = []
-    for p in parents:
-        d.append(0 if p < 0 else d[p] + 1)
-    return d
-
-
-def _paths(parents: Sequence[int]) -> list[tuple[list[int], list[int]]]:
-    """Cover a tree by root-to-leaf paths: [(path, new)], path = node indices root to
-    leaf, new = the nodes first covered by it (a suffix of the path). Every node is in
-    exactly one ``new``; leaves in index order."""
-    n = len(parents)
-    has_child = [False] * n
-    for p in parents:
-        if p >= 0:
-            has_child[p] = True
-    done = [False] * n
-    out = []
-    for leaf in range(n):
-        if has_child[leaf]:
-            continue
-        path = [leaf]
-        while parents[path[-1]] >= 0:
-            path.append(parents[path[-1]])
-        path.reverse()
-        new = [i for i in path if not done[i]]
-        for i in new:
-            done[i] = True
-        out.append((path, new))
-    return out
 
 
 @dataclass
@@ -412,7 +370,7 @@ class LlamaEngine:
                 raise ResourceExhausted(f"sequence of {base + n} tokens exceeds max_seq_len={self.max_seq_len}")
             segs.append((slot, len(toks), n, base, par))
             toks += t
-            pos += [base + d for d in _depths(par)]
+            pos += [base + d for d in trees.depths(par)]
         sels = [list(range(s, s + n)) if r is None else [s + int(i) for i in r]
                 for (slot, s, n, base, par), r in zip(segs, rows)]
         ids = torch.tensor(toks, dtype=torch.long, device=self.device)
@@ -437,7 +395,7 @@ class LlamaEngine:
                     mask = torch.ones(n, base + n, dtype=torch.bool, device=self.device).tril(base)
                 else:
                     mask = torch.ones(n, base + n, dtype=torch.bool, device=self.device)
-                    mask[:, base:] = ancestor_mask(par, self.device)
+                    mask[:, base:] = trees.ancestor_mask(par, self.device)
                 # additive form, built once for all layers (SDPA would convert a bool mask in each)
                 mask = torch.zeros(mask.shape, dtype=self.act_dtype, device=self.device).masked_fill_(~mask, float("-inf"))
             masks.append(mask)
@@ -525,7 +483,7 @@ class LlamaEngine:
         plan = []
         for slot, s, n, base, par in segs:
             chain = all(p == i - 1 for i, p in enumerate(par))
-            paths = [(list(range(n)), list(range(n)))] if chain else _paths(par)
+            paths = [(list(range(n)), list(range(n)))] if chain else trees.root_to_leaf_paths(par)
             calls, cur = [], list(range(n))  # cur[e]: the node whose keys are at base + e
             for path, new in paths:
                 e0 = next((e for e, x in enumerate(path) if cur[e] != x), len(path))
