@@ -5,7 +5,9 @@
 - ``specmesh serve`` (no service) starts all three as separate processes on
   loopback (ports from the settings; 0 = free ports), passes the resolved
   settings to them through ``SPECMESH_*`` variables, prints the addresses once
-  all are listening, and stops them all on Ctrl-C/SIGTERM (or when one dies).
+  all are listening, restarts one that dies (``supervisor.Supervisor``: backoff,
+  logged, counted) while the others keep serving, and stops them all on
+  Ctrl-C/SIGTERM.
 - ``specmesh generate "prompt" --address ... --strategy ...`` streams the text
   to stdout, then prints the stats to stderr (``--json``: stats as JSON on stdout).
 
@@ -21,10 +23,8 @@ import logging
 import os
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 SERVICES = ("drafter", "verifier", "router")
@@ -89,6 +89,10 @@ def register(sub) -> None:
                        help=f"port of the {svc} when starting all three (0 = any free port)")
         p.add_argument(f"--{svc}-metrics-port", dest=f"{svc}_metrics_port", type=int, default=argparse.SUPPRESS,
                        help=f"/metrics port of the {svc} when starting all three (0 = any free port)")
+    p.add_argument("--supervisor-metrics-port", dest="supervisor_metrics_port", type=int, default=argparse.SUPPRESS,
+                   help="/metrics of the supervisor (service restarts) when starting all three (0 = any free port)")
+    p.add_argument("--restart-backoff-s", dest="restart_backoff_s", type=float, default=argparse.SUPPRESS,
+                   help="wait before restarting a service that died (doubles per crash in a row, up to 30 s)")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--ray", action="store_true",
                    help="run the three as Ray Serve deployments on a local Ray cluster; --config is then a Serve "
@@ -206,6 +210,11 @@ def _settings_env(s) -> dict:
 
 
 def serve_all(s) -> int:
+    """The three services as child processes under a ``Supervisor``: a service
+    that dies after it came up is restarted on its port (backoff, logged,
+    counted on the supervisor's /metrics) while the others keep serving."""
+    from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
+
     host = s.host
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     ports = {svc: getattr(s, f"{svc}_port") or _free_port(host) for svc in SERVICES}
@@ -215,30 +224,30 @@ def serve_all(s) -> int:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     extra = {"router": ["--drafter-address", addr["drafter"], "--verifier-addresses", addr["verifier"]]}
-    procs: dict[str, subprocess.Popen] = {}
-    ready = {svc: threading.Event() for svc in SERVICES}
-
-    def pump(svc: str, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            if "listening on" in line:
-                ready[svc].set()
-            sys.stderr.write(f"[{svc}] {line}")
-
+    cmds = {svc: [sys.executable, "-m", "specmesh.cli", "serve", svc, "--port", str(ports[svc])] + extra.get(svc, [])
+            for svc in SERVICES}
+    metrics = SupervisorMetrics(SERVICES) if s.metrics else None
+    sup = Supervisor(cmds, env, RestartPolicy(backoff_s=s.restart_backoff_s, max_backoff_s=s.restart_max_backoff_s),
+                     metrics)
     stop = threading.Event()
     prev = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for svc in SERVICES:
-            cmd = [sys.executable, "-m", "specmesh.cli", "serve", svc, "--port", str(ports[svc])] + extra.get(svc, [])
-            procs[svc] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                          bufsize=1)
-            threading.Thread(target=pump, args=(svc, procs[svc]), daemon=True).start()
-        announced = False
+        if metrics is not None:
+            try:
+                mport = metrics.serve(s.supervisor_metrics_port, host)
+                print(f"specmesh: supervisor metrics on http://{client_host}:{mport}/metrics", file=sys.stderr)
+            except OSError as e:
+                metrics = None
+                print(f"specmesh: WARNING no supervisor /metrics on port {s.supervisor_metrics_port}: {e}",
+                      file=sys.stderr)
+        sup.start()
+        announced, reason = False, None
         while not stop.is_set():
-            dead = [svc for svc, p in procs.items() if p.poll() is not None]
-            if dead:
-                print(f"specmesh: {', '.join(dead)} exited; stopping the others", file=sys.stderr)
+            reason = sup.poll()
+            if reason:
+                print(f"specmesh: {reason}", file=sys.stderr)
                 break
-            if not announced and all(e.is_set() for e in ready.values()):
+            if not announced and sup.all_ready():
                 announced = True
                 for svc in SERVICES:
                     print(f"{svc:9s} {addr[svc]}", flush=True)
@@ -246,15 +255,9 @@ def serve_all(s) -> int:
             stop.wait(0.2)
         return 0 if stop.is_set() else 1
     finally:
-        for svc in reversed(SERVICES):  # router first: it drains its streams
-            if procs.get(svc) and procs[svc].poll() is None:
-                procs[svc].send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + s.drain_s + 10
-        for p in procs.values():
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
+        sup.stop(list(reversed(SERVICES)), s.drain_s + 10)  # router first: it drains its streams
+        if metrics is not None:
+            metrics.stop()
         for sig, h in prev.items():
             signal.signal(sig, h)
 

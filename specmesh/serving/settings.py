@@ -102,6 +102,11 @@ class ServeSettings(BaseSettings):
     router_metrics_port: int = Field(9451, ge=0, le=65535)
     drafter_metrics_port: int = Field(9452, ge=0, le=65535)
     verifier_metrics_port: int = Field(9453, ge=0, le=65535)
+    supervisor_metrics_port: int = Field(9450, ge=0, le=65535, description="`specmesh serve` (all three): the "
+                                         "supervisor's /metrics (service restarts and up/down)")
+    restart_backoff_s: float = Field(1.0, gt=0, description="`specmesh serve`: wait before restarting a dead "
+                                     "service; doubles with each crash in a row")
+    restart_max_backoff_s: float = Field(30.0, gt=0, description="`specmesh serve`: longest wait before a restart")
 
     # ---- security
     tls_cert: Optional[Path] = Field(None, description="server certificate chain (PEM); enables TLS")
