@@ -224,101 +224,126 @@ def reasoning_generate(verifier, prompt_ids: Sequence[int], fmt: ThinkFormat, *,
     drops one not yet started and (``side_wait``) waits for the one in flight —
     by default it lets it finish and seed while the answer is decoded. The answer
     phase's time (``answer_s``) starts when the thinking ends, waits included."""
-    prompt_ids = list(prompt_ids)
     if not fmt.close_ids:
         raise InvalidArgument("reasoning", "the thinking format has no closing sequence")
     if thinking_budget is not None and thinking_budget <= 0:
         raise InvalidArgument("thinking_budget", f"must be a positive integer, got {thinking_budget}")
-    stats = stats if stats is not None else GenerationStats()
-    sid = session_id or uuid.uuid4().hex
+    opts = LoopOptions(sampling=sampling, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
+                       session_id=session_id or uuid.uuid4().hex, self_draft=self_draft,
+                       on_drafter_error=on_drafter_error, max_new_limit=max_new_limit, round_scope=round_scope)
+    run = _Reasoning(verifier, list(prompt_ids), fmt, opts, budget, stats if stats is not None else GenerationStats())
     think_n = min(thinking_budget or max(1, max_new_tokens // 2), max_new_tokens)
-    points = sorted({max(1, int(round(f * think_n))) for f in fractions if 0 < f < 1}) if side_answer else []
-    keep = KeepSession(verifier)
-    side = _SideRunner(side_answer, seed, fmt, stats, side_async, sid) if side_answer else None
-    t0 = time.perf_counter()
-    s1 = GenerationStats()
-    thinking: list[int] = []
-    end_at: Optional[int] = None  # index in the output just after the model's own end of thinking
-    maxlen = max((len(s) for s in fmt.end_seqs), default=1)
-    released = False
-    out: list[int] = []
-    answer_from: Optional[int] = None
-    t_end: Optional[float] = None
+    side = _SideRunner(side_answer, seed, fmt, run.stats, side_async, opts.session_id) if side_answer else None
+    points = sorted({max(1, int(round(f * think_n))) for f in fractions if 0 < f < 1}) if side else []
     try:
-        loop1 = speculative_generate(drafter, keep, prompt_ids, LoopOptions(
-            sampling=sampling, max_new_tokens=think_n, stop_ids=stop_ids, session_id=sid, budget=budget(),
-            self_draft=self_draft, on_drafter_error=on_drafter_error, max_new_limit=max_new_limit,
-            round_scope=round_scope), stats=s1)
+        yield from run.think(drafter, think_n, side, points, side_wait)
+        yield from run.close_thinking()
+        if run.stats.finish_reason:
+            return
+        yield from run.answer(answer_drafter if answer_drafter is not None else drafter)
+    finally:
+        run.finish()
+
+
+class _Reasoning:
+    """The state of one reasoning request across its phases: thinking (until the
+    model ends it or the budget), the forced close, the answer (same session, KV
+    kept). ``reasoning_generate`` drives it."""
+
+    def __init__(self, verifier, prompt_ids: list[int], fmt: ThinkFormat, opts: LoopOptions,
+                 budget: Callable[[], BudgetPolicy], stats: GenerationStats):
+        self.verifier, self.prompt_ids, self.fmt, self.opts, self.budget = verifier, prompt_ids, fmt, opts, budget
+        self.stats, self.keep = stats, KeepSession(verifier)
+        self.t0 = time.perf_counter()
+        self.t_end: Optional[float] = None  # the end of the thinking: the answer phase's clock starts there
+        self.thinking: list[int] = []
+        self.out: list[int] = []
+        self.end_at: Optional[int] = None  # index just after the model's own end of thinking
+        self.answer_from: Optional[int] = None
+        self.think_stats = GenerationStats()
+        self.released = False  # the answer loop released the session
+
+    def think(self, drafter, think_n: int, side: Optional[_SideRunner], points: list[int],
+              side_wait: bool) -> Iterator[list[int]]:
+        """Phase 1: decode the thinking; submit side branches as it crosses ``points``."""
+        fmt, st = self.fmt, self.stats
+        maxlen = max((len(x) for x in fmt.end_seqs), default=1)
+        loop = speculative_generate(drafter, self.keep, self.prompt_ids,
+                                    replace(self.opts, max_new_tokens=think_n, budget=self.budget()),
+                                    stats=self.think_stats)
         try:
-            for chunk in loop1:
-                prev = len(thinking)
-                thinking += chunk
-                if not stats.ttft_s:
-                    stats.ttft_s = time.perf_counter() - t0
+            for chunk in loop:
+                prev = len(self.thinking)
+                self.thinking += chunk
+                if not st.ttft_s:
+                    st.ttft_s = time.perf_counter() - self.t0
                 yield chunk
-                end_at = thinking_end(thinking, fmt.end_seqs, max(0, prev - maxlen + 1))
-                if end_at is not None:
+                self.end_at = thinking_end(self.thinking, fmt.end_seqs, max(0, prev - maxlen + 1))
+                if self.end_at is not None:
                     break
-                crossed = [p for p in points if len(thinking) >= p]
+                crossed = [p for p in points if len(self.thinking) >= p]
                 if crossed:
                     points = points[len(crossed):]
-                    side.submit(prompt_ids + partial_thought(thinking, fmt.line_ids))
+                    side.submit(self.prompt_ids + partial_thought(self.thinking, fmt.line_ids))
         finally:
-            t_end = time.perf_counter()  # the thinking is over: the answer phase starts here
-            loop1.close()
+            self.t_end = time.perf_counter()
+            loop.close()
             if side is not None:
                 side.finish(side_wait)
-        merge_stats(stats, s1)
-        out = list(thinking)
-        finish = s1.finish_reason
-        if end_at is None:
-            stats.thinking_tokens = len(thinking)
-            if len(thinking) >= max_new_tokens:
-                stats.finish_reason = "length"
-                return
-            close = list(fmt.close_ids)[: max_new_tokens - len(thinking)]
-            out += close
-            yield close
-            if len(out) >= max_new_tokens:
-                stats.finish_reason = "length"
-                return
-            answer_from = len(out)
-        else:
-            stats.thinking_tokens = end_at
-            answer_from = end_at
-            if finish == "stop" or len(out) >= max_new_tokens:  # the answer ended inside the last round
-                stats.finish_reason = finish or "length"
-                return
-        # -------- answer phase: same session, KV kept; drafts from the answer drafter
+        merge_stats(st, self.think_stats)
+        self.out = list(self.thinking)
+
+    def close_thinking(self) -> Iterator[list[int]]:
+        """Phase 2: force the closing sequence unless the model ended the thinking;
+        sets ``stats.finish_reason`` when the request ends here."""
+        st, limit = self.stats, self.opts.max_new_tokens
+        if self.end_at is not None:
+            st.thinking_tokens = self.answer_from = self.end_at
+            finish = self.think_stats.finish_reason
+            if finish == "stop" or len(self.out) >= limit:  # the answer ended inside the last round
+                st.finish_reason = finish or "length"
+            return
+        st.thinking_tokens = len(self.thinking)
+        if len(self.thinking) >= limit:
+            st.finish_reason = "length"
+            return
+        close = list(self.fmt.close_ids)[: limit - len(self.thinking)]
+        self.out += close
+        yield close
+        self.answer_from = len(self.out)
+        if len(self.out) >= limit:
+            st.finish_reason = "length"
+
+    def answer(self, drafter) -> Iterator[list[int]]:
+        """Phase 3: the answer, continuing the session (its KV holds the thinking)."""
         s2 = GenerationStats()
-        resumed = ResumePrefix(verifier, len(prompt_ids) + len(thinking) - 1)
-        scope2 = None
-        if round_scope is not None:  # round indexes continue across the two phases
-            offset = s1.target_forwards
-            scope2 = lambda i: round_scope(i + offset)  # noqa: E731
-        released = True  # the answer loop releases the session
-        loop2 = speculative_generate(
-            answer_drafter if answer_drafter is not None else drafter, resumed, prompt_ids + out, LoopOptions(
-                sampling=sampling, max_new_tokens=max_new_tokens - len(out), stop_ids=stop_ids, session_id=sid,
-                budget=budget(), self_draft=self_draft, on_drafter_error=on_drafter_error,
-                max_new_limit=max_new_limit, round_scope=scope2,
-                draft_first=True), stats=s2)  # the KV holds the thinking: draft the answer at once
+        resumed = ResumePrefix(self.verifier, len(self.prompt_ids) + len(self.thinking) - 1)
+        scope = self.opts.round_scope
+        if scope is not None:  # round indexes continue across the two phases
+            offset = self.think_stats.target_forwards
+            scope = lambda i: self.opts.round_scope(i + offset)  # noqa: E731
+        self.released = True  # the answer loop releases the session
+        loop = speculative_generate(drafter, resumed, self.prompt_ids + self.out, replace(
+            self.opts, max_new_tokens=self.opts.max_new_tokens - len(self.out), budget=self.budget(),
+            round_scope=scope, draft_first=True), stats=s2)  # the KV holds the thinking: draft the answer at once
         try:
-            for chunk in loop2:
-                out += chunk
+            for chunk in loop:
+                self.out += chunk
                 yield chunk
         finally:
-            loop2.close()
-        merge_stats(stats, s2)
-        stats.finish_reason = s2.finish_reason
-    finally:
-        stats.prompt_tokens = len(prompt_ids)
-        stats.new_tokens = max(len(out), len(thinking))
-        if answer_from is not None:
-            stats.answer_tokens = max(0, len(out) - answer_from)
-        if t_end is not None:
-            stats.answer_s = time.perf_counter() - t_end
-        stats.total_s = time.perf_counter() - t0
-        stats.lossy = sampling.lossy
-        if not released:
-            keep.release_now(sid)
+            loop.close()
+        merge_stats(self.stats, s2)
+        self.stats.finish_reason = s2.finish_reason
+
+    def finish(self) -> None:
+        st = self.stats
+        st.prompt_tokens = len(self.prompt_ids)
+        st.new_tokens = max(len(self.out), len(self.thinking))
+        if self.answer_from is not None:
+            st.answer_tokens = max(0, len(self.out) - self.answer_from)
+        if self.t_end is not None:
+            st.answer_s = time.perf_counter() - self.t_end
+        st.total_s = time.perf_counter() - self.t0
+        st.lossy = self.opts.sampling.lossy
+        if not self.released:
+            self.keep.release_now(self.opts.session_id)
