@@ -230,9 +230,8 @@ def train_main(args) -> int:
     import torch
 
     from ..engine import LlamaEngine
-    from ..models.loading import load_config, load_state_dict, resolve_model
-    from .model import BlockDrafterConfig, load_block_drafter, save_block_drafter
-    from .train import evaluate, evaluate_by_kind, expand_block, keep_ids_from, new_model, train
+    from ..models.loading import load_state_dict, resolve_model
+    from .model import load_block_drafter
 
     if args.eval_only and not args.init:
         from ..types import InvalidArgument
@@ -250,15 +249,25 @@ def train_main(args) -> int:
                                                        max_seq_len=1024, quiet=True))
         return engines[0]
 
-    if args.init:
-        model = load_block_drafter(Path(args.init), tsd)
-        layers = model.cfg.feature_layers
-    else:
-        layers = [int(x) for x in args.feature_layers.split(",")]
-        model = None
+    model = load_block_drafter(Path(args.init), tsd) if args.init else None
+    layers = model.cfg.feature_layers if model is not None else [int(x) for x in args.feature_layers.split(",")]
     train_recs, train_ex, held_ex = _examples(args, engine, layers)
     engines.clear()
-    curriculum = None
+    model, curriculum = _initial_model(args, model, tsd, target_dir, layers, train_recs)
+    print(f"drafter: {model.n_params() / 1e6:.2f}M trainable+buffers params, block {model.cfg.block}, "
+          f"{len(train_ex)} train / {len(held_ex)} held-out sequences")
+    if args.compare_losses:
+        return _compare_losses(args, model, tsd, train_ex, held_ex)
+    return _train_and_save(args, model, train_ex, held_ex, curriculum, t0)
+
+
+def _initial_model(args, model, tsd, target_dir, layers, train_recs):
+    """The model to train (a new one unless ``--init``), block-expanded with
+    ``--expand-block``; and the curriculum's first new slot (None: no expansion)."""
+    from ..models.loading import load_config
+    from .model import BlockDrafterConfig
+    from .train import expand_block, keep_ids_from, new_model
+
     if model is None:
         tcfg = load_config(target_dir)
         cfg = BlockDrafterConfig(block=args.block, n_layers=args.layers, hidden=tcfg["hidden_size"],
@@ -266,41 +275,54 @@ def train_main(args) -> int:
                                  feature_layers=layers, context_window=args.context_window, target=args.model,
                                  n_keep=args.n_keep, fuse_last=args.fuse_last,
                                  fuse_norm=args.fuse_last and args.fuse_norm)
-        keep = keep_ids_from(train_recs, args.n_keep, cfg.vocab_size)
-        model = new_model(cfg, tsd, keep)
-    if args.expand_block:
-        curriculum = model.cfg.block - 1
-        model = expand_block(model, args.expand_block, tsd)
-    print(f"drafter: {model.n_params() / 1e6:.2f}M trainable+buffers params, block {model.cfg.block}, "
-          f"{len(train_ex)} train / {len(held_ex)} held-out sequences")
-    if args.compare_losses:
-        rows = []
-        for loss in args.compare_losses.split(","):
-            torch.manual_seed(args.seed)
-            m = new_model(model.cfg, tsd, model.keep_ids)
-            train(m, train_ex, args.steps, loss=loss, lr=args.lr, batch=args.batch, anchors_per_seq=args.anchors,
-                  gamma=args.gamma, seed=args.seed, amp=args.amp, max_minutes=args.max_minutes)
-            ev = evaluate(m, held_ex, amp=args.amp)
-            ev["by_kind"] = evaluate_by_kind(m, held_ex, amp=args.amp)
-            rows.append((loss, ev))
-            _report(ev, loss)
-        kinds = sorted(rows[0][1]["by_kind"])
-        table = ["| loss | held-out τ (all) | " + " | ".join(f"τ {k}" for k in kinds) + " | slot-1 acc | slot-2 acc |",
-                 "|---|---|" + "---|" * len(kinds) + "---|---|"]
-        for loss, ev in rows:
-            acc = ev["slot_accuracy"] + [0.0, 0.0]
-            table.append(f"| {loss} | {ev['tau_measured']:.3f} | "
-                         + " | ".join(f"{ev['by_kind'][k]['tau_measured']:.3f}" for k in kinds)
-                         + f" | {acc[0]:.3f} | {acc[1]:.3f} |")
-        print("\n" + "\n".join(table))
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compare_losses.md").write_text(
-            f"Each loss trained from scratch for {args.steps} steps on the same data and seed "
-            f"(`specmesh {' '.join(sys.argv[1:])}`).\n\n" + "\n".join(table) + "\n")
-        (out / "compare_losses.json").write_text(json.dumps({loss: ev for loss, ev in rows}, indent=2))
-        print(f"wrote {out / 'compare_losses.md'}")
-        return 0
+        model = new_model(cfg, tsd, keep_ids_from(train_recs, args.n_keep, cfg.vocab_size))
+    if not args.expand_block:
+        return model, None
+    first_new = model.cfg.block - 1  # the curriculum phases in the slots from here on
+    return expand_block(model, args.expand_block, tsd), first_new
+
+
+def _compare_losses(args, model, tsd, train_ex, held_ex) -> int:
+    """``--compare-losses a,b``: each loss from scratch on the same data and seed; one table."""
+    import torch
+
+    from .train import evaluate, evaluate_by_kind, new_model, train
+
+    rows = []
+    for loss in args.compare_losses.split(","):
+        torch.manual_seed(args.seed)
+        m = new_model(model.cfg, tsd, model.keep_ids)
+        train(m, train_ex, args.steps, loss=loss, lr=args.lr, batch=args.batch, anchors_per_seq=args.anchors,
+              gamma=args.gamma, seed=args.seed, amp=args.amp, max_minutes=args.max_minutes)
+        ev = evaluate(m, held_ex, amp=args.amp)
+        ev["by_kind"] = evaluate_by_kind(m, held_ex, amp=args.amp)
+        rows.append((loss, ev))
+        _report(ev, loss)
+    kinds = sorted(rows[0][1]["by_kind"])
+    table = ["| loss | held-out τ (all) | " + " | ".join(f"τ {k}" for k in kinds) + " | slot-1 acc | slot-2 acc |",
+             "|---|---|" + "---|" * len(kinds) + "---|---|"]
+    for loss, ev in rows:
+        acc = ev["slot_accuracy"] + [0.0, 0.0]
+        table.append(f"| {loss} | {ev['tau_measured']:.3f} | "
+                     + " | ".join(f"{ev['by_kind'][k]['tau_measured']:.3f}" for k in kinds)
+                     + f" | {acc[0]:.3f} | {acc[1]:.3f} |")
+    print("\n" + "\n".join(table))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare_losses.md").write_text(
+        f"Each loss trained from scratch for {args.steps} steps on the same data and seed "
+        f"(`specmesh {' '.join(sys.argv[1:])}`).\n\n" + "\n".join(table) + "\n")
+    (out / "compare_losses.json").write_text(json.dumps({loss: ev for loss, ev in rows}, indent=2))
+    print(f"wrote {out / 'compare_losses.md'}")
+    return 0
+
+
+def _train_and_save(args, model, train_ex, held_ex, curriculum, t0: float) -> int:
+    """Train (unless ``--eval-only``), evaluate on the held-out set, calibrate the
+    tree, and write the checkpoint with its metrics and acceptance histogram."""
+    from .model import save_block_drafter
+    from .train import evaluate, evaluate_by_kind, train
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     curve: list[float] = []

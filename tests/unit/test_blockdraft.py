@@ -179,3 +179,37 @@ def test_training_features_are_cached_next_to_the_data(tmp_path):
     (tmp_path / "shard-0001.jsonl").write_text(json.dumps(recs[-1]) + "\n")
     _, tr3, _ = _examples(args, engine, [0, 2])  # new shard: the stale cache is not used
     assert calls and len(tr3) == 4
+
+
+@pytest.mark.slow
+def test_train_drafter_cli_trains_expands_and_compares(tmp_path):
+    """``specmesh train-drafter`` end to end on the real target with a few records:
+    train and save (checkpoint, calibration, metrics, histogram), continue a
+    saved checkpoint at a larger block (``--expand-block``), compare losses."""
+    import json
+
+    from specmesh.cli import main
+    from specmesh.blockdraft.model import load_block_drafter
+    from specmesh.models.loading import load_state_dict, resolve_model
+
+    rng = random.Random(0)
+    recs = [{"id": f"r{i}", "kind": "chat", "split": "heldout" if i < 2 else "train",
+             "prompt_ids": [rng.randrange(100, 5000) for _ in range(6)],
+             "response_ids": [rng.randrange(100, 5000) for _ in range(6)] * 3} for i in range(8)]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "shard-0000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    common = ["--data", str(data), "--steps", "3", "--batch", "2", "--anchors", "2", "--n-keep", "512",
+              "--feature-dtype", "fp32", "--no-amp"]
+    out = tmp_path / "ckpt"
+    assert main(["train-drafter", "--out", str(out), "--block", "3"] + common) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 3 and (out / "calibration.json").exists() and (out / "accept_hist.png").exists()
+    big = tmp_path / "big"
+    assert main(["train-drafter", "--out", str(big), "--init", str(out), "--expand-block", "5"] + common) == 0
+    tsd = load_state_dict(resolve_model("smollm2-135m-instruct"))
+    assert load_block_drafter(big, tsd).cfg.block == 5
+    cmp = tmp_path / "cmp"
+    assert main(["train-drafter", "--out", str(cmp), "--block", "3", "--compare-losses", "ce,auf"] + common) == 0
+    table = (cmp / "compare_losses.md").read_text()
+    assert "| ce |" in table and "| auf |" in table
