@@ -367,12 +367,44 @@ def _run(a: argparse.Namespace, budget: Budget, out: Path, fh, phases: tuple[flo
     model, tok = load_target(model_dir, Path(a.gguf) if a.gguf else None, dev)
     log(f"target loaded on {dev} in {budget.elapsed():.0f}s", fh)
     metrics: dict = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev, "args": vars(a)}
+    train_recs, heldout = _records(a, model, tok, dev, budget, (p_inst, p_resp), out, fh, metrics)   # 1-2: data
+    init_cfg = BlockDrafterConfig.load(Path(a.init) / "config.json") if a.init else None
+    layers = init_cfg.feature_layers if init_cfg else [int(x) for x in a.feature_layers.split(",")]
+    train_recs, data, held = _features(model, train_recs, heldout, layers, dev, budget.until(p_feat), fh)   # 3
+    log(f"features of {len(train_recs)} + {len(heldout)} sequences at {budget.elapsed():.0f}s", fh)
+    models = _new_models(a, model, train_recs, layers, dev)   # 4: training
+    del model
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+    t_train = time.time()
+    steps_done, curves = train_batched(models, data, a.steps, budget.until(p_train), a.seqs, a.anchors, a.lr, a.gamma,
+                                       a.seed, fh=fh)
+    metrics["train"] = {"seconds": time.time() - t_train, "steps": steps_done,
+                        "seqs_per_step": a.seqs, "anchors_per_seq": a.anchors}
+    metrics["heldout"] = {}   # 5: evaluation + checkpoints
+    for name, m in models.items():
+        ev = evaluate_by_kind(m, held, amp=True)
+        metrics["heldout"][name] = ev
+        log(f"held-out τ ({name}): " + ", ".join(f"{k} {v['tau_measured']:.2f}" for k, v in ev.items()), fh)
+        save_block_drafter(m.cpu(), out / f"drafter-{name}")
+        (out / f"drafter-{name}" / "loss_curve.json").write_text(json.dumps(curves[name]))
+    metrics["seconds"] = budget.elapsed()
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    log(f"done in {budget.elapsed():.0f}s", fh)
+    return 0
+
+
+def _records(a: argparse.Namespace, model, tok, dev: str, budget: Budget, phases: tuple[float, float], out: Path, fh,
+             metrics: dict) -> tuple[list[dict], list[dict]]:
+    """Phases 1-2: synthesise instructions, decode the target's greedy responses
+    (and the held-out prompts'), add ``--extra-train`` / ``--heldout`` records.
+    Writes ``records.jsonl.xz`` and ``metrics["data"]``."""
+    p_inst, p_resp = phases
 
     def encode(messages):
         return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                             return_dict=True)["input_ids"])
 
-    # 1-2: data
     inst = synthesize_instructions(model, tok, a.instructions, a.gen_batch, budget.until(p_inst), dev,
                                    seed=a.seed, fh=fh)
     log(f"{len(inst)} instructions at {budget.elapsed():.0f}s", fh)
@@ -407,24 +439,27 @@ def _run(a: argparse.Namespace, budget: Budget, out: Path, fh, phases: tuple[flo
                        "train_response_tokens": sum(len(r["response_ids"]) for r in train_recs),
                        "heldout_records": len(heldout), "seconds": budget.elapsed()}
     log(f"data: {json.dumps(metrics['data'])}", fh)
+    return train_recs, heldout
 
-    # 3: features
-    init_cfg = BlockDrafterConfig.load(Path(a.init) / "config.json") if a.init else None
-    layers = init_cfg.feature_layers if init_cfg else [int(x) for x in a.feature_layers.split(",")]
+
+def _features(model, train_recs: list[dict], heldout: list[dict], layers: list[int], dev: str, deadline: float, fh):
+    """Phase 3: the target's features of every sequence (the training ones until
+    ``deadline``; those not reached are dropped). Returns the kept training
+    records, their packed data and the held-out examples."""
     hfeats = features_of(model, heldout, layers, dev)
-    feats = features_of(model, train_recs, layers, dev, deadline=budget.until(p_feat))
+    feats = features_of(model, train_recs, layers, dev, deadline=deadline)
     if any(f is None for f in feats):
         log(f"features: {sum(f is None for f in feats)} of {len(feats)} training sequences not reached "
             f"before the phase's deadline; training without them", fh)
         train_recs, feats = [r for r, f in zip(train_recs, feats) if f is not None], [f for f in feats if f is not None]
     if not train_recs:
         raise InvalidArgument("--seconds", "the budget ended before any training sequence had its features")
-    data = Packed(train_recs, feats, dev)
-    del feats
-    held = _examples(heldout, hfeats, dev)
-    log(f"features of {len(train_recs)} + {len(heldout)} sequences at {budget.elapsed():.0f}s", fh)
+    return train_recs, Packed(train_recs, feats, dev), _examples(heldout, hfeats, dev)
 
-    # 4: training
+
+def _new_models(a: argparse.Namespace, model, train_recs: list[dict], layers: list[int], dev: str) -> dict:
+    """Phase 4's models, one per loss: new ones on the target's weights, or
+    ``--init`` continued (block-expanded with ``--expand-block``)."""
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     keep = keep_ids_from(train_recs, a.n_keep, model.config.vocab_size)
     cfg = BlockDrafterConfig(block=a.block, n_layers=a.layers, hidden=model.config.hidden_size,
@@ -439,27 +474,7 @@ def _run(a: argparse.Namespace, budget: Budget, out: Path, fh, phases: tuple[flo
             models[name] = (expand_block(m, a.expand_block, sd) if a.expand_block else m).to(dev)
         else:
             models[name] = new_model(cfg, sd, keep).to(dev)
-    del model
-    if dev.startswith("cuda"):
-        torch.cuda.empty_cache()
-    t_train = time.time()
-    steps_done, curves = train_batched(models, data, a.steps, budget.until(p_train), a.seqs, a.anchors, a.lr, a.gamma,
-                           a.seed, fh=fh)
-    metrics["train"] = {"seconds": time.time() - t_train, "steps": steps_done,
-                        "seqs_per_step": a.seqs, "anchors_per_seq": a.anchors}
-
-    # 5: evaluation + checkpoints
-    metrics["heldout"] = {}
-    for name, m in models.items():
-        ev = evaluate_by_kind(m, held, amp=True)
-        metrics["heldout"][name] = ev
-        log(f"held-out τ ({name}): " + ", ".join(f"{k} {v['tau_measured']:.2f}" for k, v in ev.items()), fh)
-        save_block_drafter(m.cpu(), out / f"drafter-{name}")
-        (out / f"drafter-{name}" / "loss_curve.json").write_text(json.dumps(curves[name]))
-    metrics["seconds"] = budget.elapsed()
-    (out / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    log(f"done in {budget.elapsed():.0f}s", fh)
-    return 0
+    return models
 
 
 if __name__ == "__main__":
