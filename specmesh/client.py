@@ -11,7 +11,9 @@
 TLS: pass ``root_certificates`` (PEM bytes or a path; ``tls=True`` alone uses
 the system roots) and, for mutual TLS, ``private_key`` and
 ``certificate_chain``. A bearer ``token`` is sent as ``authorization: Bearer``.
-``timeout`` (seconds) is the default deadline of each call. Failures raise the
+``timeout`` (seconds) is the default deadline of each call; ``client_id`` (on the
+client or per ``stream``/``generate`` call) is sent as ``x-specmesh-client``, the
+key of the router's per-client session limit. Failures raise the
 typed exceptions of ``specmesh.errors`` (``InvalidArgumentError`` naming the
 field, ``UnauthenticatedError``, ``ResourceExhaustedError``,
 ``UnavailableError``, ``DeadlineExceededError``, ...).
@@ -154,12 +156,18 @@ class _Base:
         md = []
         if token:
             md.append(("authorization", f"Bearer {token}"))
+        self._auth = tuple(md)
         if client_id:
             md.append(("x-specmesh-client", client_id))
         self._metadata = tuple(md)
 
     def _timeout(self, timeout: Optional[float]) -> Optional[float]:
         return self.timeout if timeout is None else timeout
+
+    def _md(self, client_id: Optional[str]) -> tuple:
+        """Call metadata; a per-call ``client_id`` replaces the client's own (the key of
+        the router's max_sessions_per_client, e.g. the HTTP peer behind a front end)."""
+        return self._metadata if not client_id else self._auth + (("x-specmesh-client", client_id),)
 
 
 class Client(_Base):
@@ -170,10 +178,11 @@ class Client(_Base):
         self._channel = channel(self.address, self._creds, options=self._options)
         self._stub = router_pb2_grpc.RouterStub(self._channel)
 
-    def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None, **kw) -> Stream:
+    def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
+               client_id: Optional[str] = None, **kw) -> Stream:
         """Start a generation; iterate the returned Stream for text deltas."""
         call = self._stub.Generate(build_request(prompt, **kw), timeout=self._timeout(timeout),
-                                   metadata=self._metadata)
+                                   metadata=self._md(client_id))
         return Stream(call)
 
     def generate(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None, **kw) -> Result:
@@ -233,9 +242,10 @@ class AsyncClient(_Base):
             self._stub = router_pb2_grpc.RouterStub(self._channel)
         return self._stub
 
-    def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None, **kw) -> AsyncStream:
+    def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
+               client_id: Optional[str] = None, **kw) -> AsyncStream:
         call = self._get_stub().Generate(build_request(prompt, **kw), timeout=self._timeout(timeout),
-                                         metadata=self._metadata)
+                                         metadata=self._md(client_id))
         return AsyncStream(call)
 
     async def generate(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None, **kw) -> Result:

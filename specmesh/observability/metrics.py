@@ -6,7 +6,9 @@ picks a free port. Every name starts with ``specmesh_``; counters end in
 ``_total``, durations are histograms in seconds.
 
 - ``RouterMetrics`` (labels ``strategy``, ``drafter``): requests, active
-  sessions, rounds, drafts, draft/accepted/generated tokens, accepted tokens per
+  sessions, time to first token, inter-token latency and end-to-end latency
+  (histograms with vLLM's buckets), prompt tokens, rounds, drafts,
+  draft/accepted/generated tokens, accepted tokens per
   position, accepted length per round (histogram), rounds in the ceiling bin
   (accepted a whole draft of the full block length, i.e. the request's draft
   budget) and their ratio to rounds with a draft, tokens/s per request, draft /
@@ -45,6 +47,13 @@ SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 ACCEPT_BUCKETS = tuple(float(i) for i in range(0, 33))  # integer bins: exact histogram per bucket
 BATCH_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0, 64.0)
 TPS_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 80.0, 120.0, 160.0, 240.0, 400.0)
+# the latency buckets of vLLM's histograms of the same names (time_to_first_token_seconds, ...)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
 
 
 def _label(strategy: str) -> str:
@@ -148,6 +157,16 @@ class RouterMetrics(ServiceMetrics):
                                    "Ceiling rounds / rounds with a draft, since start", L, registry=r)
         self.generated = Counter("specmesh_generated_tokens_total", "Tokens generated (stop token excluded)", L,
                                  registry=r)
+        self.prompt_tokens = Counter("specmesh_prompt_tokens_total", "Prompt tokens of the generations started",
+                                     L, registry=r)
+        self.ttft = Histogram("specmesh_time_to_first_token_seconds", "Time from the start of a generation to "
+                              "its first token handed to the transport", L, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("specmesh_inter_token_latency_seconds", "Time between a round's tokens and the "
+                             "previous ones, spread evenly over the round's tokens (one observation per token "
+                             "after the first)", L, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("specmesh_e2e_request_latency_seconds", "Time from the start of a generation to its "
+                             "end (completed or cancelled; failed ones are not observed)", L,
+                             buckets=E2E_BUCKETS, registry=r)
         self.tps = Histogram("specmesh_tokens_per_second", "Generated tokens per second of each request", L,
                              buckets=TPS_BUCKETS, registry=r)
         self.phase = Counter("specmesh_phase_seconds_total", "Time per phase as in the per-response stats "
@@ -173,14 +192,36 @@ class RouterMetrics(ServiceMetrics):
             strategy = getattr(request, "strategy", "") or "default"
         super().on_call(method, strategy, request, response, seconds, code)
 
-    def request_started(self, strategy: str, drafter: str) -> None:
+    def request_started(self, strategy: str, drafter: str, prompt_tokens: int = 0) -> None:
         self.active.labels(strategy, drafter).inc()
+        if prompt_tokens > 0:
+            self.prompt_tokens.labels(strategy, drafter).inc(prompt_tokens)
 
-    def request_ended(self, strategy: str, drafter: str, finish_reason: str, acceptance: str = "exact") -> None:
+    def request_ended(self, strategy: str, drafter: str, finish_reason: str, acceptance: str = "exact",
+                      e2e_s: Optional[float] = None) -> None:
         self.active.labels(strategy, drafter).dec()
         self.requests.labels(strategy, drafter, finish_reason or "unknown").inc()
         if is_lossy(acceptance):
             self.lossy_requests.labels(strategy, drafter, acceptance).inc()
+        if e2e_s is not None and finish_reason != "error":
+            self.e2e.labels(strategy, drafter).observe(e2e_s)
+
+    def tokens_emitted(self, strategy: str, drafter: str, n: int, since_start_s: float,
+                       since_last_s: Optional[float]) -> None:
+        """``n`` tokens left the router at once: the first ones of the request
+        (``since_last_s`` None: TTFT, and the rest of the batch 0 s apart) or a later
+        round's (``since_last_s`` spread over them: one inter-token latency per token)."""
+        if n <= 0:
+            return
+        lab = (strategy, drafter)
+        if since_last_s is None:
+            self.ttft.labels(*lab).observe(since_start_s)
+            for _ in range(n - 1):
+                self.itl.labels(*lab).observe(0.0)
+        else:
+            per = since_last_s / n
+            for _ in range(n):
+                self.itl.labels(*lab).observe(per)
 
     def record_round(self, strategy: str, drafter: str, drafted: int, accepted: int, depth: int,
                      wall_s: float, block: int = 0, acceptance: str = "exact") -> None:

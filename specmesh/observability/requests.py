@@ -22,6 +22,14 @@ again; ``specmesh.round.phase`` says which phase, each opening with a
 prefill/resume round). Work a strategy does outside the loop's rounds (ssr's
 side branches) is not a round: its RPCs hang under the Generate server span.
 
+Latency: the observation starts when the router starts the generation (after
+validation and tokenization). Tokens count as delivered when the next round
+opens or the request finishes (the router hands each round's delta on before
+that): the first ones give the time to first token, later rounds give one
+inter-token latency per token (the interval since the previous delivery spread
+evenly over the round's tokens, so ``_sum / _count`` is the decode time per
+output token), and ``end`` gives the end-to-end latency.
+
 ``finish(stats)`` (just before the final message) sets the gen_ai.* usage and
 response attributes and the request-level metrics; ``end(err)`` ends the span
 and the active-session count. With tracing off no span is made.
@@ -102,6 +110,8 @@ class RequestObservation:
         self.call_scope = rpc.CallScope(plan.strategy, self.metrics)
         self.finished = self.ended = False
         self._generated = 0
+        self.t0 = time.perf_counter()
+        self._last_emit: Optional[float] = None  # when tokens last left the router (TTFT / inter-token latency)
         self.rounds_seen = 0
         self.phase = -1
         self.span = self.ctx = None
@@ -110,7 +120,7 @@ class RequestObservation:
                                                     attributes=_request_attributes(self.model, plan, session_id))
             self.ctx = trace.set_span_in_context(self.span)
         if self.metrics is not None:
-            self.metrics.request_started(self.strategy, self.drafter_name)
+            self.metrics.request_started(self.strategy, self.drafter_name, len(getattr(plan, "ids", ()) or ()))
 
     def round_scope(self, index: int) -> "RoundScope":
         return RoundScope(self, index)
@@ -122,9 +132,16 @@ class RequestObservation:
         return d + v, d
 
     def _flush_generated(self) -> None:
+        """Tokens committed since the last call have been handed on (the router yields
+        each round's delta before the next round opens): count them, and time them."""
         n = self.stats.new_tokens - self._generated
-        if n > 0 and self.metrics is not None:
-            self.metrics.add_generated(self.strategy, self.drafter_name, n, self.acceptance)
+        if n > 0:
+            now = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.add_generated(self.strategy, self.drafter_name, n, self.acceptance)
+                last = None if self._last_emit is None else now - self._last_emit
+                self.metrics.tokens_emitted(self.strategy, self.drafter_name, n, now - self.t0, last)
+            self._last_emit = now
         self._generated = self.stats.new_tokens
 
     def finish(self, stats) -> None:
@@ -151,7 +168,8 @@ class RequestObservation:
             outcome = "error"
         self._flush_generated()
         if self.metrics is not None:
-            self.metrics.request_ended(self.strategy, self.drafter_name, outcome, self.acceptance)
+            self.metrics.request_ended(self.strategy, self.drafter_name, outcome, self.acceptance,
+                                       time.perf_counter() - self.t0)
         if self.span is not None:
             if not self.finished and self.span.is_recording():
                 self.span.set_attributes(_stats_attributes(self.model, self.stats))

@@ -1,7 +1,9 @@
 """``specmesh serve`` and ``specmesh generate``.
 
 - ``specmesh serve drafter|verifier|router --port N [settings flags]`` runs one
-  service in this process until SIGTERM/SIGINT (then drains and stops).
+  service in this process until SIGTERM/SIGINT (then drains and stops). The
+  router also serves the OpenAI-compatible HTTP API (``serving.openai_http``)
+  on ``--http-port`` (default 8000; ``--http false``: off).
 - ``specmesh serve`` (no service) starts all three as separate processes on
   loopback (ports from the settings; 0 = free ports), passes the resolved
   settings to them through ``SPECMESH_*`` variables, prints the addresses once
@@ -61,6 +63,8 @@ _FLAGS = [
     ("--drain-s", "drain_s", float, "grace period on SIGTERM"),
     ("--metrics", "metrics", str, "serve Prometheus /metrics over HTTP: true | false (default true)"),
     ("--metrics-port", "metrics_port", int, "/metrics port of a single service (0 = any free port)"),
+    ("--http", "http", str, "router: serve the OpenAI-compatible HTTP API: true | false (default true)"),
+    ("--http-port", "http_port", int, "router: port of the OpenAI HTTP API (default 8000; 0 = any free port)"),
 ]
 
 
@@ -180,9 +184,21 @@ def serve_one(service: str, s) -> int:
             metrics = None
             print(f"specmesh {service}: WARNING no /metrics, port {s.metrics_port_of(service)} on {mhost}: {e} "
                   f"(set --metrics-port, or --metrics false)", flush=True)
+    http = None
+    if router is not None and s.http:
+        from .openai_http import start_http
+
+        try:
+            http = start_http(s, running.address, router.codec)
+            print(f"specmesh {service} OpenAI API on {http.url}", flush=True)
+        except OSError as e:  # the gRPC API is up; say why the HTTP one is not
+            print(f"specmesh {service}: WARNING no OpenAI HTTP API, port {s.http_port} on {s.host}: {e} "
+                  f"(set --http-port, or --http false)", flush=True)
     try:
         serve_until_signal(running, s.drain_s)
     finally:
+        if http is not None:
+            http.stop()
         if cleanup:
             cleanup()
         if metrics is not None:

@@ -108,6 +108,11 @@ class ServeSettings(BaseSettings):
                                      "service; doubles with each crash in a row")
     restart_max_backoff_s: float = Field(30.0, gt=0, description="`specmesh serve`: longest wait before a restart")
 
+    # ---- the OpenAI-compatible HTTP API of the router (serving/openai_http.py)
+    http: bool = Field(True, description="router: serve the OpenAI-compatible HTTP API (/v1/chat/completions, ...)")
+    http_port: int = Field(8000, ge=0, le=65535, description="router: port of the OpenAI HTTP API (0 = any free "
+                           "port); same host, token and TLS as the gRPC server")
+
     # ---- security
     tls_cert: Optional[Path] = Field(None, description="server certificate chain (PEM); enables TLS")
     tls_key: Optional[Path] = Field(None, description="server private key (PEM)")
