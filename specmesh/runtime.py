@@ -27,8 +27,8 @@ from .drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from .device import resolve_device
 from .engine import LlamaEngine
 from .loop import VerifyCosts
-from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model, \
-    stop_ids
+from .models.codec import TextCodec
+from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model
 from .types import InvalidArgument
 from .verifier import EngineVerifier
 
@@ -138,7 +138,8 @@ class Runtime:
             self.verifier.self_drafters["block_tree"] = BlockSelfDrafter(
                 self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration,
                 folded=self.block_drafter.folded)
-        self.stop_ids = stop_ids(self.tokenizer)
+        self.codec = TextCodec(self.tokenizer, self.engine.vocab_size)
+        self.stop_ids = self.codec.stop_ids
 
     @property
     def vocab_size(self) -> int:
@@ -147,24 +148,11 @@ class Runtime:
     # ---------------------------------------------------------------- text
     def encode(self, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
                chat: bool = True) -> list[int]:
-        """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages."""
-        if messages is None:
-            if not prompt:
-                raise InvalidArgument("prompt", "is empty")
-            if not chat:
-                return list(self.tokenizer.encode(prompt, add_special_tokens=False))
-            messages = [{"role": "user", "content": prompt}]
-        if not messages:
-            raise InvalidArgument("messages", "is empty")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise InvalidArgument("messages", f"entry {i} needs 'role' and 'content'")
-        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)
-        return list(enc["input_ids"])
+        """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages (``TextCodec``)."""
+        return self.codec.encode(prompt, messages, chat)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return self.codec.decode(ids)
 
     # ---------------------------------------------------------------- drafters
     def drafter(self, name: str, **kw):
@@ -186,4 +174,4 @@ class Runtime:
 
 
 # what ``drafter(name)`` builds; the one-pass block drafters run as self drafts (``self_draft=``)
-DRAFTER_NAMES = tuple(n for n in registry.SPECS if n not in registry.PER_ROUND)
+DRAFTER_NAMES = tuple(n for n in registry.names() if n not in registry.PER_ROUND)

@@ -1,0 +1,51 @@
+"""Text <-> token ids with a model's tokenizer: ``TextCodec``.
+
+``encode`` wraps a prompt as one user turn with the tokenizer's chat template
+(or encodes it raw, or encodes chat messages), ``decode`` drops special tokens,
+``stop_ids`` are the ids that end an assistant turn. The in-process ``Runtime``
+and the router use this one codec, so both turn the same text into the same ids.
+
+Knows the tokenizer and the model's config only: no weights, no torch, no
+sessions, no gRPC.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..types import InvalidArgument
+from .loading import load_config, load_tokenizer, resolve_model, stop_ids
+
+
+class TextCodec:
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_ids = stop_ids(tokenizer)
+
+    @classmethod
+    def from_model(cls, model: str) -> "TextCodec":
+        """The codec of a model alias or local Hugging Face directory (tokenizer and config only)."""
+        d = resolve_model(model, quiet=True)
+        return cls(load_tokenizer(d), int(load_config(d)["vocab_size"]))
+
+    def encode(self, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
+               chat: bool = True) -> list[int]:
+        """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages."""
+        if messages is None:
+            if not prompt:
+                raise InvalidArgument("prompt", "is empty")
+            if not chat:
+                return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            messages = [{"role": "user", "content": prompt}]
+        if not messages:
+            raise InvalidArgument("messages", "is empty")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise InvalidArgument("messages", f"entry {i} needs 'role' and 'content'")
+        enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=True)
+        return list(enc["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
