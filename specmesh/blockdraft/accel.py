@@ -38,7 +38,7 @@ import torch
 
 from ..models.loading import stop_ids
 from ..types import InvalidArgument
-from .losses import LOSSES
+from .losses import LOSSES, loss_kwargs
 from .model import BlockDrafter, BlockDrafterConfig, load_block_drafter, save_block_drafter
 from .train import Example, evaluate_by_kind, expand_block, keep_ids_from, kept_targets, new_model, usable
 
@@ -281,8 +281,7 @@ def train_batched(models: dict[str, BlockDrafter], data: Packed, steps: int, dea
                 logits = m.forward_batch(anchors, feats, mask)
             logits = logits.float().view(-1, *logits.shape[2:])
             loss_name = name.split("@")[0]
-            kw = {"gamma": gamma} if loss_name == "ce" else {}
-            val = LOSSES[loss_name](logits, tgt, **kw)
+            val = LOSSES[loss_name](logits, tgt, **loss_kwargs(loss_name, gamma=gamma))
             opt.zero_grad(set_to_none=True)
             val.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

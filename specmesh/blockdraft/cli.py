@@ -39,8 +39,12 @@ def register(sub) -> None:
     p.add_argument("--feature-layers", default="2,14,27")
     p.add_argument("--n-keep", type=int, default=8192)
     p.add_argument("--context-window", type=int, default=256)
-    p.add_argument("--loss", default="ce", choices=["ce", "auf", "focal", "dpace"])
-    p.add_argument("--gamma", type=float, default=4.0, help="position weight exp(-(k-1)/gamma) for --loss ce")
+    p.add_argument("--loss", default="ce", choices=["ce", "auf", "focal", "dpace", "chain", "combined"],
+                   help="ce: position-weighted CE; auf: CE up to the first failure; focal: first-error focal; "
+                        "dpace: CE weighted by reach probability; chain: -expected accepted length; "
+                        "combined: ce + focal + chain")
+    p.add_argument("--gamma", type=float, default=4.0,
+                   help="position weight exp(-(k-1)/gamma) for --loss ce / combined")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=4)

@@ -13,6 +13,15 @@ is outside keep_ids or past the sequence end) and return a scalar.
 - ``dpace_ce`` (chain weights): slot k weighted by the prefix product of the
   drafter's own (detached) probabilities of the correct tokens at slots < k — the
   probability that slot k is reached — approximating expected accepted length.
+- ``chain_loss`` (differentiable chain): minus the expected accepted length under
+  the drafter's own probabilities of the correct tokens, -(1/K) sum_k prod_{j<=k}
+  q_j, with gradients through every factor (not detached as in D-PACE); an
+  ignored slot ends the chain (nothing after it can be accepted).
+- ``combined``: position-weighted CE + first-error focal + chain, the three
+  interventions of "teaching diffusion to speculate" together.
+
+``LOSS_KWARGS`` names the keyword arguments each loss takes (``gamma`` for the
+position weighting), so callers pass the training options uniformly.
 
 This module knows nothing about models or data.
 """
@@ -72,4 +81,25 @@ def dpace_ce(logits, targets):
     return _weighted_mean(ce, reach, valid)
 
 
-LOSSES = {"ce": position_weighted_ce, "auf": auf_ce, "focal": first_error_focal, "dpace": dpace_ce}
+def chain_loss(logits, targets):
+    valid = (targets != IGNORE).float()
+    ce = _ce(logits, targets)
+    q = torch.exp(-ce) * valid  # drafter's probability of the correct token (0 where ignored)
+    reach = torch.cumprod(q, 1)  # [A, K]: probability that slots 1..k are all accepted
+    rows = (valid[:, 0] > 0).float()  # blocks with at least their first slot to learn from
+    return -(reach.sum(1) * rows).sum() / (rows.sum().clamp_min(1.0) * logits.shape[1])
+
+
+def combined(logits, targets, gamma: float = 4.0):
+    return (position_weighted_ce(logits, targets, gamma) + first_error_focal(logits, targets)
+            + chain_loss(logits, targets))
+
+
+LOSSES = {"ce": position_weighted_ce, "auf": auf_ce, "focal": first_error_focal, "dpace": dpace_ce,
+          "chain": chain_loss, "combined": combined}
+LOSS_KWARGS = {"ce": ("gamma",), "combined": ("gamma",)}
+
+
+def loss_kwargs(name: str, **options) -> dict:
+    """The options (e.g. ``gamma=4.0``) that loss ``name`` takes."""
+    return {k: options[k] for k in LOSS_KWARGS.get(name, ()) if k in options}

@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from .data import target_features
-from .losses import IGNORE, LOSSES
+from .losses import IGNORE, LOSSES, loss_kwargs
 from .model import BlockDrafter, BlockDrafterConfig, expected_tau
 
 
@@ -138,8 +138,7 @@ def train(model: BlockDrafter, examples: list[Example], steps: int, loss: str = 
                 frac = min(1.0, step / max(1, steps // 2))
                 drop = torch.rand(tgt.shape[0], generator=None) >= frac
                 tgt[:, curriculum_from:][drop] = IGNORE
-            kw = {"gamma": gamma} if loss == "ce" else {}
-            val = fn(logits, tgt, **kw) / batch
+            val = fn(logits, tgt, **loss_kwargs(loss, gamma=gamma)) / batch
             val.backward()
             total += float(val.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)

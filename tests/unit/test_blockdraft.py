@@ -87,6 +87,27 @@ def test_losses_hand_computed():
     assert abs(float(L.first_error_focal(logits, tgt)) - exp) < 1e-5
     ign = torch.tensor([[0, L.IGNORE, L.IGNORE]])
     assert abs(float(L.position_weighted_ce(logits, ign)) - ce[0]) < 1e-5
+    # chain: -(q1 + q1 q2 + q1 q2 q3) / K; an ignored slot ends the chain
+    assert abs(float(L.chain_loss(logits, tgt)) + (p[0] + p[0] * p[1] + p[0] * p[1] * p[2]) / 3) < 1e-5
+    assert abs(float(L.chain_loss(logits, ign)) + p[0] / 3) < 1e-5
+    assert abs(float(L.combined(logits, tgt, gamma=2.0)) - float(L.position_weighted_ce(logits, tgt, gamma=2.0))
+               - float(L.first_error_focal(logits, tgt)) - float(L.chain_loss(logits, tgt))) < 1e-5
+    assert L.loss_kwargs("combined", gamma=2.0) == {"gamma": 2.0} and L.loss_kwargs("chain", gamma=2.0) == {}
+
+
+def test_chain_loss_gradient_reaches_every_slot_and_raises_expected_length():
+    """Unlike D-PACE's detached weights, the chain surrogate's gradient moves every
+    factor; a step along it raises the expected accepted length."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 3, 5, requires_grad=True)
+    tgt = torch.randint(0, 5, (4, 3))
+    L.chain_loss(logits, tgt).backward()
+    g = logits.grad
+    assert all(float(g[:, k].abs().sum()) > 0 for k in range(3))
+    with torch.no_grad():
+        before = float(L.chain_loss(logits, tgt))
+        after = float(L.chain_loss(logits - 1.0 * g, tgt))
+    assert after < before
 
 
 def test_floor_estimator_on_synthetic_target():
@@ -210,6 +231,6 @@ def test_train_drafter_cli_trains_expands_and_compares(tmp_path):
     tsd = load_state_dict(resolve_model("smollm2-135m-instruct"))
     assert load_block_drafter(big, tsd).cfg.block == 5
     cmp = tmp_path / "cmp"
-    assert main(["train-drafter", "--out", str(cmp), "--block", "3", "--compare-losses", "ce,auf"] + common) == 0
+    assert main(["train-drafter", "--out", str(cmp), "--block", "3", "--compare-losses", "ce,combined"] + common) == 0
     table = (cmp / "compare_losses.md").read_text()
-    assert "| ce |" in table and "| auf |" in table
+    assert "| ce |" in table and "| combined |" in table
