@@ -3,7 +3,7 @@
 ``python -m specmesh.deploy.k8s_discovery --verifiers NAME:PORT --drafters NAME:PORT``
 runs the router like ``specmesh serve router`` (same settings: flags here,
 ``SPECMESH_*`` variables, ``--config`` YAML; same health, reflection, auth,
-TLS, metrics and tracing), except that its verifier and drafter replicas are
+TLS, metrics, tracing and OpenAI-compatible HTTP API), except that its verifier and drafter replicas are
 not a fixed list: every ``--interval`` seconds it resolves the two names
 (Kubernetes headless Services, which list the *ready* pods) and updates a
 ``ReplicaSet`` (sessions stay pinned to their verifier pod) and a
@@ -104,9 +104,17 @@ def main(argv=None) -> int:
         metrics.serve(s.metrics_port_of("router"), s.host)
     print(f"specmesh router listening on {running.address}; verifiers from {args.verifiers} "
           f"({len(verifiers.peers)} now), drafters from {args.drafters} ({len(drafters.members)} now)", flush=True)
+    http = None
+    if s.http:  # the OpenAI-compatible HTTP API, as `specmesh serve router` serves it
+        from specmesh.serving.openai_http import start_http
+
+        http = start_http(s, running.address, router.codec)
+        print(f"specmesh router OpenAI API on {http.url}", flush=True)
     try:
         serve_until_signal(running, s.drain_s)
     finally:
+        if http is not None:
+            http.stop()
         follower.stop()
         router.close()
         if metrics is not None:

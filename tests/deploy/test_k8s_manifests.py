@@ -14,7 +14,10 @@
   request CPU; probes use the gRPC health service on a declared port; the
   router's discovery names are headless Services selecting the right pods; the
   OTLP endpoint is the collector's Service; the collector's pipelines use
-  defined components; the settings ConfigMap validates as ``ServeSettings``.
+  defined components; the settings ConfigMap validates as ``ServeSettings``;
+  the router exposes the OpenAI HTTP API's port; the Grafana dashboard and
+  its provider are ConfigMaps (``configMapGenerator``; the dashboard itself is
+  checked in ``test_grafana_dashboard.py``).
 - The Dockerfile and ``deploy/ray-serve.yaml`` say what the manifests assume.
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import ast
 import copy
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -89,11 +93,22 @@ def _set_images(obj, images: dict) -> None:
 def render_self(directory: Path) -> list[dict]:
     """Render a kustomization without kustomize (the subset these files use)."""
     k = yaml.safe_load((directory / "kustomization.yaml").read_text())
-    assert set(k) <= {"apiVersion", "kind", "labels", "resources", "patches", "images"}, set(k)
+    assert set(k) <= {"apiVersion", "kind", "labels", "resources", "patches", "images", "configMapGenerator",
+                      "generatorOptions"}, set(k)
     objs: list[dict] = []
     for r in k.get("resources", []):
         p = (directory / r).resolve()
         objs += render_self(p) if p.is_dir() else _docs(p.read_text())
+    if k.get("configMapGenerator"):  # files -> data, names kept as they are (no hash suffix)
+        assert k.get("generatorOptions", {}).get("disableNameSuffixHash") is True
+    for g in k.get("configMapGenerator", []):
+        assert set(g) <= {"name", "files", "options"} and set(g.get("options", {})) <= {"labels"}, g
+        data = {Path(f).name: (directory / f).read_text() for f in g["files"]}
+        assert all((directory / f).resolve().is_relative_to(directory.resolve()) for f in g["files"])
+        meta = {"name": g["name"]}
+        if g.get("options", {}).get("labels"):
+            meta["labels"] = dict(g["options"]["labels"])
+        objs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": meta, "data": data})
     for patch in k.get("patches", []):
         for pd in _docs((directory / patch["path"]).read_text()):
             i = next(i for i, o in enumerate(objs)
@@ -263,6 +278,16 @@ def test_plain_grpc_wiring(name, tmp_path):
     f.write_text(cms["specmesh-config"]["data"]["serve.yaml"])
     s = load_settings(f)
     assert s.host == "0.0.0.0"
+    # the router's OpenAI HTTP API: on in the settings, a declared container port, in the Service
+    assert s.http and rc["ports"] and {"name": "http", "containerPort": s.http_port} in rc["ports"]
+    rsvc = svcs["specmesh-router"]["spec"]["ports"]
+    assert any(p["name"] == "http" and p["port"] == s.http_port and p["targetPort"] == "http" for p in rsvc)
+    # the Grafana dashboard and its file provider, as ConfigMaps next to the collector
+    dash = cms["specmesh-grafana-dashboards"]
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["specmesh-dashboard.json"])["uid"] == "specmesh-overview"
+    prov = yaml.safe_load(cms["specmesh-grafana-provisioning"]["data"]["dashboards.yaml"])
+    assert prov["apiVersion"] == 1 and prov["providers"][0]["type"] == "file"
     assert env["SPECMESH_CONFIG"].startswith("/etc/specmesh/")
     # the gpu overlay asks for a GPU for verifiers only
     gpus = {n: any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in _containers(d))
