@@ -6,6 +6,10 @@ wire), a bounded number of sessions (least recently used evicted), and builds
 the core drafters by name on first use (``prompt_lookup``, ``suffix``,
 ``adaptive_lookup``, ``cache``, ``draft_lm``). ``seed`` adds texts to the cache
 drafter's per-conversation caches (proactive anticipation, SSR early answers).
+Drafters that condition on the target's hidden states (the registry's
+``needs_features``: the block drafter's ``block`` / ``block_tree``) also get the
+session's feature rows synced by delta (``FeatureRows``; the drafter checks them,
+``BlockFeatureDrafter.check_features``, before any state changes).
 Every input is validated before any state changes; a
 ``keep_len`` beyond what it holds raises ``SessionLost`` (the caller resends
 from 0). Each drafter runs under its own lock (the draft LM's KV slots are not
@@ -22,8 +26,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from specmesh.drafters import registry
 from specmesh.drafters.base import Drafter
-from specmesh.types import DraftContext, InvalidArgument, SamplingParams, SessionLost, TokenTree
+from specmesh.types import DraftContext, FeatureRows, InvalidArgument, SamplingParams, SessionLost, TokenTree
 
 
 CACHE_DRAFTER = "cache"
@@ -72,16 +77,34 @@ class DrafterHost:
             raise SessionLost(f"drafter holds {len(held)} tokens < keep_len {keep_len}; resend with keep_len=0")
         return held[:keep_len] + list(append)
 
+    def needs_features(self, name: str) -> bool:
+        return name in self.factories and registry.needs_features(name, "external")
+
+    def feature_drafters(self) -> list[dict]:
+        """The hosted drafters that need features, and which (builds them on first use)."""
+        out = []
+        for name in self.names:
+            if self.needs_features(name):
+                d = self._drafter(name)
+                out.append({"drafter": name, "layers": list(d.feature_layers), "dim": d.feature_dim,
+                            "context_window": d.context_window})
+        return out
+
     def propose(self, session_id: str, drafter: str, keep_len: int, append: Sequence[int], prompt_len: int,
-                sampling: SamplingParams, budget: int, cache_id: str = "") -> tuple[TokenTree, int, float]:
+                sampling: SamplingParams, budget: int, cache_id: str = "",
+                features: Optional[FeatureRows] = None) -> tuple[TokenTree, int, float]:
         """Sync the session and draft; returns (tree, tokens held, draft ms). ``cache_id``
-        names the draft cache the "cache" drafter reads."""
+        names the draft cache the "cache" drafter reads; ``features`` is the delta of the
+        session's hidden features (feature drafters only)."""
         if drafter not in self.factories:
             raise InvalidArgument("drafter", f"unknown drafter {drafter!r}; available: {self.names}")
         if len(cache_id.encode()) > MAX_CACHE_ID:
             raise InvalidArgument("cache_id", f"longer than {MAX_CACHE_ID} bytes")
         if not 0 <= budget <= self.max_tree_nodes:
             raise InvalidArgument("budget", f"must be in [0, {self.max_tree_nodes}], got {budget}")
+        fd = self._drafter(drafter) if self.needs_features(drafter) else None  # built before any session change
+        if features is not None and fd is None:
+            raise InvalidArgument("features", f"drafter {drafter!r} takes no features")
         with self._lock:
             s = self._sessions.get(session_id)
             tokens = self._tokens(s.tokens if s else [], keep_len, append)
@@ -89,6 +112,9 @@ class DrafterHost:
                 raise InvalidArgument("sync.append_tokens", "the session holds no tokens")
             if not 0 <= prompt_len <= len(tokens):
                 raise InvalidArgument("prompt_len", f"must be in [0, {len(tokens)}], got {prompt_len}")
+            if fd is not None:
+                with self._locks[drafter]:
+                    fd.check_features(session_id, features, keep_len, len(tokens))
             # ---- valid: change state
             evicted = []
             if s is not None and s.drafter != drafter:
@@ -104,6 +130,8 @@ class DrafterHost:
         d = self._drafter(drafter)
         t0 = time.perf_counter()
         with self._locks[drafter]:
+            if fd is not None:
+                fd.sync_features(session_id, features, keep_len)
             tree = d.propose(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), budget)
         return tree, len(tokens), (time.perf_counter() - t0) * 1e3
 
@@ -168,4 +196,4 @@ class DrafterHost:
             ids = list(self._sessions)
         return {"drafters": self.names, "sessions": len(ids), "session_ids": ids[:1000],
                 "max_sessions": self.max_sessions, "proposals": self.proposals, "vocab_size": self.vocab_size,
-                "max_tree_nodes": self.max_tree_nodes}
+                "max_tree_nodes": self.max_tree_nodes, "feature_drafters": self.feature_drafters()}

@@ -5,7 +5,9 @@ Validation and session state live in ``host``; errors become status codes in
 the interceptors. ``drafter_service(settings)`` builds the host with the core
 drafters (prompt_lookup, suffix, the cache drafter and, loaded on first use,
 adaptive_lookup with the target's embedding table and draft_lm, on
-``settings.device``). ``Seed`` adds
+``settings.device``) and, when the model has a trained block drafter, ``block`` /
+``block_tree`` (loaded at start, on ``settings.device``), which read the
+target's hidden features sent with each Propose. ``Seed`` adds
 texts to a draft cache.
 
 It knows nothing about the verifier, strategies or tokenizers.
@@ -32,9 +34,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def Propose(self, request, context):
         t0 = time.perf_counter()
         sampling = convert.sampling_from_proto(request.sampling)
+        feats = convert.features_from_proto(request.features) if request.HasField("features") else None
         tree, held, draft_ms = self.host.propose(
             check_session_id(request.session_id), request.drafter, request.sync.keep_len,
-            list(request.sync.append_tokens), request.prompt_len, sampling, request.budget, request.cache_id)
+            list(request.sync.append_tokens), request.prompt_len, sampling, request.budget, request.cache_id, feats)
         return drafter_pb2.ProposeResponse(tree=convert.tree_to_proto(tree), held_len=held, draft_ms=draft_ms,
                                            server_ms=(time.perf_counter() - t0) * 1e3, source=tree.source)
 
@@ -44,7 +47,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return common_pb2.ReleaseResponse(released=released)
 
     def Info(self, request, context):
-        return drafter_pb2.DrafterInfo(**self.host.info())
+        d = self.host.info()
+        feats = [drafter_pb2.FeatureDrafter(**f) for f in d.pop("feature_drafters")]
+        return drafter_pb2.DrafterInfo(**d, feature_drafters=feats)
 
     def Seed(self, request, context):
         texts, tokens = self.host.seed(request.cache_id, [list(t.tokens) for t in request.texts], request.ttl_s,
@@ -74,8 +79,36 @@ def default_factories(settings: ServeSettings) -> dict:
             cfg = load_config(resolve_model(settings.model, quiet=True))
             return AdaptiveLookupDrafter(vocab_size=int(cfg["vocab_size"]))  # hashed bag-of-tokens sketch
 
-    return {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter, "draft_lm": draft_lm,
-            "adaptive_lookup": adaptive_lookup, "cache": CacheDrafter}
+    out = {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter, "draft_lm": draft_lm,
+           "adaptive_lookup": adaptive_lookup, "cache": CacheDrafter}
+    out.update(block_factories(settings))
+    return out
+
+
+def block_factories(settings: ServeSettings) -> dict:
+    """``block`` and ``block_tree`` (chain and tree of one model, sharing its weights) when
+    the model has a trained block drafter (``runtime.block_drafter_path``), on
+    ``settings.device``; the target's embeddings, final norm and head are read alone from
+    the same model alias's safetensors. Empty without a checkpoint."""
+    from specmesh.runtime import block_drafter_path
+
+    ckpt = block_drafter_path(settings.model)
+    if ckpt is None:
+        return {}
+    made: dict = {}
+
+    def make(tree: bool):
+        def build():
+            if "chain" not in made:
+                from specmesh.blockdraft.serve import BlockFeatureDrafter, target_head_state
+                from specmesh.device import resolve_device
+
+                made["chain"] = BlockFeatureDrafter.from_checkpoint(
+                    ckpt, target_head_state(settings.model), device=resolve_device(settings.device))
+            return made["chain"].twin(True) if tree else made["chain"]
+        return build
+
+    return {"block": make(False), "block_tree": make(True)}
 
 
 def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
@@ -86,5 +119,6 @@ def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
         vocab_size = int(load_config(resolve_model(settings.model, quiet=True))["vocab_size"])
     host = DrafterHost(factories or default_factories(settings), vocab_size, settings.max_drafter_sessions,
                        settings.max_tree_nodes)
+    host.feature_drafters()  # load the block drafter now: its first Info and Propose would wait for it
     return Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
                    drafter_pb2_grpc.add_DrafterServicer_to_server, DrafterServicer(host))

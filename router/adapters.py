@@ -17,6 +17,15 @@
   is one) and raises ``SessionLost`` too, and a re-prefill that meets
   UNAVAILABLE is retried with a short backoff for up to ``retry_s`` (a
   restarting replica).
+- ``FeatureLog`` (one per generation whose external drafter needs the target's
+  hidden features): the router's copy of the committed positions' features. The
+  ``RemoteVerifier`` asks for them with every Verify (``feature_layers``) and
+  stores the rows each response carries (a re-prefill rewrites them from 0);
+  the ``RemoteDrafter`` forwards each row once to the drafter service, like the
+  tokens by delta, and when the service does not know the session (a new or
+  restarted replica: FAILED_PRECONDITION) it re-seeds it with the committed
+  tokens and the last ``context_window`` rows. The router stays the source of
+  truth: a lost drafter replica loses nothing.
 - Both measure network time: RPC wall time minus the server's handler time.
 
 This module knows nothing about tokenizers, strategies or how servers are built.
@@ -32,7 +41,8 @@ import grpc
 
 from specmesh.drafters.prompt_lookup import common_prefix_len
 from specmesh.serving import convert
-from specmesh.types import DraftContext, SessionLost, TokenTree, VerifyRequest, VerifyResult
+from specmesh.types import FEATURE_DTYPE, DraftContext, FeatureRows, SessionLost, TokenTree, VerifyRequest, \
+    VerifyResult
 from specmesh.v1 import drafter_pb2, verifier_pb2
 
 from .replicas import Peer, ReplicaSet
@@ -61,17 +71,80 @@ class Calls:
         return t
 
 
+# ---------------------------------------------------------------- features
+
+class FeatureError(RuntimeError):
+    """The verifier did not return the features a drafter needs (a verifier that
+    predates them, or rows that do not connect): drafting stops for the request."""
+
+
+class FeatureLog:
+    """The committed positions' hidden features of one generation, as the verifier
+    returned them: ``n`` rows of ``dim`` bf16 values (positions [0, n)); ``layers``,
+    ``dim`` and ``window`` are what the drafter asked for (``DrafterInfo.feature_drafters``)."""
+
+    def __init__(self, layers: Sequence[int], dim: int, window: int):
+        self.layers, self.dim, self.window = tuple(layers), dim, window
+        self.row_bytes = dim * 2
+        self.data = bytearray()
+        self.rewritten: Optional[int] = None  # lowest position rewritten since the drafter was last sent rows
+        self.error: Optional[str] = None
+
+    @property
+    def n(self) -> int:
+        return len(self.data) // self.row_bytes
+
+    def put(self, f: Optional[FeatureRows], cache_len: int) -> None:
+        """Store a verify response's rows (positions [f.start, f.end), which must end at
+        ``cache_len`` and start at or before what is held)."""
+        if f is None:
+            self.error = "the verifier returned no features (it predates them?)"
+            return
+        if (f.dtype != FEATURE_DTYPE or tuple(f.layers) != self.layers or f.dim != self.dim
+                or len(f.data) != f.rows * self.row_bytes or f.start > self.n or f.end != cache_len):
+            self.error = (f"the verifier's features do not fit: start {f.start} rows {f.rows} dim {f.dim} "
+                          f"layers {list(f.layers)} {f.dtype} (held {self.n} rows, cache_len {cache_len})")
+            return
+        if f.start < self.n:
+            self.rewritten = f.start if self.rewritten is None else min(self.rewritten, f.start)
+        del self.data[f.start * self.row_bytes:]
+        self.data += f.data
+
+    def rows(self, start: int) -> FeatureRows:
+        """Rows [start, n) for the drafter."""
+        return FeatureRows(start, self.n - start, self.dim, self.layers, FEATURE_DTYPE,
+                           bytes(self.data[start * self.row_bytes:]))
+
+
 # ---------------------------------------------------------------- drafter
 
 class RemoteDrafter:
     """The drafter contract over the Drafter service (one instance per generation)."""
 
-    def __init__(self, peer: Peer, drafter: str, calls: Calls, timeout_s: float = 2.0, cache_id: str = ""):
+    def __init__(self, peer: Peer, drafter: str, calls: Calls, timeout_s: float = 2.0, cache_id: str = "",
+                 features: Optional[FeatureLog] = None):
         self.peer, self.name, self.calls, self.timeout_s = peer, drafter, calls, timeout_s
         self.cache_id = cache_id  # draft cache the "cache" drafter reads
+        self.features = features  # the generation's hidden features, for a drafter that needs them
         self._held: dict[str, list[int]] = {}  # session -> tokens the service holds
+        self._held_rows: dict[str, int] = {}  # session -> feature rows the service holds (positions [.., n))
         self.network_s = 0.0
         self.skipped = 0  # rounds without drafting while the drafter was down
+        self.feature_bytes = 0  # feature bytes sent to the drafter service
+
+    def _feature_delta(self, sid: str, keep: int) -> Optional[FeatureRows]:
+        log = self.features
+        if log is None:
+            return None
+        if log.error is not None:
+            raise FeatureError(log.error)
+        if keep == 0:  # a full (re)seed: the rows the drafter reads, the last window
+            start = max(0, log.n - log.window)
+        else:
+            start = min(self._held_rows.get(sid, 0), log.n)
+            if log.rewritten is not None:
+                start = min(start, log.rewritten)
+        return log.rows(start)
 
     def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
         if not self.peer.health.available():
@@ -80,11 +153,16 @@ class RemoteDrafter:
         sid, tokens = ctx.session_id, ctx.tokens
         held = self._held.pop(sid, [])  # unknown until this call succeeds
         keep = common_prefix_len(held, tokens)
+        if keep == 0:
+            self._held_rows.pop(sid, None)
         while True:
+            feats = self._feature_delta(sid, keep)
             req = drafter_pb2.ProposeRequest(
                 session_id=sid, drafter=self.name, sync=convert.sync_to_proto(keep, tokens[keep:]),
                 prompt_len=ctx.prompt_len, sampling=convert.sampling_to_proto(ctx.sampling), budget=budget,
                 cache_id=ctx.cache_id or self.cache_id)
+            if feats is not None:
+                req.features.CopyFrom(convert.features_to_proto(feats))
             t0 = time.perf_counter()
             try:
                 resp = self.peer.stub.Propose(req, timeout=self.calls.timeout(self.timeout_s),
@@ -100,12 +178,17 @@ class RemoteDrafter:
         self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
         self.peer.health.ok()
         self._held[sid] = list(tokens)
+        if feats is not None:
+            self._held_rows[sid] = feats.end
+            self.feature_bytes += len(feats.data)
+            self.features.rewritten = None
         tree = convert.tree_from_proto(resp.tree)
         tree.source = resp.source
         return tree
 
     def _release(self, session_id: str, finished: bool, tokens: Sequence[int] = (), prompt_len: int = 0) -> None:
         held = self._held.pop(session_id, None)
+        self._held_rows.pop(session_id, None)
         if held is None or not self.peer.health.available():
             return  # the service never held it, lost it or is down; its LRU frees leftovers
         keep = common_prefix_len(held, list(tokens)) if finished else 0
@@ -126,8 +209,10 @@ class RemoteDrafter:
 class RemoteVerifier:
     """The Verifier protocol over a ``ReplicaSet`` (one instance per generation)."""
 
-    def __init__(self, replicas: ReplicaSet, vocab_size: int, calls: Calls, retry_s: float = 15.0):
+    def __init__(self, replicas: ReplicaSet, vocab_size: int, calls: Calls, retry_s: float = 15.0,
+                 features: Optional[FeatureLog] = None):
         self.replicas, self.vocab_size, self.calls, self.retry_s = replicas, vocab_size, calls, retry_s
+        self.features = features  # ask for hidden features with every verify and keep them here
         self.peer: Optional[Peer] = None
         self.network_s = 0.0
         self.reprefills = 0
@@ -161,6 +246,8 @@ class RemoteVerifier:
             self.reprefills += 1
         self._calls += 1
         msg = convert.verify_request_to_proto(req)
+        if self.features is not None:
+            msg.feature_layers[:] = self.features.layers
         give_up, wait = time.monotonic() + self.retry_s, 0.05
         while True:
             t0 = time.perf_counter()
@@ -183,7 +270,10 @@ class RemoteVerifier:
         peer.health.ok()
         self.address = peer.address
         self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
-        return convert.verify_result_from_proto(resp)
+        res = convert.verify_result_from_proto(resp)
+        if self.features is not None:
+            self.features.put(res.features, res.cache_len)
+        return res
 
     def release(self, session_id: str) -> None:
         """Free the session on every replica it touched (best effort: a dead

@@ -12,8 +12,9 @@ greedy output never changes). ``Generation.cancel()`` (client cancelled, or
 deadline passed) stops it between rounds and releases the session on the
 verifier and the drafter.
 
-Strategies: ``autoregressive``, ``external`` (drafter = prompt_lookup | suffix
-| adaptive_lookup | draft_lm), ``self`` (inside the verifier: the trained
+Strategies: ``autoregressive``, ``external`` (a drafter of the registry's
+``EXTERNAL``: prompt_lookup | suffix | adaptive_lookup | draft_lm | block |
+block_tree, the last two fed the target's hidden features), ``self`` (inside the verifier: the trained
 block drafter's ``block_tree`` by default where the verifiers have it, else
 ``layerskip``),
 ``proactive`` (the conversation's anticipation cache and warm KV), ``ssr``
@@ -309,7 +310,7 @@ class Router:
         own = [d for d in SELF_DRAFTERS if d in have] if have else list(SELF_DRAFTERS)
         avail = {"autoregressive": True, "external": up, "self": True, "proactive": up, "ssr": up, "auto": True}
         drafters = {"external": list(EXTERNAL_DRAFTERS), "self": own, "proactive": ["cache"],
-                    "ssr": ["cache"], "auto": list(EXTERNAL_DRAFTERS) + ["cache"] + own,
+                    "ssr": ["cache"], "auto": list(dict.fromkeys(list(EXTERNAL_DRAFTERS) + ["cache"] + own)),
                     "autoregressive": []}
         defaults = self.runner.default_drafters()
         return [{"name": k, "description": v, "drafters": drafters[k], "available": avail[k],

@@ -20,6 +20,11 @@ one's drafter, verifier and rounds are put together over the remote services.
   ``Run.finish`` fills the cache/warm stats, feeds the session book (EMA of τ
   and measured speedup per session and strategy) and, with
   ``auto_anticipate``, queues the finished turn's anticipation.
+- An ``external`` drafter that needs the target's hidden features (the
+  registry's ``needs_features``: ``block``, ``block_tree``) gets a ``FeatureLog``
+  shared by the generation's ``RemoteVerifier`` (asks for the layers the drafter
+  service lists in ``DrafterInfo.feature_drafters``, looked up lazily and cached
+  like the verifiers' self drafters) and ``RemoteDrafter`` (forwards the rows).
 - ``RemoteBackend`` is the proactive worker's backend over the services.
 
 Every real request enters the anticipation ``Gate`` for its whole life, so idle
@@ -47,14 +52,15 @@ from specmesh.strategies.ssr import ThinkFormat, reasoning_generate
 from specmesh.types import InvalidArgument
 from specmesh.v1 import drafter_pb2, verifier_pb2
 
-from .adapters import Calls, RemoteDrafter, RemoteVerifier
+from .adapters import Calls, FeatureLog, RemoteDrafter, RemoteVerifier
 
 log = logging.getLogger("specmesh.router")
 
 STRATEGIES = {
     "autoregressive": "plain decoding through the verifier (baseline and fallback)",
-    "external": "a drafter service proposes, the verifier verifies "
-                "(drafter: prompt_lookup | suffix | adaptive_lookup | draft_lm)",
+    "external": "a drafter service proposes, the verifier verifies (drafter: " + " | ".join(registry.EXTERNAL)
+                + "; block and block_tree are the trained block drafter on the drafter service, fed the target's "
+                  "hidden features through the router)",
     "self": "drafting inside the verifier with the target's own hidden states (no drafter hop): block_tree "
             "(default when the verifier has the trained block drafter: 1.19-1.27x plain in fp32, 1.64-2.00x in "
             "bf16 on open writing / chat), block (its chain), or layerskip (the target's first layers; untrained, "
@@ -67,6 +73,7 @@ STRATEGIES = {
             "when the verifier has the trained block drafter, speculation off where a choice measured a slowdown",
 }
 EXTERNAL_DRAFTERS = registry.EXTERNAL  # what an `external` request may name
+FEATURE_DRAFTERS = registry.EXTERNAL_FEATURES  # of those, the ones fed the target's hidden features
 CHEAP_DRAFTERS = registry.FREE  # drafts cost next to nothing: full length, capped by entropy
 SELF_DRAFTERS = registry.SELF  # block*: the trained block drafter, when the verifier has it
 THINK_DRAFTER = "suffix"  # drafts the thinking of ssr requests (and their side branches)
@@ -267,6 +274,8 @@ class Strategies:
         self._info_lock = threading.Lock()
         self._self_drafters: frozenset = frozenset()
         self._self_until = 0.0
+        self._feature_drafters: Optional[dict] = None  # drafter service's DrafterInfo.feature_drafters, by name
+        self._feature_until = 0.0
 
     # ------------------------------------------------------------ shared pieces
     def think_format(self) -> ThinkFormat:
@@ -327,6 +336,28 @@ class Strategies:
                 self._self_drafters, self._self_until = found, now + SELF_INFO_TTL_S
             return self._self_drafters
 
+    def feature_drafters(self) -> Optional[dict]:
+        """name -> (layers, dim, context_window) of the drafter service's drafters that
+        need features (``DrafterInfo.feature_drafters``); None while the service has not
+        answered. Cached like ``self_drafters``; the last answer is kept while it is down."""
+        now = time.monotonic()
+        with self._info_lock:
+            r = self.router
+            if now < self._feature_until or r.drafter is None:
+                return self._feature_drafters
+            try:
+                m = r.drafter.stub.Info(drafter_pb2.DrafterInfoRequest(),
+                                        timeout=min(SELF_INFO_TIMEOUT_S * 5, r.s.drafter_timeout_s * 5),
+                                        metadata=Calls(r.token).metadata)
+            except grpc.RpcError as e:
+                log.info("Info of the drafter service failed (%s); its feature drafters unknown", e.code())
+                self._feature_until = now + SELF_INFO_RETRY_S
+                return self._feature_drafters
+            self._feature_drafters = {f.drafter: (tuple(f.layers), f.dim, f.context_window)
+                                      for f in m.feature_drafters}
+            self._feature_until = now + SELF_INFO_TTL_S
+            return self._feature_drafters
+
     def default_drafters(self) -> dict[str, str]:
         """strategy -> the drafter a request without one gets ("" = none, or chosen per request)."""
         return {"autoregressive": "", "external": self.router.s.default_drafter,
@@ -386,6 +417,12 @@ class Strategies:
                 d = spec.drafter or r.s.default_drafter
                 if d not in EXTERNAL_DRAFTERS:
                     raise InvalidArgument("drafter", f"unknown drafter {d!r}; known: {list(EXTERNAL_DRAFTERS)}")
+                if d in FEATURE_DRAFTERS and r.drafter is not None:
+                    have = self.feature_drafters()
+                    if have is not None and d not in have:
+                        raise InvalidArgument("drafter", f"the drafter service does not host {d!r} (it needs the "
+                                              f"trained block drafter's checkpoint); it hosts {sorted(have)} of "
+                                              f"{list(FEATURE_DRAFTERS)}")
             else:
                 if spec.drafter not in ("", "cache"):
                     raise InvalidArgument("drafter", f"the {name} strategy drafts from its cache, got {spec.drafter!r}")
@@ -403,7 +440,12 @@ class Strategies:
     # ------------------------------------------------------------ one generation
     def prepare(self, plan, sid: str, calls: Calls) -> Run:
         r = self.router
-        verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
+        features = None
+        if plan.drafter in FEATURE_DRAFTERS and plan.strategy == "external":
+            spec = (self.feature_drafters() or {}).get(plan.drafter)
+            if spec is not None:  # else the service never answered: its Propose fails, the rounds decode plainly
+                features = FeatureLog(*spec)
+        verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features)
         drafter, loop_v, meter, resumed = None, verifier, None, None
         adaptive = plan.strategy in ("proactive", "ssr") or plan.reason.startswith("auto")
         key = self.session_key(plan.conversation_id, plan.client)
@@ -415,7 +457,8 @@ class Strategies:
                 cid = cache_id(plan.conversation_id)
             elif plan.strategy == "ssr":
                 cid = f"ssr:{sid}"
-            drafter = RemoteDrafter(r.drafter, plan.drafter, calls, r.s.drafter_timeout_s, cache_id=cid)
+            drafter = RemoteDrafter(r.drafter, plan.drafter, calls, r.s.drafter_timeout_s, cache_id=cid,
+                                    features=features)
         loop_d = drafter
         if plan.strategy in ("proactive", "ssr") and loop_d is not None:
             loop_d = meter = CacheMeter(loop_d)  # outermost: counts what the verifier is sent

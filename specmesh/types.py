@@ -212,6 +212,46 @@ class SelfDraft:
     budget: int = 4
 
 
+FEATURE_DTYPE = "bfloat16"  # the one dtype hidden-state features travel in
+
+
+@dataclass
+class FeatureRows:
+    """The target's hidden-state features of consecutive committed positions
+    ``[start, start + rows)``: per position, the residual streams of ``layers``
+    concatenated (``dim`` = len(layers) x hidden size), ``dtype`` values (only
+    ``"bfloat16"``), row-major, little-endian, in ``data`` (rows x dim x 2 bytes).
+    What a block drafter outside the verifier conditions on; bytes, so this
+    module stays free of tensors."""
+
+    start: int
+    rows: int
+    dim: int
+    layers: tuple[int, ...]
+    dtype: str = FEATURE_DTYPE
+    data: bytes = b""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows
+
+    def check(self, layers: Sequence[int], dim: int, name: str = "features") -> None:
+        """Raise InvalidArgument naming the field unless the rows are well formed for a
+        reader expecting ``layers`` and ``dim``."""
+        if self.dtype != FEATURE_DTYPE:
+            raise InvalidArgument(f"{name}.dtype", f"must be {FEATURE_DTYPE!r}, got {self.dtype!r}")
+        if tuple(self.layers) != tuple(layers):
+            raise InvalidArgument(f"{name}.layers", f"must be {list(layers)}, got {list(self.layers)}")
+        if self.dim != dim:
+            raise InvalidArgument(f"{name}.dim", f"must be {dim} (len(layers) x hidden), got {self.dim}")
+        if self.start < 0 or self.rows < 0:
+            raise InvalidArgument(f"{name}.start" if self.start < 0 else f"{name}.rows",
+                                  f"must be >= 0, got start {self.start}, rows {self.rows}")
+        if len(self.data) != self.rows * self.dim * 2:
+            raise InvalidArgument(f"{name}.data", f"holds {len(self.data)} bytes; {self.rows} rows x {self.dim} "
+                                  f"bfloat16 values need {self.rows * self.dim * 2}")
+
+
 @dataclass
 class VerifyRequest:
     """One extend-and-verify step of a session.
@@ -221,6 +261,9 @@ class VerifyRequest:
     is the pending token whose logits start the draft), scores ``tree`` (or a
     tree it drafts itself, ``self_draft``) under an ancestor-only mask, accepts by
     the rule in ``sampling`` and commits the accepted path's KV.
+    ``feature_layers`` (empty: none): also return, in ``VerifyResult.features``,
+    those layers' hidden features of every position this step committed
+    (``[keep_len, cache_len)``): an external block drafter's input.
     """
 
     session_id: str
@@ -231,6 +274,7 @@ class VerifyRequest:
     round_seed: int = 0
     self_draft: Optional[SelfDraft] = None
     want_entropy: bool = False
+    feature_layers: tuple[int, ...] = ()
 
 
 @dataclass
@@ -249,6 +293,7 @@ class VerifyResult:
     verify_ms: float = 0.0
     cache_len: int = 0
     batch_size: int = 1
+    features: Optional[FeatureRows] = None  # asked for by VerifyRequest.feature_layers
 
 
 @dataclass

@@ -6,7 +6,10 @@ when none can be). One ``verify`` call truncates the session to ``keep_len``,
 appends the committed tokens it lacks, scores the draft tree in the same forward,
 applies the acceptance rule and commits the accepted path. Prefill is a verify
 with the prompt as ``append_tokens`` and an empty tree. All input is validated
-before any state changes.
+before any state changes. A request naming ``feature_layers`` gets the hidden
+features of the positions it committed (kept per slot, ``enable_features``; a
+rejected draft's positions are never kept) as bf16 bytes, for a block drafter
+that runs elsewhere.
 
 The ``Verifier`` protocol is what the draft–verify loop calls; gRPC adapters
 implement the same protocol. This module knows nothing about gRPC, tokenizers or
@@ -25,7 +28,7 @@ import torch
 from . import acceptance as acc
 from . import trees
 from .engine import LlamaEngine
-from .types import (DraftContext, InvalidArgument, ResourceExhausted, SessionLost,
+from .types import (FEATURE_DTYPE, DraftContext, FeatureRows, InvalidArgument, ResourceExhausted, SessionLost,
                     VerifyRequest, VerifyResult)
 
 
@@ -94,9 +97,24 @@ class EngineVerifier:
         e = self.engine
         if any(not 0 <= i < e.n_layers for i in layers):
             raise InvalidArgument("feature_layers", f"layers must be in [0, {e.n_layers})")
+        old, old_layers = self.features, self.feature_layers
         self.feature_layers = layers
         self.features = torch.zeros(e.n_slots, e.max_seq_len, len(layers) * e.hidden, dtype=torch.bfloat16,
                                     device=e.device)
+        H = e.hidden
+        for j, layer in enumerate(old_layers if old is not None else ()):  # sessions keep what they had
+            k = layers.index(layer)
+            self.features[:, :, k * H:(k + 1) * H] = old[:, :, j * H:(j + 1) * H]
+
+    def _feature_rows(self, slot: int, start: int, layers: Sequence[int]) -> FeatureRows:
+        """The kept features of the slot's positions [start, length) as wire-ready bf16 bytes."""
+        end, H = self.engine.length(slot), self.engine.hidden
+        rows = self.features[slot, start:end]
+        if list(layers) != self.feature_layers:
+            idx = [self.feature_layers.index(i) for i in layers]
+            rows = rows.view(end - start, len(self.feature_layers), H)[:, idx].reshape(end - start, len(idx) * H)
+        data = rows.contiguous().cpu().view(torch.int16).numpy().tobytes()
+        return FeatureRows(start, end - start, len(layers) * H, tuple(int(i) for i in layers), FEATURE_DTYPE, data)
 
     def session_features(self, slot: int, layers: Sequence[int], start: int = 0,
                          end: Optional[int] = None) -> torch.Tensor:
@@ -147,6 +165,12 @@ class EngineVerifier:
                                       f"available: {sorted(self.self_drafters)}")
             if not 0 <= req.self_draft.budget <= self.max_tree_nodes:
                 raise InvalidArgument("self_draft.budget", f"must be in [0, {self.max_tree_nodes}]")
+        if req.feature_layers:
+            fl = list(req.feature_layers)
+            if len(set(fl)) != len(fl) or any(not isinstance(i, int) or not 0 <= i < self.engine.n_layers
+                                              for i in fl):
+                raise InvalidArgument("feature_layers", f"must be distinct layer indices in "
+                                      f"[0, {self.engine.n_layers}), got {fl}")
         total = req.keep_len + len(req.append_tokens) + max(len(req.tree), req.self_draft.budget if req.self_draft else 0)
         if total > self.engine.max_seq_len:
             raise ResourceExhausted(f"session would reach {total} tokens > max_seq_len {self.engine.max_seq_len}")
@@ -191,6 +215,9 @@ class EngineVerifier:
                 except Exception as e:  # noqa: BLE001 - returned per request
                     out[i] = e
             try:
+                wanted = {i for _, r, _ in ready for i in r.feature_layers}
+                if not wanted <= set(self.feature_layers) or (wanted and self.features is None):
+                    self.enable_features(wanted)  # first request for these layers: keep them from now on
                 items, meta = [], []
                 for i, r, slot in ready:
                     t0 = time.perf_counter()
@@ -229,7 +256,9 @@ class EngineVerifier:
                             accepted=[tree.tokens[j] for j in res.path], next_token=res.next_token,
                             drafted=len(tree), tree_size=len(tree), accepted_nodes=res.path, entropy=ent,
                             draft_ms=draft_ms, verify_ms=fwd_ms, cache_len=self.engine.length(slot),
-                            batch_size=len(items))
+                            batch_size=len(items),
+                            features=self._feature_rows(slot, r.keep_len, r.feature_layers)
+                            if r.feature_layers else None)
             finally:
                 for _, r, _ in ready:
                     self.pool.busy.discard(r.session_id)

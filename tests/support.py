@@ -4,7 +4,9 @@ folder (the repository root is on ``sys.path`` through pyproject's ``pythonpath`
 
 - tiny models: ``tiny_hf`` / ``tiny_engine`` (a random Hugging Face Llama or Qwen2 and
   our engine over it), ``tiny_weights`` (a random Llama state dict, vocabulary ``V``),
-  ``GatedVerifier`` (a verifier that can pause inside a batch);
+  ``GatedVerifier`` (a verifier that can pause inside a batch), ``tiny_block_model``
+  (a random block drafter), ``BlockGatedVerifier`` / ``tiny_block_factories`` (it in
+  the verifier and on the drafter service);
 - codecs: ``FakeCodec`` (characters <-> ids), ``TokenizerCodec`` (plus the tokenizer
   the ssr thinking format reads);
 - settings: ``settings(base=GRPC_SETTINGS, **overrides)`` with the bases
@@ -13,7 +15,7 @@ folder (the repository root is on ``sys.path`` through pyproject's ``pythonpath`
 - gRPC helpers: ``wait_for``, ``healthy``, ``code_of``, ``free_port``;
 - stacks: ``LocalStack`` (``specmesh.serving.stack``: router + drafter service +
   verifier service(s) in process on loopback) and its presets ``TinyStack`` (gated
-  tiny verifiers), ``TracedStack`` / ``TinyTracedStack`` (metrics and spans) and
+  tiny verifiers), ``BlockStack`` (the same with the tiny block drafter on both sides), ``TracedStack`` / ``TinyTracedStack`` (metrics and spans) and
   ``RuntimeStack`` (the real SmolLM2 Runtime);
 - observability checks: ``make_provider``, ``spans_of``, ``spans_done``,
   ``strategy_cases``, ``request_kwargs``, ``check_request_tree``, ``scrape``,
@@ -152,6 +154,57 @@ def tiny_layerskip_verifier(n_slots: int = 8, max_seq_len: int = 256) -> EngineV
     return v
 
 
+def tiny_block_model(target_sd: dict, vocab: int, seed: int = 0, hidden: int = 64, heads: int = 4,
+                     feature_layers=(0, 1), block: int = 4, window: int = 16):
+    """A random-weight block drafter over a tiny target's embeddings and head (fp32, eval)."""
+    from specmesh.blockdraft.model import BlockDrafterConfig
+    from specmesh.blockdraft.train import new_model
+
+    torch.manual_seed(seed)
+    cfg = BlockDrafterConfig(block=block, n_layers=1, hidden=hidden, n_heads=heads, ffn=96,
+                             feature_layers=list(feature_layers), context_window=window, vocab_size=vocab,
+                             n_keep=vocab)
+    with torch.no_grad():
+        model = new_model(cfg, target_sd, torch.arange(vocab))
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.2)
+    return model.eval()
+
+
+class BlockGatedVerifier(GatedVerifier):
+    """GatedVerifier with the tiny random block drafter as self drafters ``block`` and ``block_tree``
+    (``tiny_block_model`` over the shared tiny weights, fp32)."""
+
+    def __init__(self, n_slots: int = 8, max_seq_len: int = 256):
+        from specmesh.blockdraft.serve import BlockSelfDrafter
+
+        super().__init__(n_slots, max_seq_len)
+        m = tiny_block_model(shared_tiny_weights()[1], V)
+        chain = BlockSelfDrafter(self, m, amp=False)
+        self.self_drafters["block"] = chain
+        self.self_drafters["block_tree"] = BlockSelfDrafter(self, m, tree=True, amp=False, folded=chain.folded)
+
+
+def tiny_block_factories(max_sessions: int = 128) -> dict:
+    """Drafter-service factories ``block`` / ``block_tree``: ``BlockFeatureDrafter`` over the same
+    tiny random block drafter as ``BlockGatedVerifier``'s (fp32), plus prompt lookup."""
+    from specmesh.blockdraft.serve import BlockFeatureDrafter
+    from specmesh.drafters import PromptLookupDrafter
+
+    made: dict = {}
+
+    def make(tree: bool):
+        def build():
+            if "chain" not in made:
+                made["chain"] = BlockFeatureDrafter(tiny_block_model(shared_tiny_weights()[1], V), amp=False,
+                                                    max_sessions=max_sessions)
+            return made["chain"].twin(True) if tree else made["chain"]
+        return build
+
+    return {"prompt_lookup": PromptLookupDrafter, "block": make(False), "block_tree": make(True)}
+
+
 # ---------------------------------------------------------------- codecs
 
 class FakeCodec:
@@ -248,6 +301,22 @@ class TinyStack(LocalStack):
 
         super().__init__([GatedVerifier] * n_verifiers, FakeCodec(), V, settings=functools.partial(settings, **kw),
                          drafters={"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter})
+
+    def close(self) -> None:
+        self.stop_servers()
+        for v in self.verifiers:
+            v.resume.set()
+        self.shutdown()
+
+
+class BlockStack(LocalStack):
+    """``TinyStack``'s shape with the tiny random block drafter in both places: self drafters
+    of ``BlockGatedVerifier`` and ``block`` / ``block_tree`` on the drafter service
+    (``tiny_block_factories``)."""
+
+    def __init__(self, n_verifiers: int = 1, **kw):
+        super().__init__([BlockGatedVerifier] * n_verifiers, FakeCodec(), V,
+                         settings=functools.partial(settings, **kw), drafters=tiny_block_factories())
 
     def close(self) -> None:
         self.stop_servers()

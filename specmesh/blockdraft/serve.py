@@ -1,20 +1,31 @@
-"""The trained block drafter as an in-verifier (``self`` strategy) drafter.
+"""The trained block drafter as a proposer: in the verifier, or fed features over the wire.
 
-``BlockSelfDrafter`` implements the one proposer contract. It reads the hidden
-states the verifier keeps for the session's committed tokens (verification
-computes them anyway; ``EngineVerifier.enable_features``), runs one drafter pass
-for the block after the pending token (``incremental.FoldedDrafter``: the
-context's keys/values are cached per slot and extended by the newly committed
-positions only; the cache is rebuilt when the verifier's stored features of the
-last reused row changed) and returns a chain (greedy: argmax per
-slot; sampling: a draw from each slot's top-k renormalised distribution with
-that q attached, so rejection sampling stays exact) or, in tree mode, a
-best-first tree under a node budget. Knows nothing about gRPC or training.
+Both classes implement the one proposer contract and share one drafting step
+(``BlockProposer.draft_from``): one drafter pass for the block after the pending
+token (``incremental.FoldedDrafter``: the context's keys/values are cached per
+session and extended by the newly committed positions only; the cache is rebuilt
+when the stored features of the last reused row changed), then a chain (greedy:
+argmax per slot; sampling: a draw from each slot's top-k renormalised
+distribution with that q attached, so rejection sampling stays exact) or, in
+tree mode, a best-first tree under a node budget. They differ only in where the
+target's hidden states of the committed tokens come from:
+
+- ``BlockSelfDrafter`` (the ``self`` strategy) reads the ones the verifier keeps
+  for the session (verification computes them anyway;
+  ``EngineVerifier.enable_features``);
+- ``BlockFeatureDrafter`` (``external`` ``block`` / ``block_tree``, hosted by the
+  drafter service) keeps its own copy per session, synced by delta from
+  ``FeatureRows`` the caller forwards (``check_features`` / ``sync_features``:
+  bf16 rows of positions [lo, hi), the last context window at least).
+
+Given the same features both produce the same draft. Knows nothing about gRPC
+or training.
 """
 
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
@@ -22,16 +33,53 @@ import torch
 
 from ..drafters.base import DrafterBase
 from ..seeding import draft_generator
-from ..types import DraftContext, TokenTree
+from ..types import DraftContext, FeatureRows, InvalidArgument, SessionLost, TokenTree
 from .incremental import ContextCache, FoldedDrafter
 from .model import BlockDrafter, load_block_drafter
 from .tree import Calibration, best_first_tree
 
 
-class BlockSelfDrafter(DrafterBase):
+def load_checkpoint(ckpt_dir, target_state: dict) -> tuple[BlockDrafter, Optional[Calibration]]:
+    """A block drafter checkpoint (config, weights, optional calibration.json) over the
+    target's embeddings, final norm and head (``target_state``: at least those tensors)."""
+    ckpt_dir = Path(ckpt_dir)
+    model = load_block_drafter(ckpt_dir, target_state)
+    cal = None
+    if (ckpt_dir / "calibration.json").exists():
+        cal = Calibration.from_dict(json.loads((ckpt_dir / "calibration.json").read_text()))
+    return model, cal
+
+
+TARGET_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")  # what the block drafter uses of the target
+
+
+def target_head_state(model: str) -> dict:
+    """The target's embeddings, final norm and (untied) LM head, read alone from the
+    safetensors of a model alias or directory — what a block drafter outside the
+    verifier needs of the target (no engine is built)."""
+    from safetensors import safe_open
+
+    from ..models.loading import resolve_model
+
+    out: dict = {}
+    for f in sorted(Path(resolve_model(model, quiet=True)).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                if k.removeprefix("model.") in TARGET_KEYS:
+                    out[k.removeprefix("model.")] = fh.get_tensor(k)
+    missing = [k for k in TARGET_KEYS[:2] if k not in out]
+    if missing:
+        raise InvalidArgument("model", f"{model!r} has no {', '.join(missing)}")
+    return out
+
+
+class BlockProposer(DrafterBase):
+    """What both variants share: the model (bf16 with ``amp``), its folded serving
+    weights, the calibration and the step from slot logits to a draft."""
+
     name = "block"
 
-    def __init__(self, verifier, model: BlockDrafter, tree: bool = False, tree_width: int = 6,
+    def __init__(self, model: BlockDrafter, tree: bool = False, tree_width: int = 6,
                  calibration: Optional[Calibration] = None, top_k: int = 8, amp: bool = True,
                  folded: Optional[FoldedDrafter] = None):
         """``tree_width``: candidates per slot the best-first tree may branch into (6: on 12
@@ -40,14 +88,55 @@ class BlockSelfDrafter(DrafterBase):
         once: it was trained under bf16 autocast, and autocast would re-cast the weights on
         every pass); a draft only changes speed, never the output. ``folded``: another
         instance's serving weights of the same model, shared instead of folded again."""
-        self.verifier = verifier
         self.amp = amp
         self.model = (model.to(torch.bfloat16) if amp else model).eval()
         self.tree = tree
+        self.name = "block_tree" if tree else "block"
         self.tree_width = tree_width
         self.calibration = calibration or Calibration()
         self.top_k = top_k
         self.folded = folded or FoldedDrafter(self.model)
+
+    def slot_logits(self, ctx: DraftContext) -> Optional[torch.Tensor]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
+        logits = self.slot_logits(ctx) if budget > 0 else None
+        if logits is None:
+            return TokenTree()
+        return self.draft_from(logits, ctx, budget)
+
+    def draft_from(self, logits: torch.Tensor, ctx: DraftContext, budget: int) -> TokenTree:
+        keep = self.model.keep_ids
+        s = ctx.sampling
+        if self.tree:
+            top = torch.topk(torch.softmax(logits, -1), self.tree_width, -1)
+            cands = [list(zip(ids, ps)) for ids, ps in zip(keep[top.indices].tolist(), top.values.tolist())]
+            return best_first_tree(cands, budget, self.calibration)
+        k_max = min(budget, logits.shape[0])
+        if s.greedy:
+            return TokenTree.chain([int(keep[i]) for i in logits[:k_max].argmax(-1)])
+        gen = draft_generator(ctx)  # fresh every round (keyed by the committed length)
+        toks, qids, qps = [], [], []
+        for k in range(k_max):
+            vals, idx = torch.topk(logits[k].float().cpu() / s.temperature, min(self.top_k, logits.shape[-1]))
+            q = torch.softmax(vals.double(), -1)
+            j = int(torch.multinomial(q, 1, generator=gen)[0])
+            toks.append(int(keep[idx[j]]))
+            qids.append([int(keep[i]) for i in idx])
+            qps.append((q / q.sum()).tolist())
+        return TokenTree.chain(toks, q_ids=qids, q_probs=qps)
+
+
+class BlockSelfDrafter(BlockProposer):
+    """In the verifier (``self``): reads the verifier's kept features of the session's slot."""
+
+    def __init__(self, verifier, model: BlockDrafter, tree: bool = False, tree_width: int = 6,
+                 calibration: Optional[Calibration] = None, top_k: int = 8, amp: bool = True,
+                 folded: Optional[FoldedDrafter] = None):
+        """See ``BlockProposer``; ``verifier`` keeps the hidden states it reads."""
+        super().__init__(model, tree, tree_width, calibration, top_k, amp, folded)
+        self.verifier = verifier
         self._ctx: dict[int, ContextCache] = {}  # slot -> the drafter's state of its context
         verifier.enable_features(model.cfg.feature_layers)
 
@@ -55,11 +144,7 @@ class BlockSelfDrafter(DrafterBase):
     def from_checkpoint(cls, verifier, ckpt_dir, tree: bool = False, **kw) -> "BlockSelfDrafter":
         from ..models.loading import load_state_dict
 
-        ckpt_dir = Path(ckpt_dir)
-        model = load_block_drafter(ckpt_dir, load_state_dict(verifier.engine.model_dir))
-        cal = None
-        if (ckpt_dir / "calibration.json").exists():
-            cal = Calibration.from_dict(json.loads((ckpt_dir / "calibration.json").read_text()))
+        model, cal = load_checkpoint(ckpt_dir, load_state_dict(verifier.engine.model_dir))
         return cls(verifier, model, tree=tree, calibration=cal, **kw)
 
     @torch.inference_mode()
@@ -75,26 +160,130 @@ class BlockSelfDrafter(DrafterBase):
         return self.folded.draft(cache, ctx.tokens[-1], self.verifier.engine.length(slot),
                                  lambda a, b: self.verifier.session_features(slot, layers, start=a, end=b))
 
-    def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
-        logits = self.slot_logits(ctx)
-        if logits is None or budget <= 0:
-            return TokenTree()
-        keep = self.model.keep_ids
-        s = ctx.sampling
-        if self.tree:
-            top = torch.topk(torch.softmax(logits, -1), self.tree_width, -1)
-            cands = [list(zip(ids, ps)) for ids, ps in zip(keep[top.indices].tolist(), top.values.tolist())]
-            return best_first_tree(cands, budget, self.calibration)
-        k_max = min(budget, logits.shape[0])
-        if s.greedy:
-            return TokenTree.chain([int(keep[i]) for i in logits[:k_max].argmax(-1)])
-        gen = draft_generator(ctx)  # fresh every round (the context here is only the pending token)
-        toks, qids, qps = [], [], []
-        for k in range(k_max):
-            vals, idx = torch.topk(logits[k].float().cpu() / s.temperature, min(self.top_k, logits.shape[-1]))
-            q = torch.softmax(vals.double(), -1)
-            j = int(torch.multinomial(q, 1, generator=gen)[0])
-            toks.append(int(keep[idx[j]]))
-            qids.append([int(keep[i]) for i in idx])
-            qps.append((q / q.sum()).tolist())
-        return TokenTree.chain(toks, q_ids=qids, q_probs=qps)
+
+class _Features:
+    """One session's features: positions [lo, hi) in rows [0, hi - lo) of ``buf``."""
+
+    def __init__(self, dim: int, device):
+        self.buf = torch.empty(0, dim, dtype=torch.bfloat16, device=device)
+        self.lo = self.hi = 0
+        self.cache: Optional[ContextCache] = None
+
+    def reset(self, start: int) -> None:
+        self.lo = self.hi = start
+
+    def append(self, rows: torch.Tensor, keep_last: int) -> None:
+        """Append after ``hi``; keep at most ``keep_last`` rows once more than twice that is held."""
+        n, have = rows.shape[0], self.hi - self.lo
+        if have + n > self.buf.shape[0]:
+            grown = torch.empty(max(2 * self.buf.shape[0], have + n, 64), self.buf.shape[1], dtype=self.buf.dtype,
+                                device=self.buf.device)
+            grown[:have] = self.buf[:have]
+            self.buf = grown
+        self.buf[have:have + n] = rows
+        self.hi += n
+        if self.hi - self.lo > 2 * keep_last:
+            drop = self.hi - self.lo - keep_last
+            self.buf[:keep_last] = self.buf[drop:drop + keep_last].clone()
+            self.lo += drop
+
+
+class BlockFeatureDrafter(BlockProposer):
+    """On the drafter service (``external`` ``block`` / ``block_tree``): per session, the
+    target's features of the committed positions as the caller forwards them (bf16 rows,
+    ``FeatureRows``), synced by delta like the tokens, and the drafter's context cache.
+
+    The caller checks a delta with ``check_features`` (raises, changes nothing) before it
+    changes any state, then applies it with ``sync_features``. At most ``max_sessions``
+    sessions are held (least recently used dropped: its next delta is refused with
+    ``SessionLost`` and the caller resends). ``device``: where the features, the cache
+    and the drafter's weights live."""
+
+    def __init__(self, model: BlockDrafter, tree: bool = False, max_sessions: int = 128, device=None, **kw):
+        if device is not None:
+            model = model.to(device)
+        super().__init__(model, tree=tree, **kw)
+        cfg = self.model.cfg
+        self.feature_layers = tuple(int(i) for i in cfg.feature_layers)
+        self.feature_dim = len(cfg.feature_layers) * cfg.hidden
+        self.context_window = cfg.context_window
+        self.max_sessions = max_sessions
+        self._sessions: "OrderedDict[str, _Features]" = OrderedDict()
+
+    @classmethod
+    def from_checkpoint(cls, ckpt_dir, target_state: dict, tree: bool = False, **kw) -> "BlockFeatureDrafter":
+        model, cal = load_checkpoint(ckpt_dir, target_state)
+        return cls(model, tree=tree, calibration=cal, **kw)
+
+    def twin(self, tree: bool) -> "BlockFeatureDrafter":
+        """The other shape (chain / tree) of the same model, sharing its folded weights."""
+        return BlockFeatureDrafter(self.model, tree=tree, max_sessions=self.max_sessions, amp=self.amp,
+                                   calibration=self.calibration, top_k=self.top_k, tree_width=self.tree_width,
+                                   folded=self.folded)
+
+    # ------------------------------------------------------------ feature sync
+    def feature_len(self, session_id: str) -> tuple[int, int]:
+        """(lo, hi): the positions whose features the session holds ((0, 0) if none)."""
+        f = self._sessions.get(session_id)
+        return (f.lo, f.hi) if f is not None else (0, 0)
+
+    def _plan(self, session_id: str, feats: Optional[FeatureRows], keep_len: int) -> tuple[bool, int, int]:
+        """(reset, lo, hi) after the delta; raises SessionLost when it does not connect."""
+        f = self._sessions.get(session_id)
+        if feats is None:
+            return False, *(self.feature_len(session_id))
+        if keep_len == 0 or (f is None and feats.start == 0):
+            return True, feats.start, feats.end
+        if f is None or not f.lo <= feats.start <= f.hi:
+            held = f"[{f.lo}, {f.hi})" if f is not None else "none"
+            raise SessionLost(f"features from position {feats.start} do not follow the held ones ({held}); "
+                              "resend with keep_len=0")
+        return False, f.lo, feats.end
+
+    def check_features(self, session_id: str, feats: Optional[FeatureRows], keep_len: int, n_tokens: int) -> None:
+        """Validate a delta for a session that will hold ``n_tokens`` tokens: InvalidArgument
+        naming the field (``features.dtype`` / ``.layers`` / ``.dim`` / ``.data`` /
+        ``.rows``) or SessionLost; changes nothing."""
+        if feats is not None:
+            feats.check(self.feature_layers, self.feature_dim)
+        _, lo, hi = self._plan(session_id, feats, keep_len)
+        need = n_tokens - 1  # every committed position before the pending token
+        if hi != need or lo > max(0, need - self.context_window):
+            raise InvalidArgument("features.rows", f"the drafter would hold features of positions [{lo}, {hi}); "
+                                  f"drafting after {n_tokens} tokens needs [{max(0, need - self.context_window)}, "
+                                  f"{need}) (missing rows)" if hi <= need else
+                                  f"the drafter would hold features of positions [{lo}, {hi}), past the "
+                                  f"{need} positions before the pending token")
+
+    def sync_features(self, session_id: str, feats: Optional[FeatureRows], keep_len: int) -> None:
+        """Apply a delta ``check_features`` accepted."""
+        reset, lo, _ = self._plan(session_id, feats, keep_len)
+        f = self._sessions.get(session_id)
+        if f is None:
+            f = self._sessions[session_id] = _Features(self.feature_dim, self.folded.device)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        self._sessions.move_to_end(session_id)
+        if feats is None:
+            return
+        if reset:
+            f.reset(feats.start)
+        else:
+            f.hi = feats.start
+        if feats.rows:
+            rows = torch.frombuffer(bytearray(feats.data), dtype=torch.bfloat16).view(feats.rows, feats.dim)
+            f.append(rows.to(f.buf.device), self.context_window + self.model.cfg.block)
+
+    # ------------------------------------------------------------ drafting
+    @torch.inference_mode()
+    def slot_logits(self, ctx: DraftContext) -> Optional[torch.Tensor]:
+        f = self._sessions.get(ctx.session_id)
+        length = len(ctx.tokens) - 1
+        if f is None or length < 0 or f.hi != length:
+            return None
+        if f.cache is None:
+            f.cache = self.folded.new_cache()
+        return self.folded.draft(f.cache, ctx.tokens[-1], length, lambda a, b: f.buf[a - f.lo:b - f.lo])
+
+    def release(self, session_id: str) -> None:
+        self._sessions.pop(session_id, None)

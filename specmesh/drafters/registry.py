@@ -17,6 +17,17 @@ Traits:
 - ``shape``: ``chain`` or ``tree``.
 - ``selectable``: a user may name it in a request (``cache`` is the proactive and
   SSR strategies' own drafter, chosen by the strategy).
+- ``needs_features``: it conditions on the target's hidden states. In the verifier
+  (``where="verifier"``) it reads them there; as an ``external`` drafter the
+  router asks the verifier for them with every verify (``feature_layers``), keeps
+  them per session and forwards each committed token's row once to the drafter
+  service (docs/design.md, "Protocol", "Hidden states (features)").
+
+A name may be registered once per ``where``: ``block`` and ``block_tree`` exist in
+the verifier (``self:block_tree``) and on the drafter service
+(``external:block_tree``). ``spec(name, where)`` picks one; traits other than
+``where`` and ``needs_features`` are the same for both (the loop's cost model reads
+them by name).
 
 Knows nothing about models, tensors or gRPC.
 """
@@ -35,9 +46,10 @@ class DrafterSpec:
     shape: str  # "chain" | "tree"
     summary: str
     selectable: bool = True
+    needs_features: bool = False
 
 
-SPECS: dict[str, DrafterSpec] = {s.name: s for s in (
+SPECS: tuple[DrafterSpec, ...] = (
     DrafterSpec("prompt_lookup", "external", "free", "chain", "n-gram prompt lookup (longest suffix match)"),
     DrafterSpec("suffix", "external", "free", "tree", "suffix decoding: per-request and global suffix trees"),
     DrafterSpec("adaptive_lookup", "external", "free", "tree",
@@ -47,22 +59,37 @@ SPECS: dict[str, DrafterSpec] = {s.name: s for s in (
     DrafterSpec("draft_lm", "external", "token", "chain", "a small LM with the target's tokenizer"),
     DrafterSpec("layerskip", "verifier", "token", "chain", "the target's first E layers and its head"),
     DrafterSpec("block", "verifier", "round", "chain",
-                "the trained block drafter on the target's hidden states: a chain in one pass"),
+                "the trained block drafter on the target's hidden states: a chain in one pass", needs_features=True),
     DrafterSpec("block_tree", "verifier", "round", "tree",
-                "the trained block drafter: a calibrated best-first tree in one pass"),
-)}
+                "the trained block drafter: a calibrated best-first tree in one pass", needs_features=True),
+    DrafterSpec("block", "external", "round", "chain",
+                "the trained block drafter on the drafter service, fed the target's hidden states over the wire: "
+                "a chain in one pass", needs_features=True),
+    DrafterSpec("block_tree", "external", "round", "tree",
+                "the trained block drafter on the drafter service, fed the target's hidden states over the wire: "
+                "a calibrated best-first tree in one pass", needs_features=True),
+)
 
 
 def names(where: Optional[str] = None, cost: Optional[str] = None, shape: Optional[str] = None,
-          selectable: Optional[bool] = None) -> tuple[str, ...]:
-    """Registered drafter names with the given traits, in registration order."""
-    return tuple(s.name for s in SPECS.values()
-                 if (where is None or s.where == where) and (cost is None or s.cost == cost)
-                 and (shape is None or s.shape == shape) and (selectable is None or s.selectable == selectable))
+          selectable: Optional[bool] = None, needs_features: Optional[bool] = None) -> tuple[str, ...]:
+    """Registered drafter names with the given traits, in registration order (each name once)."""
+    out = (s.name for s in SPECS
+           if (where is None or s.where == where) and (cost is None or s.cost == cost)
+           and (shape is None or s.shape == shape) and (selectable is None or s.selectable == selectable)
+           and (needs_features is None or s.needs_features == needs_features))
+    return tuple(dict.fromkeys(out))
 
 
-def spec(name: str) -> Optional[DrafterSpec]:
-    return SPECS.get(name)
+def spec(name: str, where: Optional[str] = None) -> Optional[DrafterSpec]:
+    """The spec of ``name`` (``where``: "external" or "verifier"; None: the first registered)."""
+    return next((s for s in SPECS if s.name == name and (where is None or s.where == where)), None)
+
+
+def needs_features(name: str, where: str = "external") -> bool:
+    """Whether the ``where`` variant of ``name`` conditions on the target's hidden states."""
+    s = spec(name, where)
+    return s is not None and s.needs_features
 
 
 EXTERNAL = names(where="external", selectable=True)  # what `external` requests may name
@@ -70,3 +97,5 @@ SELF = names(where="verifier")  # in-verifier (``self`` strategy) drafters
 FREE = names(cost="free")  # drafts cost next to nothing: full length, capped by entropy
 PER_ROUND = names(cost="round")  # one pass per block: draft cost per round, not per token
 PER_ROUND_TREES = names(cost="round", shape="tree")  # of those, the best-first trees
+EXTERNAL_FEATURES = names(where="external", needs_features=True)  # external drafters fed hidden states by the router
+CONTEXT_ONLY = names(where="external", needs_features=False)  # external drafters that read tokens alone

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..types import GenerationStats, InvalidArgument, SamplingParams, SelfDraft, TokenTree, VerifyRequest, VerifyResult
+from ..types import (FeatureRows, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, TokenTree,
+                     VerifyRequest, VerifyResult)
 from ..v1 import common_pb2, verifier_pb2
 
 U64 = (1 << 64) - 1
@@ -89,12 +90,24 @@ def sync_to_proto(keep_len: int, append: Sequence[int]) -> common_pb2.SessionSyn
     return common_pb2.SessionSync(keep_len=keep_len, append_tokens=append)
 
 
+# ---------------------------------------------------------------- hidden features
+
+def features_to_proto(f: FeatureRows) -> common_pb2.HiddenFeatures:
+    return common_pb2.HiddenFeatures(start=f.start, rows=f.rows, dim=f.dim, layers=list(f.layers), dtype=f.dtype,
+                                     data=f.data)
+
+
+def features_from_proto(m: common_pb2.HiddenFeatures) -> FeatureRows:
+    return FeatureRows(int(m.start), int(m.rows), int(m.dim), tuple(m.layers), m.dtype, bytes(m.data))
+
+
 # ---------------------------------------------------------------- verify
 
 def verify_request_to_proto(r: VerifyRequest) -> verifier_pb2.VerifyRequest:
     m = verifier_pb2.VerifyRequest(
         session_id=r.session_id, sync=sync_to_proto(r.keep_len, r.append_tokens), tree=tree_to_proto(r.tree),
-        sampling=sampling_to_proto(r.sampling), round_seed=int(r.round_seed) & U64, want_entropy=r.want_entropy)
+        sampling=sampling_to_proto(r.sampling), round_seed=int(r.round_seed) & U64, want_entropy=r.want_entropy,
+        feature_layers=list(r.feature_layers))
     if r.self_draft is not None:
         m.self_draft.method, m.self_draft.budget = r.self_draft.method, r.self_draft.budget
     return m
@@ -105,19 +118,23 @@ def verify_request_from_proto(m: verifier_pb2.VerifyRequest) -> VerifyRequest:
     if sd is not None and len(m.tree.tokens):
         raise InvalidArgument("tree", "must be empty when self_draft is set")
     return VerifyRequest(m.session_id, m.sync.keep_len, list(m.sync.append_tokens), tree_from_proto(m.tree),
-                         sampling_from_proto(m.sampling), m.round_seed, sd, m.want_entropy)
+                         sampling_from_proto(m.sampling), m.round_seed, sd, m.want_entropy, tuple(m.feature_layers))
 
 
 def verify_result_to_proto(r: VerifyResult, server_ms: float = 0.0) -> verifier_pb2.VerifyResponse:
-    return verifier_pb2.VerifyResponse(
+    m = verifier_pb2.VerifyResponse(
         accepted=r.accepted, next_token=r.next_token, drafted=r.drafted, tree_size=r.tree_size,
         accepted_nodes=r.accepted_nodes, entropy=r.entropy, draft_ms=r.draft_ms, verify_ms=r.verify_ms,
         cache_len=r.cache_len, batch_size=r.batch_size, server_ms=server_ms)
+    if r.features is not None:
+        m.features.CopyFrom(features_to_proto(r.features))
+    return m
 
 
 def verify_result_from_proto(m: verifier_pb2.VerifyResponse) -> VerifyResult:
     return VerifyResult(list(m.accepted), m.next_token, m.drafted, m.tree_size, list(m.accepted_nodes), m.entropy,
-                        m.draft_ms, m.verify_ms, m.cache_len, m.batch_size)
+                        m.draft_ms, m.verify_ms, m.cache_len, m.batch_size,
+                        features_from_proto(m.features) if m.HasField("features") else None)
 
 
 # ---------------------------------------------------------------- stats

@@ -52,6 +52,22 @@ class SessionSync(_message.Message):
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, keep_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class HiddenFeatures(_message.Message):
+    __slots__ = ("start", "rows", "dim", "layers", "dtype", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    dim: int
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., layers: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
     ROLE_FIELD_NUMBER: _ClassVar[int]

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("session_id", "drafter", "sync", "prompt_len", "sampling", "budget", "cache_id")
+    __slots__ = ("session_id", "drafter", "sync", "prompt_len", "sampling", "budget", "cache_id", "features")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ProposeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
     sync: _common_pb2.SessionSync
@@ -23,7 +24,8 @@ class ProposeRequest(_message.Message):
     sampling: _common_pb2.SamplingParams
     budget: int
     cache_id: str
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., cache_id: _Optional[str] = ...) -> None: ...
+    features: _common_pb2.HiddenFeatures
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., cache_id: _Optional[str] = ..., features: _Optional[_Union[_common_pb2.HiddenFeatures, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("tree", "held_len", "draft_ms", "server_ms", "source")
@@ -82,7 +84,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("drafters", "sessions", "session_ids", "max_sessions", "proposals", "vocab_size", "max_tree_nodes")
+    __slots__ = ("drafters", "sessions", "session_ids", "max_sessions", "proposals", "vocab_size", "max_tree_nodes", "feature_drafters")
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +92,7 @@ class DrafterInfo(_message.Message):
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     drafters: _containers.RepeatedScalarFieldContainer[str]
     sessions: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -97,4 +100,17 @@ class DrafterInfo(_message.Message):
     proposals: int
     vocab_size: int
     max_tree_nodes: int
-    def __init__(self, drafters: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., max_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    feature_drafters: _containers.RepeatedCompositeFieldContainer[FeatureDrafter]
+    def __init__(self, drafters: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., max_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., feature_drafters: _Optional[_Iterable[_Union[FeatureDrafter, _Mapping]]] = ...) -> None: ...
+
+class FeatureDrafter(_message.Message):
+    __slots__ = ("drafter", "layers", "dim", "context_window")
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    dim: int
+    context_window: int
+    def __init__(self, drafter: _Optional[str] = ..., layers: _Optional[_Iterable[int]] = ..., dim: _Optional[int] = ..., context_window: _Optional[int] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"+\n\tSelfDraft\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\"Y\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x11\n\tfork_from\x18\x03 \x01(\t\x12\x10\n\x08\x66ork_len\x18\x04 \x01(\x03\"$\n\x0fPrefillResponse\x12\x11\n\tcache_len\x18\x01 \x01(\x03\"\xf6\x01\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x04sync\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.SessionSync\x12$\n\x04tree\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nround_seed\x18\x05 \x01(\x04\x12*\n\nself_draft\x18\x06 \x01(\x0b\x32\x16.specmesh.v1.SelfDraft\x12\x14\n\x0cwant_entropy\x18\x07 \x01(\x08\"\xe2\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\x05\x12\x11\n\ttree_size\x18\x04 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x05 \x03(\x05\x12\x0f\n\x07\x65ntropy\x18\x06 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x01\x12\x11\n\tverify_ms\x18\x08 \x01(\x01\x12\x11\n\tcache_len\x18\t \x01(\x03\x12\x12\n\nbatch_size\x18\n \x01(\x05\x12\x11\n\tserver_ms\x18\x0b \x01(\x01\",\n\x16VerifierReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x15\n\x13VerifierInfoRequest\"\xd8\x02\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bslots_total\x18\x04 \x01(\x05\x12\x12\n\nslots_used\x18\x05 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x06 \x01(\x05\x12\x19\n\x11kv_bytes_per_slot\x18\x07 \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x08 \x01(\x03\x12\x10\n\x08sessions\x18\t \x03(\t\x12\x11\n\tevictions\x18\n \x01(\x03\x12\x15\n\rself_drafters\x18\x0b \x03(\t\x12\x10\n\x08\x66orwards\x18\x0c \x01(\x03\x12\x16\n\x0emax_tree_nodes\x18\r \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\x0e \x01(\x03\x12\x18\n\x10\x62\x61tched_requests\x18\x0f \x01(\x03\x12\x16\n\x0emax_batch_seen\x18\x10 \x01(\x05\x32\xa6\x02\n\x08Verifier\x12\x44\n\x07Prefill\x12\x1b.specmesh.v1.PrefillRequest\x1a\x1c.specmesh.v1.PrefillResponse\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12L\n\x07Release\x12#.specmesh.v1.VerifierReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12\x43\n\x04Info\x12 .specmesh.v1.VerifierInfoRequest\x1a\x19.specmesh.v1.VerifierInfoBO\n\x0f\x64\x65v.specmesh.v1P\x01Z:github.com/specmesh/specmesh/gen/go/specmesh/v1;specmeshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecmesh/v1/verifier.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"+\n\tSelfDraft\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x0e\n\x06\x62udget\x18\x02 \x01(\x05\"Y\n\x0ePrefillRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x11\n\tfork_from\x18\x03 \x01(\t\x12\x10\n\x08\x66ork_len\x18\x04 \x01(\x03\"$\n\x0fPrefillResponse\x12\x11\n\tcache_len\x18\x01 \x01(\x03\"\x8e\x02\n\rVerifyRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x04sync\x18\x02 \x01(\x0b\x32\x18.specmesh.v1.SessionSync\x12$\n\x04tree\x18\x03 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12-\n\x08sampling\x18\x04 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x12\n\nround_seed\x18\x05 \x01(\x04\x12*\n\nself_draft\x18\x06 \x01(\x0b\x32\x16.specmesh.v1.SelfDraft\x12\x14\n\x0cwant_entropy\x18\x07 \x01(\x08\x12\x16\n\x0e\x66\x65\x61ture_layers\x18\x08 \x03(\x05\"\x91\x02\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x03(\x05\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\x05\x12\x11\n\ttree_size\x18\x04 \x01(\x05\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x05 \x03(\x05\x12\x0f\n\x07\x65ntropy\x18\x06 \x01(\x01\x12\x10\n\x08\x64raft_ms\x18\x07 \x01(\x01\x12\x11\n\tverify_ms\x18\x08 \x01(\x01\x12\x11\n\tcache_len\x18\t \x01(\x03\x12\x12\n\nbatch_size\x18\n \x01(\x05\x12\x11\n\tserver_ms\x18\x0b \x01(\x01\x12-\n\x08\x66\x65\x61tures\x18\x0c \x01(\x0b\x32\x1b.specmesh.v1.HiddenFeatures\",\n\x16VerifierReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x15\n\x13VerifierInfoRequest\"\xd8\x02\n\x0cVerifierInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x13\n\x0bslots_total\x18\x04 \x01(\x05\x12\x12\n\nslots_used\x18\x05 \x01(\x05\x12\x13\n\x0bmax_seq_len\x18\x06 \x01(\x05\x12\x19\n\x11kv_bytes_per_slot\x18\x07 \x01(\x03\x12\x14\n\x0cweight_bytes\x18\x08 \x01(\x03\x12\x10\n\x08sessions\x18\t \x03(\t\x12\x11\n\tevictions\x18\n \x01(\x03\x12\x15\n\rself_drafters\x18\x0b \x03(\t\x12\x10\n\x08\x66orwards\x18\x0c \x01(\x03\x12\x16\n\x0emax_tree_nodes\x18\r \x01(\x05\x12\x0f\n\x07\x62\x61tches\x18\x0e \x01(\x03\x12\x18\n\x10\x62\x61tched_requests\x18\x0f \x01(\x03\x12\x16\n\x0emax_batch_seen\x18\x10 \x01(\x05\x32\xa6\x02\n\x08Verifier\x12\x44\n\x07Prefill\x12\x1b.specmesh.v1.PrefillRequest\x1a\x1c.specmesh.v1.PrefillResponse\x12\x41\n\x06Verify\x12\x1a.specmesh.v1.VerifyRequest\x1a\x1b.specmesh.v1.VerifyResponse\x12L\n\x07Release\x12#.specmesh.v1.VerifierReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12\x43\n\x04Info\x12 .specmesh.v1.VerifierInfoRequest\x1a\x19.specmesh.v1.VerifierInfoBO\n\x0f\x64\x65v.specmesh.v1P\x01Z:github.com/specmesh/specmesh/gen/go/specmesh/v1;specmeshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,15 +40,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLRESPONSE']._serialized_start=205
   _globals['_PREFILLRESPONSE']._serialized_end=241
   _globals['_VERIFYREQUEST']._serialized_start=244
-  _globals['_VERIFYREQUEST']._serialized_end=490
-  _globals['_VERIFYRESPONSE']._serialized_start=493
-  _globals['_VERIFYRESPONSE']._serialized_end=719
-  _globals['_VERIFIERRELEASEREQUEST']._serialized_start=721
-  _globals['_VERIFIERRELEASEREQUEST']._serialized_end=765
-  _globals['_VERIFIERINFOREQUEST']._serialized_start=767
-  _globals['_VERIFIERINFOREQUEST']._serialized_end=788
-  _globals['_VERIFIERINFO']._serialized_start=791
-  _globals['_VERIFIERINFO']._serialized_end=1135
-  _globals['_VERIFIER']._serialized_start=1138
-  _globals['_VERIFIER']._serialized_end=1432
+  _globals['_VERIFYREQUEST']._serialized_end=514
+  _globals['_VERIFYRESPONSE']._serialized_start=517
+  _globals['_VERIFYRESPONSE']._serialized_end=790
+  _globals['_VERIFIERRELEASEREQUEST']._serialized_start=792
+  _globals['_VERIFIERRELEASEREQUEST']._serialized_end=836
+  _globals['_VERIFIERINFOREQUEST']._serialized_start=838
+  _globals['_VERIFIERINFOREQUEST']._serialized_end=859
+  _globals['_VERIFIERINFO']._serialized_start=862
+  _globals['_VERIFIERINFO']._serialized_end=1206
+  _globals['_VERIFIER']._serialized_start=1209
+  _globals['_VERIFIER']._serialized_end=1503
 # @@protoc_insertion_point(module_scope)
