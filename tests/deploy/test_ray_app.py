@@ -32,7 +32,7 @@ PROMPTS = [
 CONFIG = {
     "settings": {"dtype": "fp32", "n_slots": 6, "max_seq_len": 512,  # fp32: the reference is the fp32 runtime "max_new_tokens": 64, "default_max_new_tokens": N,
                  "workers": 8, "drain_s": 0.0, "drafter_backoff_s": 0.5, "drafter_backoff_max_s": 2.0,
-                 "router_port": 0, "batch_window_ms": 2.0},
+                 "router_port": 0, "http_port": 0, "batch_window_ms": 2.0},
     "router": {"num_cpus": 0.25},
     "drafter": {"num_replicas": 1, "num_cpus": 0.25},
     "verifier": {"num_replicas": 1, "num_cpus": 1.0},
@@ -130,6 +130,15 @@ def test_greedy_through_ray_equals_in_process_greedy(cluster, ref):
         assert r.stats.tau > 1.0, "a repetitive prompt pays through the Ray app too"
         for strategy in ("autoregressive", "self"):
             assert c.generate(PROMPTS[2], strategy=strategy, max_new_tokens=N).token_ids == ref(PROMPTS[2])
+        sdk = c.generate(PROMPTS[1], strategy="external", max_new_tokens=N)
+    # the router replica's OpenAI-compatible HTTP API: the same greedy text through the official client
+    openai = pytest.importorskip("openai", reason="pip install -e '.[test]'")
+    assert d["openai_api"].startswith("http://") and d["openai_api"].endswith("/v1")
+    with openai.OpenAI(base_url=d["openai_api"], api_key="unused", max_retries=0, timeout=120) as oa:
+        r = oa.chat.completions.create(model="smollm2-135m-instruct", messages=[{"role": "user", "content": PROMPTS[1]}],
+                                       max_tokens=N, temperature=0, extra_body={"strategy": "external"})
+    assert r.choices[0].message.content == sdk.text
+    assert r.usage.completion_tokens == sdk.stats.new_tokens and r.model_extra["specmesh"]["strategy"] == "external"
 
 
 def test_scaling_drafters_while_requests_run(cluster, ref):

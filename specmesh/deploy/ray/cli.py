@@ -106,6 +106,8 @@ def serve_ray(args) -> int:
         print(f"drafters  {', '.join(d['drafters']) or '-'}", flush=True)
         print(f"verifiers {', '.join(d['verifiers'])}", flush=True)
         print(f"dashboard http://{ctx.dashboard_url}  (Serve tab: Router, Drafter, Verifier)", flush=True)
+        if d.get("openai_api"):
+            print(f"openai    {d['openai_api']}  (OpenAI-compatible HTTP API)", flush=True)
         print(f'try: specmesh generate "Hello" --address {d["router"]}', flush=True)
         while not stop.wait(0.5):
             pass

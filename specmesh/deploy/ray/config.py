@@ -33,6 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 IMPORT_PATH = "specmesh.deploy.ray.app:build_app"
 DEPLOYMENTS = ("Router", "Drafter", "Verifier")
+# The router replica's OpenAI HTTP API port unless settings.http_port is given: Serve's own
+# HTTP proxy holds 8000 (ServeSettings' default) on the nodes it runs on.
+RAY_HTTP_PORT = 8001
 
 
 class Autoscaling(BaseModel):

@@ -11,6 +11,9 @@
   ``specmesh.router.replicas`` that a thread keeps in step with the registry.
   Its HTTP route answers a JSON description (addresses of every replica,
   drafter calls per replica); Serve handles can call ``describe()`` too.
+  It also serves the OpenAI-compatible HTTP API (``serving.openai_http``) on
+  ``settings.http_port`` (default here 8001: Serve's proxy holds 8000), unless
+  ``settings.http`` is false; like the gRPC server it bypasses Serve's proxy.
 
 Verifier (and GPU drafter) replicas run on the device ``RayAppConfig.device``
 names for their deployment; the config has asked Ray for their GPUs.
@@ -35,7 +38,7 @@ import grpc
 import ray
 from ray import serve
 
-from .config import RayAppConfig
+from .config import RAY_HTTP_PORT, RayAppConfig
 from .registry import Heartbeat, RegistryReader
 
 log = logging.getLogger("specmesh.deploy.ray")
@@ -194,6 +197,20 @@ class RouterReplica(_Replica):
         threading.Thread(target=self._follow, name="specmesh-registry", daemon=True).start()
         self._observe(svc, self.router)
         self._serve([svc], self.s.router_port)
+        self.http_url = ""
+        if self.s.http:  # the OpenAI-compatible HTTP API, beside the gRPC server as in `specmesh serve router`
+            from specmesh.serving.openai_http import start_http
+
+            port = self.s.http_port if "http_port" in self.cfg.settings else RAY_HTTP_PORT
+            try:
+                http = start_http(self.s, self.running.address, self.router.codec, port=port)
+            except OSError as e:  # the gRPC API is up; say why the HTTP one is not
+                log.warning("router replica %s: no OpenAI HTTP API on port %s: %s (set settings.http_port)",
+                            self.replica_id, port, e)
+            else:
+                self._cleanup.insert(0, http.stop)
+                h = self.address.rsplit(":", 1)[0]
+                self.http_url = f"{'https' if http.tls else 'http'}://{h}:{http.port}/v1"
 
     def _refresh(self) -> bool:
         snap = self.reader.snapshot()
@@ -217,6 +234,7 @@ class RouterReplica(_Replica):
     def describe(self) -> dict:
         """Addresses of every replica the router knows, and drafter calls per replica."""
         return {"router": self.address, "router_replica": self.replica_id, "metrics_port": self.metrics_port,
+                "openai_api": self.http_url,
                 "registry": self.snapshot,
                 "verifiers": self.verifiers.addresses, "drafters": self.drafters.addresses,
                 "drafter_calls": dict(self.drafters.calls), "drafter_failovers": self.drafters.failovers}
