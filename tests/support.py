@@ -21,7 +21,8 @@ folder (the repository root is on ``sys.path`` through pyproject's ``pythonpath`
   ``strategy_cases``, ``request_kwargs``, ``check_request_tree``, ``scrape``,
   ``samples``, ``total``, ``check_metrics_agree``;
 - exact distributions: the 6-token models ``SMALL_TARGET`` / ``SMALL_DRAFT``,
-  ``small_target_engine``, ``exact_joint`` and ``chi2``.
+  ``small_target_engine``, ``small_block_model`` (a block drafter trained on it),
+  ``exact_joint`` and ``chi2``.
 """
 
 from __future__ import annotations
@@ -581,6 +582,30 @@ SMALL_DRAFT = small_weights(1, 0.6, layers=1)  # a different, sharper model: q f
 
 def small_target_engine(n_slots: int = 4) -> LlamaEngine:
     return LlamaEngine(*SMALL_TARGET, n_slots=n_slots, max_seq_len=64)
+
+
+@functools.cache
+def small_block_model():
+    """A block drafter for ``SMALL_TARGET`` trained for a few seconds on the target's own
+    samples (an untrained one always proposes the same token, which the target rarely picks)."""
+    from specmesh.blockdraft.model import BlockDrafterConfig
+    from specmesh.blockdraft.train import new_model, prepare, train
+    from specmesh.loop import generate_tokens
+
+    eng = small_target_engine(1)
+    records = []
+    for s in range(24):
+        prompt = SMALL_PROMPT[s % 4:]
+        out, _ = generate_tokens(None, EngineVerifier(small_target_engine(1)), prompt,
+                                 sampling=SamplingParams(temperature=1.0, seed=500 + s), max_new_tokens=12)
+        records.append({"prompt_ids": prompt, "response_ids": out})
+    torch.manual_seed(5)
+    cfg = BlockDrafterConfig(block=4, n_layers=1, hidden=32, n_heads=4, ffn=48, feature_layers=[0, 1],
+                             context_window=16, vocab_size=SMALL_V, n_keep=SMALL_V)
+    model = new_model(cfg, SMALL_TARGET[1], torch.arange(SMALL_V))
+    train(model, prepare(eng, records, cfg.feature_layers, quiet=True), steps=80, lr=3e-3, batch=4,
+          anchors_per_seq=8, quiet=True)
+    return model.eval()
 
 
 def exact_joint(prompt: Sequence[int], slots: Sequence[Optional[int]], sampling: SamplingParams) -> dict:

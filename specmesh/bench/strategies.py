@@ -124,7 +124,8 @@ def run_matrix(client, work: dict, systems: list[str], max_new: int, think_new: 
         reasoning = wname == "reasoning"
         cols = list(systems) + (["ssr"] if reasoning else [])
         agg = {c: {"tokens": 0, "seconds": 0.0, "answer_tokens": 0, "answer_s": 0.0, "identical": 0, "n": 0,
-                   "tau": 0.0, "reasons": [], "tie_gaps": []} for c in cols}
+                   "tau": 0.0, "reasons": [], "tie_gaps": [], "network_s": 0.0, "draft_s": 0.0, "rounds": 0}
+               for c in cols}
         for pi, rec in enumerate(recs):
             order = cols[pi % len(cols):] + cols[: pi % len(cols)]
             results = {}
@@ -142,6 +143,9 @@ def run_matrix(client, work: dict, systems: list[str], max_new: int, think_new: 
                 a["answer_tokens"] += r.stats.answer_tokens
                 a["answer_s"] += r.stats.answer_s
                 a["tau"] += r.stats.tau
+                a["network_s"] += r.stats.network_s
+                a["draft_s"] += r.stats.draft_s
+                a["rounds"] += r.stats.rounds
                 a["n"] += 1
                 if system == "auto":
                     a["reasons"].append(f"{r.stats.strategy}:{r.stats.drafter} ({r.stats.strategy_reason})")
@@ -243,7 +247,24 @@ def render(matrix: dict, pro: list[dict], meta: dict) -> str:
                              f"warm prefix {x['warm']}, identical {x['identical']})")
             lines.append(f"    anticipation took {r['anticipation_s']:.1f} s idle ({r['anticipation_tokens']} tokens); "
                          f"covered turn: {r['covered_turn']!r}")
+    pairs = [(f"external:{d}", f"self:{d}") for d in ("block_tree", "block")]
+    pairs = [(e, o) for e, o in pairs if any(e in agg and o in agg for agg in matrix.values())]
+    verdict_ext = []
+    if pairs:
+        lines += ["", "the block drafter on the drafter service (features over the wire) vs in the verifier "
+                  "(tokens/s ratio; per round: draft ms incl. its RPC, network ms = RPC wall - server time):"]
+        for e, o in pairs:
+            for wname, agg in matrix.items():
+                if e in agg and o in agg:
+                    ratio = _tps(agg[e]) / _tps(agg[o]) if _tps(agg[o]) else 0.0
+                    per = {k: (1e3 * agg[k]["draft_s"] / max(1, agg[k]["rounds"]),
+                               1e3 * agg[k]["network_s"] / max(1, agg[k]["rounds"])) for k in (e, o)}
+                    lines.append(f"  {wname:<16} {e} / {o}: {ratio:.2f}x  (draft {per[e][0]:.1f} vs {per[o][0]:.1f} "
+                                 f"ms/round, network {per[e][1]:.1f} vs {per[o][1]:.1f} ms/round)")
+                    verdict_ext.append((wname, e, o, ratio))
     lines += ["", "verdicts:"]
+    for wname, e, o, ratio in verdict_ext:
+        lines.append(f"  [{'PASS' if ratio >= 0.9 else 'FAIL'}] {e} on {wname}: {ratio:.2f}x {o} (needs >= 0.90)")
     for wname, ok, vs_best, vs_ar, best in verdict_auto:
         lines.append(f"  [{'PASS' if ok else 'FAIL'}] auto on {wname}: {vs_best:.2f}x the best fixed ({best}), "
                      f"{vs_ar:.2f}x plain (needs >= 0.90 and >= 0.95)")

@@ -108,7 +108,10 @@ def register(sub) -> None:
     g.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", "127.0.0.1:50051"))
     g.add_argument("--strategy", default="",
                    help="autoregressive | external | self | proactive | ssr | auto (default: router's)")
-    g.add_argument("--drafter", default="", help="external drafter: prompt_lookup | suffix | adaptive_lookup | draft_lm")
+    from specmesh.drafters import registry
+
+    g.add_argument("--drafter", default="", help="external drafter: " + " | ".join(registry.EXTERNAL)
+                   + "; self: " + " | ".join(registry.SELF) + " (specmesh.drafters.registry)")
     g.add_argument("--conversation-id", default="", help="conversation (proactive strategy)")
     g.add_argument("--reasoning", action="store_true", help="think inside <think>...</think> first")
     g.add_argument("--thinking-budget", type=int, default=None, help="maximum thinking tokens (reasoning)")

@@ -3,9 +3,12 @@
 One cluster and one application serve the whole module, deployed declaratively
 through the dashboard (the ``serve deploy`` / KubeRay path): greedy output
 through the Ray app equals in-process plain greedy decoding; scaling the
-Drafter deployment 1 -> 2 while generations run leaves the verifier replica
-untouched and both drafter replicas serve; killing a drafter replica
-(``ray.kill`` on its actor) mid-stream changes no output, and Serve replaces it.
+Drafter deployment — which hosts the trained block drafter (``external:block_tree``,
+fed the target's hidden features through the router) and prompt lookup — 1 -> 2
+while generations of both run leaves the verifier replica untouched, both drafter
+replicas serve and every output equals plain greedy; killing a drafter replica
+(``ray.kill`` on its actor) mid-stream changes no output (its sessions re-seed the
+surviving replica with the router's tokens and features), and Serve replaces it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ serve = pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pi
 
 N = 24
 APP = "specmesh"
+DRAFTERS = ("block_tree", "prompt_lookup")  # external drafters the Drafter deployment serves
 PROMPTS = [
     "Repeat exactly: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat.",
     "List the planets of the solar system in order from the sun.",
@@ -155,7 +159,9 @@ def test_scaling_drafters_while_requests_run(cluster, ref):
             i = 0
             while not stop.is_set():
                 p, t0 = PROMPTS[i % 2], time.monotonic()
-                ids = c.generate(p, strategy="external", max_new_tokens=N).token_ids
+                # the trained block drafter on the Drafter deployment (hidden features through the router)
+                # and prompt lookup, alternately
+                ids = c.generate(p, strategy="external", drafter=DRAFTERS[i % 2], max_new_tokens=N).token_ids
                 results.append((p, ids, t0, time.monotonic()))
                 i += 1
 
@@ -170,7 +176,10 @@ def test_scaling_drafters_while_requests_run(cluster, ref):
         with Client(cluster.address, timeout=120) as c:
             for i in range(4):  # new sessions go round-robin over the live drafter replicas
                 p = PROMPTS[i % 2]
-                assert c.generate(p, strategy="external", max_new_tokens=N).token_ids == ref(p)
+                r = c.generate(p, strategy="external", drafter=DRAFTERS[i // 2], max_new_tokens=N)
+                assert r.token_ids == ref(p) and r.stats.fallbacks == 0
+                if DRAFTERS[i // 2] == "block_tree":
+                    assert r.stats.accepted_tokens > 0
     finally:
         stop.set()
         t.join(120)
@@ -196,7 +205,7 @@ def test_killing_a_drafter_replica_changes_no_output(cluster, ref):
 
     def run(i: int, prompt: str):
         with Client(cluster.address, timeout=180) as c:
-            s = c.stream(prompt, strategy="external", drafter="prompt_lookup", max_new_tokens=48)
+            s = c.stream(prompt, strategy="external", drafter=DRAFTERS[i % 2], max_new_tokens=48)
             for _ in s:
                 started.set()
             out[i] = (prompt, s.result.token_ids)

@@ -4,6 +4,8 @@ A router, a drafter service and a verifier service on loopback (real gRPC
 servers, the tiny 6-token model of ``tests/support.py`` that
 ``tests/unit/test_distribution.py`` uses); one strategy per kind
 of drafting — an external drafter that samples (draft LM, sparse q on the wire),
+the trained block drafter on the drafter service (the target's hidden features
+sent through the router with every round: chain with sparse q, and its tree),
 an in-verifier self drafter (layer-skip), the conversation cache (proactive) and
 ``auto`` — each run for thousands of seeds and compared with the exact joint
 distribution of plain sampling by a chi-square test. Deterministic seeds.
@@ -17,6 +19,7 @@ from functools import partial
 import grpc
 import pytest
 
+from specmesh.blockdraft.serve import BlockFeatureDrafter
 from specmesh.drafters import CacheDrafter, PromptLookupDrafter, SuffixDrafter
 from specmesh.drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from specmesh.engine import LlamaEngine
@@ -31,7 +34,7 @@ from tests.support import SMALL_N_NEW as N_NEW
 from tests.support import SMALL_PROMPT as PROMPT
 from tests.support import SMALL_TARGET as TARGET
 from tests.support import SMALL_V as V
-from tests.support import LocalStack, chi2, exact_joint
+from tests.support import LocalStack, chi2, exact_joint, small_block_model
 
 pytestmark = pytest.mark.slow  # thousands of requests through three servers
 N = 2000
@@ -80,8 +83,18 @@ class Services(LocalStack):
             v.self_drafters["layerskip"] = LayerSkipDrafter(v, exit_layer=1, top_k=V)
             return v
 
+        block = {}
+
+        def block_drafter(tree: bool):  # the trained tiny block drafter on the drafter service, fed features
+            def build():
+                if "chain" not in block:
+                    block["chain"] = BlockFeatureDrafter(small_block_model(), amp=False, top_k=V)
+                return block["chain"].twin(True) if tree else block["chain"]
+            return build
+
         factories = {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter, "cache": CacheDrafter,
-                     "draft_lm": lambda: DraftLMDrafter(LlamaEngine(*DRAFT, n_slots=8, max_seq_len=64), top_k=V)}
+                     "draft_lm": lambda: DraftLMDrafter(LlamaEngine(*DRAFT, n_slots=8, max_seq_len=64), top_k=V),
+                     "block": block_drafter(False), "block_tree": block_drafter(True)}
         super().__init__([counting_verifier], DigitCodec(), V, settings=partial(load_settings, **base),
                          drafters=factories)
 
@@ -112,6 +125,8 @@ CASES = [  # (strategy, drafter, sampling)
     ("self", "layerskip", SamplingParams(temperature=0.7, top_k=3)),
     ("proactive", "", SamplingParams(temperature=1.3, top_p=0.8)),
     ("auto", "", SamplingParams(temperature=1.0)),
+    ("external", "block", SamplingParams(temperature=1.0)),  # hidden features over the wire, sparse q back
+    ("external", "block_tree", SamplingParams(temperature=0.7, top_k=3)),
 ]
 
 

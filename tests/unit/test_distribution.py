@@ -18,12 +18,9 @@ from collections import Counter
 from typing import Callable, Optional
 
 import pytest
-import torch
 
 from specmesh import seeding
-from specmesh.blockdraft.model import BlockDrafterConfig
 from specmesh.blockdraft.serve import BlockSelfDrafter
-from specmesh.blockdraft.train import new_model
 from specmesh.drafters import CacheDrafter, PromptLookupDrafter, SuffixDrafter, make_drafter
 from specmesh.drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from specmesh.engine import LlamaEngine
@@ -33,9 +30,8 @@ from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, SamplingParams, TokenTree
 from tests.support import SMALL_DRAFT as DRAFT
 from tests.support import SMALL_N_NEW as N_NEW
 from tests.support import SMALL_PROMPT as PROMPT
-from tests.support import SMALL_TARGET as TARGET
 from tests.support import SMALL_V as V
-from tests.support import chi2, exact_joint
+from tests.support import chi2, exact_joint, small_block_model
 from tests.support import small_target_engine as target_engine
 
 pytestmark = pytest.mark.slow  # thousands of generations per case (minutes on 2 cores); CI runs them
@@ -78,34 +74,8 @@ def loop_runner(ver, drafter=None, self_draft: Optional[str] = None, budget: int
 
 # ---------------------------------------------------------------- drafters
 
-_TRAINED: dict = {}
-
-
-def _trained_block_model():
-    """A block drafter trained for a few seconds on the target's own samples (an
-    untrained one always proposes the same token, which the target rarely picks)."""
-    if "m" not in _TRAINED:
-        from specmesh.blockdraft.train import prepare, train
-
-        eng = target_engine(1)
-        records = []
-        for s in range(24):
-            prompt = PROMPT[s % 4:]
-            out, _ = generate_tokens(None, verifier(1), prompt, sampling=SamplingParams(temperature=1.0, seed=500 + s),
-                                     max_new_tokens=12)
-            records.append({"prompt_ids": prompt, "response_ids": out})
-        torch.manual_seed(5)
-        cfg = BlockDrafterConfig(block=4, n_layers=1, hidden=32, n_heads=4, ffn=48, feature_layers=[0, 1],
-                                 context_window=16, vocab_size=V, n_keep=V)
-        model = new_model(cfg, TARGET[1], torch.arange(V))
-        train(model, prepare(eng, records, cfg.feature_layers, quiet=True), steps=80, lr=3e-3, batch=4,
-              anchors_per_seq=8, quiet=True)
-        _TRAINED["m"] = model.eval()
-    return _TRAINED["m"]
-
-
 def _block(ver, tree: bool) -> BlockSelfDrafter:
-    return BlockSelfDrafter(ver, _trained_block_model(), tree=tree, amp=False)
+    return BlockSelfDrafter(ver, small_block_model(), tree=tree, amp=False)
 
 
 class Bound:
