@@ -315,3 +315,31 @@ def test_serve_router_starts_the_http_api(tmp_path):
     finally:
         p.terminate()
         p.wait(60)
+
+
+# ---------------------------------------------------------------- the real model (slow)
+
+@pytest.mark.slow
+def test_real_model_stream_with_self_speculation(runtime):
+    """SmolLM2 behind the real services: a streamed chat completion with
+    ``strategy: self`` is the SDK's greedy output, which is plain greedy decoding."""
+    from tests.support import RuntimeStack
+
+    stack = RuntimeStack(runtime=runtime, n_slots=4)
+    http = None
+    try:
+        http = start_http(stack.rs, stack.address, stack.router.codec, port=0)
+        msgs = [{"role": "user", "content": "List the planets of the solar system in order from the sun."}]
+        with openai.OpenAI(base_url=http.url, api_key="unused", max_retries=0, timeout=300) as oa:
+            chunks = list(oa.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, stream=True,
+                                                     temperature=0, max_tokens=32, extra_body={"strategy": "self"}))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        with Client(stack.address, timeout=300) as c:
+            ref = c.generate(messages=msgs, max_new_tokens=32, temperature=0, strategy="self")
+        assert text == ref.text and ref.token_ids == stack.ref(messages=msgs, n=32)
+        sm = chunks[-1].model_extra["specmesh"]
+        assert sm["strategy"] == "self" and sm["drafter"] and sm["tau"] >= 1.0 and sm["lossy"] is False
+    finally:
+        if http is not None:
+            http.stop()
+        stack.close()
