@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import seeding, trees
-from .rowops import argmax_rows
+from .rowops import argmax_rows, topk_rows
 from .types import SIBLINGS_WOR, SamplingParams, TokenTree
 
 
@@ -136,7 +136,7 @@ def greedy_tree(argmax: list[int], tree: TokenTree) -> Acceptance:
 
 
 def rejection_tree(probs: torch.Tensor, tree: TokenTree, q: torch.Tensor,
-                   u_accept: torch.Tensor, u_sample: torch.Tensor) -> Acceptance:
+                   u_accept: torch.Tensor, u_sample: torch.Tensor, lenience: float = 1.0) -> Acceptance:
     """Multi-candidate rejection sampling (a chain is the one-child case: Leviathan/Chen).
 
     At node ``cur`` with target distribution p, try the children c in order, each
@@ -152,7 +152,10 @@ def rejection_tree(probs: torch.Tensor, tree: TokenTree, q: torch.Tensor,
       - drawn without replacement (``tree.siblings == SIBLINGS_WOR``; recursive
         rejection sampling): q_c = q with the earlier siblings' tokens removed,
         renormalised.
-    probs: [len(tree)+1, V]; q: [len(tree), V] (each node's shared sibling q)."""
+    probs: [len(tree)+1, V]; q: [len(tree), V] (each node's shared sibling q).
+    ``lenience`` l (LOSSY unless 1; ``lenient_*`` rules): q is scaled by l in the test and
+    the residual, accept w.p. min(1, p(x) / (l q_c(x))) and p <- norm(max(0, p - l q_c)).
+    l = 1 multiplies by 1.0: bit for bit the exact rule."""
     kids = _children(tree)
     wor = tree.siblings == SIBLINGS_WOR
     path, cur, depth = [], -1, 0
@@ -167,11 +170,11 @@ def rejection_tree(probs: torch.Tensor, tree: TokenTree, q: torch.Tensor,
                 qc = qc.clone()
                 qc[drawn] = 0.0
                 qc = qc / qc.sum()
-            if float(u_accept[c]) * float(qc[x]) < float(p[x]):
+            if float(u_accept[c]) * (lenience * float(qc[x])) < float(p[x]):
                 accepted = c
                 break
             drawn.append(x)
-            resid = (p - qc).clamp_min(0.0)
+            resid = (p - lenience * qc).clamp_min(0.0)
             if float(resid.sum()) > 0:
                 p = resid / resid.sum()
         if accepted is None:
@@ -182,23 +185,26 @@ def rejection_tree(probs: torch.Tensor, tree: TokenTree, q: torch.Tensor,
 
 
 def rejection_chain(probs: torch.Tensor, draft: list[int], q: torch.Tensor,
-                    u_accept: torch.Tensor, u_sample: torch.Tensor) -> Acceptance:
+                    u_accept: torch.Tensor, u_sample: torch.Tensor, lenience: float = 1.0) -> Acceptance:
     """Leviathan/Chen speculative sampling over a chain of k drafts.
     accept x_i~q_i w.p. min(1, p_i(x_i)/q_i(x_i)); at the first rejection i sample
     from norm(max(0, p_i - q_i)) with u_sample[i]; if all pass sample the bonus from
-    p_k with u_sample[k]. probs: [k+1, V], q: [k, V]."""
+    p_k with u_sample[k]. probs: [k+1, V], q: [k, V].
+    ``lenience`` l (LOSSY unless 1): q_i is replaced by l q_i in the test and the
+    residual (Leviathan et al., appendix: accept w.p. min(1, p/(l q)), residual
+    norm(max(0, p - l q))); l = 1 is the exact rule bit for bit."""
     k = len(draft)
     if k:
         idx = torch.arange(k)
         x = torch.tensor(draft, dtype=torch.long)
         px = probs[idx, x].double()
-        qx = q[idx, x].double()
+        qx = q[idx, x].double() * lenience
         ok = u_accept[:k].double() * qx < px
         n = int(ok.long().cumprod(0).sum())
     else:
         n = 0
     if n < k:
-        resid = (probs[n].double() - q[n].double()).clamp_min(0.0)
+        resid = (probs[n].double() - lenience * q[n].double()).clamp_min(0.0)
         dist = resid if float(resid.sum()) > 0 else probs[n].double()
         return Acceptance(list(range(n)), sample(dist, float(u_sample[n])))
     return Acceptance(list(range(k)), sample(probs[k].double(), float(u_sample[k])))
@@ -228,14 +234,108 @@ def typical_tree(probs: torch.Tensor, tree: TokenTree, u_sample: torch.Tensor,
         depth += 1
 
 
+def _first_passing(tree: TokenTree, passes, correction, u_sample: Optional[torch.Tensor] = None) -> Acceptance:
+    """Descend from the root into the first child (sibling order) for which
+    ``passes(row, token)`` holds; at a node where none does, emit ``correction(row, depth)``."""
+    kids = _children(tree)
+    path, cur, depth = [], -1, 0
+    while True:
+        row = _row(cur)
+        nxt = next((c for c in kids.get(cur, []) if passes(row, tree.tokens[c])), None)
+        if nxt is None:
+            return Acceptance(path, int(correction(row, depth)))
+        path.append(nxt)
+        cur = nxt
+        depth += 1
+
+
+def lenient_greedy(logits: torch.Tensor, tree: TokenTree, lenience: float) -> Acceptance:
+    """LOSSY lenience under greedy decoding, the deterministic form of min(1, p(x) / (l q(x))):
+    the greedy target puts its mass on the argmax, so a draft x passes when
+    p(x) >= l * max p (p the temperature-1 softmax of the row, i.e. logit(x) >= max logit
+    + log l) or x is the argmax. Descend into the first passing child; emit the argmax
+    where none passes. l = 1 admits only the argmax (ties included only as the argmax
+    itself): exactly ``greedy_tree``."""
+    lg = logits.float()
+    am = argmax_rows(lg).tolist()
+    top = lg.amax(-1).tolist()
+    slack = math.log(lenience) if lenience < 1.0 else 0.0
+
+    def passes(row: int, x: int) -> bool:
+        return x == am[row] or (lenience < 1.0 and float(lg[row, x]) >= top[row] + slack)
+
+    return _first_passing(tree, passes, lambda row, depth: am[row])
+
+
+def topk_tree(logits: torch.Tensor, tree: TokenTree, k: int, probs: Optional[torch.Tensor] = None,
+              u_sample: Optional[torch.Tensor] = None) -> Acceptance:
+    """LOSSY top-k acceptance: a draft passes when it is among the target's k most likely
+    tokens at its position (its logit reaches the k-th largest, or it is the argmax);
+    descend into the first passing child. Greedy (``probs`` None): emit the argmax where
+    none passes, so k = 1 is exactly ``greedy_tree``. Sampled: the ranking is that of
+    ``probs`` (the target distribution after temperature / top-k / top-p; a token of
+    probability 0 never passes) and the correction is sampled from p with u_sample[depth]."""
+    score = logits.float() if probs is None else probs.double()
+    am = argmax_rows(score).tolist()
+    kth = topk_rows(score, min(k, score.shape[-1]))[0][:, -1].tolist()
+
+    def passes(row: int, x: int) -> bool:
+        v = float(score[row, x])
+        if probs is not None and v <= 0.0:
+            return False
+        return x == am[row] or (k > 1 and v >= kth[row])
+
+    if probs is None:
+        return _first_passing(tree, passes, lambda row, depth: am[row])
+    return _first_passing(tree, passes, lambda row, depth: sample(probs[row].double(), float(u_sample[depth])))
+
+
+# ---------------------------------------------------------------------------
+# contrastive decoding: the rules above applied to a contrastive target
+
+
+def contrastive_logits(expert: torch.Tensor, amateur: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """[n, V] expert and amateur logits -> [n, V] float32 contrastive-decoding scores (computed in float64)
+    (Li et al. 2023; O'Brien & Lewis 2023):
+        s(x) = (1 + beta) log p_e(x) - beta log p_a(x)   where p_e(x) >= alpha * max p_e,
+        s(x) = -inf                                        elsewhere (the plausibility set).
+    p_cd = softmax(s) is the contrastive target; ``target_probs(s, sampling)`` applies the
+    request's temperature / top-k / top-p to it and greedy CD is argmax s. Row-wise: a
+    row's scores do not depend on the other rows (speculative CD sees what vanilla CD sees)."""
+    le = torch.log_softmax(expert.double(), -1)
+    la = torch.log_softmax(amateur.double(), -1)
+    s = (1.0 + beta) * le - beta * la
+    if alpha > 0.0:
+        keep = le >= le.amax(-1, keepdim=True) + math.log(alpha)
+        s = s.masked_fill(~keep, float("-inf"))
+    return s.float()  # float32 like the engine's logits: every path (host, kernels) ranks the same values
+
+
 # ---------------------------------------------------------------------------
 # dispatch
 
 
 def _batchable(tree: TokenTree, sampling: SamplingParams) -> bool:
     """The batched kernels implement the exact rules for chains and trees of i.i.d. or
-    one-hot siblings; the without-replacement rule and relaxed rules run on the host."""
-    return sampling.acceptance == "exact" and len(tree) > 0 and tree.siblings != SIBLINGS_WOR
+    one-hot siblings — also for a contrastive target (the exact rules on its scores) and,
+    sampled, for lenience (the exact rules with q scaled by l); the without-replacement
+    rule and the other relaxed rules run on the host."""
+    rule_ok = sampling.acceptance in ("exact", "contrastive") or (
+        sampling.acceptance == "lenient" and not sampling.greedy)
+    return rule_ok and len(tree) > 0 and tree.siblings != SIBLINGS_WOR
+
+
+def _contrastive_inputs(logits: Sequence[torch.Tensor], samplings: Sequence[SamplingParams],
+                        amateurs: Optional[Sequence[Optional[torch.Tensor]]]) -> list[torch.Tensor]:
+    """Each contrastive request's logits replaced by its contrastive scores."""
+    out = list(logits)
+    for i, sp in enumerate(samplings):
+        if sp.acceptance == "contrastive":
+            am = amateurs[i] if amateurs is not None else None
+            if am is None:
+                raise ValueError("contrastive acceptance needs the amateur's logits for the same rows")
+            out[i] = contrastive_logits(logits[i], am, sp.cd_alpha, sp.cd_beta).to(logits[i].device)
+    return out
 
 
 def _accept_group(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], samplings: Sequence[SamplingParams],
@@ -261,7 +361,7 @@ def _accept_group(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sa
         toks[j, :k] = torch.tensor(tr.tokens)
         pars[j, :k] = torch.tensor(tr.parents)
         if not greedy:
-            q[j, :k] = dense_q(tr, V)
+            q[j, :k] = dense_q(tr, V) * (sp.lenience if sp.acceptance == "lenient" else 1.0)
             a, b = uniforms(sd, k, depths[j])
             ua[j, :k], us[j, : depths[j] + 1] = a, b
     sizes = torch.tensor([len(tr) for tr in trees], dtype=torch.long)
@@ -274,22 +374,25 @@ def _accept_group(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sa
 
 
 def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], samplings: Sequence[SamplingParams],
-                 seeds: Sequence[int], batched: Optional[bool] = None, backend: str = "auto") -> list[Acceptance]:
+                 seeds: Sequence[int], batched: Optional[bool] = None, backend: str = "auto",
+                 amateurs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[Acceptance]:
     """``accept`` for every request of one verify forward. ``batched`` (default: on
     when the logits are CUDA tensors): the exact rules of all greedy requests run as
     one kernel call and those of all sampled requests as another; the rest (empty
     drafts, relaxed rules, siblings drawn without replacement) one by one on the host.
-    Same tokens as calling ``accept`` per request (same rules, same uniforms)."""
+    Same tokens as calling ``accept`` per request (same rules, same uniforms).
+    ``amateurs[i]``: the amateur's logits for request i's rows (contrastive requests)."""
     n = len(trees)
     if batched is None:
         batched = n > 0 and logits[0].is_cuda
+    logits = _contrastive_inputs(logits, samplings, amateurs)
     out: list[Optional[Acceptance]] = [None] * n
     groups: dict[bool, list[int]] = {True: [], False: []}
     for i in range(n):
         if batched and _batchable(trees[i], samplings[i]):
             groups[samplings[i].greedy].append(i)
         else:
-            out[i] = accept(logits[i], trees[i], samplings[i], seeds[i])
+            out[i] = _accept_scores(logits[i], trees[i], samplings[i], seeds[i])
     for greedy, idx in groups.items():
         if idx:
             res = _accept_group([logits[i] for i in idx], [trees[i] for i in idx], [samplings[i] for i in idx],
@@ -300,24 +403,42 @@ def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sam
 
 
 def accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
-           probs: Optional[torch.Tensor] = None) -> Acceptance:
+           probs: Optional[torch.Tensor] = None, amateur: Optional[torch.Tensor] = None) -> Acceptance:
     """Apply the rule ``sampling`` asks for to [len(tree)+1, V] target logits.
     CUDA tensors go through the batched kernels (``accept_batch``: same uniforms, same
-    tokens)."""
+    tokens). ``contrastive`` needs ``amateur``, the amateur's logits for the same rows:
+    the target becomes ``contrastive_logits(logits, amateur)`` and the exact rules apply
+    to it (``probs``, if given, must then be the contrastive target's)."""
+    if sampling.acceptance == "contrastive":
+        logits = _contrastive_inputs([logits], [sampling], [amateur])[0]
+    return _accept_scores(logits, tree, sampling, seed, probs)
+
+
+def _accept_scores(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
+                   probs: Optional[torch.Tensor] = None) -> Acceptance:
+    """``accept`` after a contrastive target has replaced the logits by its scores."""
+    rule = sampling.acceptance
     if logits.is_cuda and _batchable(tree, sampling):
-        return accept_batch([logits], [tree], [sampling], [seed], batched=True)[0]
+        return _accept_group([logits], [tree], [sampling], [seed], sampling.greedy, "auto")[0]
     if logits.is_cuda:  # the rules below are host code: one readback of the scored rows
         logits = logits.float().cpu()
     if sampling.greedy:
-        am = argmax_rows(logits).tolist()
+        if rule == "lenient":
+            return lenient_greedy(logits, tree, sampling.lenience)
+        if rule == "topk":
+            return topk_tree(logits, tree, sampling.accept_top_k)
+        am = argmax_rows(logits).tolist()  # exact, contrastive, typical (greedy typical is greedy)
         return greedy_chain(am, tree.tokens) if tree.is_chain else greedy_tree(am, tree)
     if probs is None:
         probs = target_probs(logits, sampling)
     depth = (max(tree.depths()) + 1) if len(tree) else 0
     u_acc, u_smp = uniforms(seed, len(tree), depth)
-    if sampling.acceptance == "typical":
+    if rule == "typical":
         return typical_tree(probs, tree, u_smp, sampling.typical_epsilon, sampling.typical_delta)
+    if rule == "topk":
+        return topk_tree(logits, tree, sampling.accept_top_k, probs=probs, u_sample=u_smp)
+    lenience = sampling.lenience if rule == "lenient" else 1.0
     q = dense_q(tree, probs.shape[-1])
     if tree.is_chain:
-        return rejection_chain(probs, tree.tokens, q, u_acc, u_smp)
-    return rejection_tree(probs, tree, q, u_acc, u_smp)
+        return rejection_chain(probs, tree.tokens, q, u_acc, u_smp, lenience)
+    return rejection_tree(probs, tree, q, u_acc, u_smp, lenience)

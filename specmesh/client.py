@@ -52,10 +52,13 @@ class Result:
 def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[dict]] = None, strategy: str = "",
                   drafter: str = "", max_new_tokens: Optional[int] = None, temperature: Optional[float] = None,
                   top_p: Optional[float] = None, top_k: Optional[int] = None, seed: Optional[int] = None,
-                  acceptance: Optional[str] = None, draft_budget: Optional[int] = None,
+                  acceptance: Optional[str] = None, acceptance_params: Optional[dict] = None,
+                  draft_budget: Optional[int] = None,
                   raw_prompt: bool = False, conversation_id: str = "", reasoning: bool = False,
                   thinking_budget: Optional[int] = None) -> router_pb2.GenerateRequest:
-    """A GenerateRequest; unset options take the router's defaults (the router validates)."""
+    """A GenerateRequest; unset options take the router's defaults (the router validates).
+    ``acceptance_params``: the rule's parameters by their SamplingParams names
+    (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur)."""
     sp = common_pb2.SamplingParams()
     if temperature is not None:
         sp.temperature = temperature
@@ -67,6 +70,8 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
         sp.seed = seed
     if acceptance is not None:
         sp.acceptance = acceptance
+    for k, v in (acceptance_params or {}).items():
+        setattr(sp, k, v)  # an unknown name raises AttributeError before anything is sent
     req = router_pb2.GenerateRequest(prompt=prompt or "", messages=messages_to_proto(messages), strategy=strategy,
                                      drafter=drafter, sampling=sp, raw_prompt=raw_prompt,
                                      conversation_id=conversation_id, reasoning=reasoning)

@@ -293,6 +293,23 @@ class LlamaEngine:
         exact = torch.einsum("nh,nkh->nk", hn, self.head.rows_fp32(idx))
         return logits.scatter(-1, idx, exact)
 
+    @torch.inference_mode()
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, H] residual stream (a ``hidden`` output of ``score_batch``) -> [n, V] float32
+        logits through the final norm and head as the forward applies them: the logits
+        a forward exiting after that layer (``n_layers``, layer-skip) returns for those rows."""
+        n, ad = x.shape[0], self.act_dtype
+        if self.batch_invariant:
+            m = self._padded_rows(n)
+            if m > n:
+                x = torch.cat([x, x[-1:].expand(m - n, -1)])
+        hn = rms_norm(x.float(), self.norm, self.eps)
+        hx = hn.to(ad) if ad != torch.float32 else hn
+        logits = (self._mm(self.head, hx) if self.batch_invariant else self.head(hx)).float()
+        if ad != torch.float32:
+            logits = self._refine_top(logits, hn)
+        return logits[:n]
+
     # ------------------------------------------------------------------ slot API
     def length(self, slot: int) -> int:
         return self.lengths[slot]

@@ -378,6 +378,7 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], options: 
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt_ids)
     stats.lossy = o.sampling.lossy
+    stats.acceptance = o.sampling.acceptance
     g = _Generation(drafter, verifier, prompt_ids, o, stats)
     try:
         index = 0

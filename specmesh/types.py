@@ -38,8 +38,15 @@ class SamplingParams:
     """Target-side sampling. ``temperature == 0`` means greedy decoding.
 
     top_k == 0 disables top-k; top_p == 1.0 disables nucleus filtering.
-    ``acceptance`` selects the verify rule: "exact" (lossless, default) or
-    "typical" (lossy, opt-in; responses and metrics label it).
+    ``acceptance`` selects the verify rule (``ACCEPTANCE_RULES``): "exact" (lossless,
+    default); the relaxed, LOSSY rules "typical" (``typical_epsilon``, ``typical_delta``),
+    "lenient" (``lenience`` l in (0, 1]: accept w.p. min(1, p / (l q))) and "topk"
+    (``accept_top_k`` k >= 1: accept a draft in the target's top k); and "contrastive":
+    the target becomes contrastive decoding (``cd_alpha`` plausibility, ``cd_beta``
+    strength, ``cd_amateur`` the amateur model) and the exact rules apply to it, so the
+    output follows vanilla contrastive decoding exactly — but it is not the plain
+    model's distribution, so it is labelled ``lossy`` like the relaxed rules (responses,
+    metrics and traces carry the rule's name).
     """
 
     temperature: float = 0.0
@@ -49,6 +56,11 @@ class SamplingParams:
     acceptance: str = "exact"
     typical_epsilon: float = 0.3
     typical_delta: float = 0.09
+    lenience: float = 0.5
+    accept_top_k: int = 4
+    cd_alpha: float = 0.1
+    cd_beta: float = 0.5
+    cd_amateur: str = "layerskip"
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -57,8 +69,19 @@ class SamplingParams:
             raise InvalidArgument("top_k", f"must be an integer >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise InvalidArgument("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if self.acceptance not in ("exact", "typical"):
-            raise InvalidArgument("acceptance", f"must be 'exact' or 'typical', got {self.acceptance!r}")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise InvalidArgument("acceptance", f"must be one of {', '.join(map(repr, ACCEPTANCE_RULES))}, "
+                                  f"got {self.acceptance!r}")
+        _check_real("typical_epsilon", self.typical_epsilon, lambda x: x > 0, "> 0")
+        _check_real("typical_delta", self.typical_delta, lambda x: x >= 0, ">= 0")
+        _check_real("lenience", self.lenience, lambda x: 0 < x <= 1, "in (0, 1]")
+        if isinstance(self.accept_top_k, bool) or not isinstance(self.accept_top_k, int) or self.accept_top_k < 1:
+            raise InvalidArgument("accept_top_k", f"must be an integer >= 1, got {self.accept_top_k!r}")
+        _check_real("cd_alpha", self.cd_alpha, lambda x: 0 <= x <= 1, "in [0, 1]")
+        _check_real("cd_beta", self.cd_beta, lambda x: x >= 0, ">= 0")
+        if self.cd_amateur not in CD_AMATEURS:
+            raise InvalidArgument("cd_amateur", f"must be one of {', '.join(map(repr, CD_AMATEURS))}, "
+                                  f"got {self.cd_amateur!r}")
 
     @property
     def greedy(self) -> bool:
@@ -66,7 +89,18 @@ class SamplingParams:
 
     @property
     def lossy(self) -> bool:
+        """Not the plain target model's distribution: every rule but "exact" (the relaxed
+        rules, and "contrastive", which is exact for the contrastive target instead)."""
         return self.acceptance != "exact"
+
+
+ACCEPTANCE_RULES = ("exact", "typical", "lenient", "topk", "contrastive")
+CD_AMATEURS = ("layerskip",)  # the amateur of "contrastive": the target's own layer-skip exit
+
+
+def _check_real(name: str, x, ok, want: str) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not ok(x):
+        raise InvalidArgument(name, f"must be a finite number {want}, got {x!r}")
 
 
 SIBLINGS_IID = "iid"
@@ -318,6 +352,7 @@ class GenerationStats:
     ttft_s: float = 0.0
     finish_reason: str = ""
     lossy: bool = False
+    acceptance: str = "exact"  # the verify rule (SamplingParams.acceptance); lossy = any but "exact"
     fallbacks: int = 0
     # draft caches (proactive / ssr): drafted and accepted tokens whose draft came from the cache
     cache_hit: bool = False

@@ -87,6 +87,26 @@ class EngineVerifier:
         self.forwards = 0
         self.feature_layers: list[int] = []
         self.features: Optional[torch.Tensor] = None  # [n_slots, max_seq_len, F] hidden states of committed tokens
+        # contrastive acceptance: the amateur is the target's first ``amateur_exit`` layers
+        # + its final norm and head (the layer-skip exit), read from the same verify forward
+        self.amateur_exit: Optional[int] = None
+
+    def set_amateur_exit(self, exit_layer: int) -> None:
+        """Serve ``acceptance="contrastive"`` with this exit (default: the layer-skip self
+        drafter's, ``contrastive_exit``): the amateur is the first ``exit_layer`` layers
+        + final norm + head (the layer-skip drafter's exit), computed from the verify
+        forward's hidden state after layer ``exit_layer - 1``: one head matmul on the
+        scored rows, no extra pass."""
+        if not 0 < exit_layer < self.engine.n_layers:
+            raise InvalidArgument("amateur_exit", f"must be in (0, {self.engine.n_layers}), got {exit_layer}")
+        self.amateur_exit = int(exit_layer)
+
+    def contrastive_exit(self) -> Optional[int]:
+        """The amateur's exit layer: ``set_amateur_exit``'s, else the exit of the layer-skip
+        self drafter (``self_drafters["layerskip"]``), else None (no contrastive decoding)."""
+        if self.amateur_exit is not None:
+            return self.amateur_exit
+        return getattr(self.self_drafters.get("layerskip"), "exit_layer", None)
 
     def enable_features(self, layers: Sequence[int]) -> None:
         """Keep the hidden states of ``layers`` for every committed token of every session
@@ -159,6 +179,9 @@ class EngineVerifier:
             if not isinstance(t, int) or t < 0 or t >= self.vocab_size:
                 raise InvalidArgument("append_tokens", f"token id {t!r} outside [0, {self.vocab_size})")
         req.tree.validate(self.vocab_size, self.max_tree_nodes)
+        if req.sampling.acceptance == "contrastive" and self.contrastive_exit() is None:
+            raise InvalidArgument("sampling.cd_amateur", f"{req.sampling.cd_amateur!r}: this verifier has no "
+                                  "layer-skip exit to serve as the contrastive amateur")
         if req.self_draft is not None:
             if req.self_draft.method not in self.self_drafters:
                 raise InvalidArgument("self_draft.method", f"unknown {req.self_draft.method!r}; "
@@ -238,12 +261,19 @@ class EngineVerifier:
                     meta.append((i, r, slot, a, tree, rows, draft_ms))
                 if items:
                     t1 = time.perf_counter()
-                    scored = self.engine.score_batch(items, rows=[m[5] for m in meta],
-                                                     hidden_layers=self.feature_layers)
+                    cd = any(m[1].sampling.acceptance == "contrastive" for m in meta)
+                    exit_h = self.contrastive_exit() - 1 if cd else None  # the amateur reads layer E-1's output
+                    scored = self.engine.score_batch(
+                        items, rows=[m[5] for m in meta],
+                        hidden_layers=self.feature_layers if not cd else sorted({*self.feature_layers, exit_h}))
                     self.forwards += 1
+                    amateurs = [self.engine.head_logits(so.hidden[exit_h][m[5]])
+                                if m[1].sampling.acceptance == "contrastive" else None
+                                for m, so in zip(meta, scored)] if cd else None
                     fwd_ms = (time.perf_counter() - t1) * 1e3
                     decided = acc.accept_batch([so.logits for so in scored], [m[4] for m in meta],
-                                               [m[1].sampling for m in meta], [m[1].round_seed for m in meta])
+                                               [m[1].sampling for m in meta], [m[1].round_seed for m in meta],
+                                               amateurs=amateurs)
                     for (i, r, slot, a, tree, rows, draft_ms), so, res in zip(meta, scored, decided):
                         start = self.engine.length(slot)
                         kept = list(range(a)) + [a + j for j in res.path]

@@ -54,7 +54,9 @@ def check_session_id(sid: str) -> str:
 def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(
         temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p), seed=int(s.seed) & U64,
-        acceptance=s.acceptance, typical_epsilon=float(s.typical_epsilon), typical_delta=float(s.typical_delta))
+        acceptance=s.acceptance, typical_epsilon=float(s.typical_epsilon), typical_delta=float(s.typical_delta),
+        lenience=float(s.lenience), accept_top_k=int(s.accept_top_k), cd_alpha=float(s.cd_alpha),
+        cd_beta=float(s.cd_beta), cd_amateur=s.cd_amateur)
 
 
 def sampling_from_proto(m: common_pb2.SamplingParams, prefix: str = "sampling") -> SamplingParams:
@@ -64,7 +66,11 @@ def sampling_from_proto(m: common_pb2.SamplingParams, prefix: str = "sampling") 
             temperature=m.temperature, top_k=m.top_k, top_p=m.top_p if m.HasField("top_p") else d.top_p,
             seed=int(m.seed), acceptance=m.acceptance or d.acceptance,
             typical_epsilon=m.typical_epsilon if m.HasField("typical_epsilon") else d.typical_epsilon,
-            typical_delta=m.typical_delta if m.HasField("typical_delta") else d.typical_delta)
+            typical_delta=m.typical_delta if m.HasField("typical_delta") else d.typical_delta,
+            lenience=m.lenience if m.HasField("lenience") else d.lenience,
+            accept_top_k=m.accept_top_k if m.HasField("accept_top_k") else d.accept_top_k,
+            cd_alpha=m.cd_alpha if m.HasField("cd_alpha") else d.cd_alpha,
+            cd_beta=m.cd_beta if m.HasField("cd_beta") else d.cd_beta, cd_amateur=m.cd_amateur or d.cd_amateur)
     except InvalidArgument as e:
         raise InvalidArgument(f"{prefix}.{e.field}", e.message) from None
 
@@ -143,7 +149,8 @@ _STAT_FIELDS = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_
                 "drafted_tokens", "accepted_tokens", "accept_hist", "position_drafted", "position_accepted",
                 "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "finish_reason", "lossy",
                 "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens",
-                "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens")
+                "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens",
+                "acceptance")
 
 
 def stats_to_proto(s: GenerationStats) -> common_pb2.GenerationStats:

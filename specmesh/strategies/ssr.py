@@ -345,5 +345,6 @@ class _Reasoning:
             st.answer_s = time.perf_counter() - self.t_end
         st.total_s = time.perf_counter() - self.t0
         st.lossy = self.opts.sampling.lossy
+        st.acceptance = self.opts.sampling.acceptance
         if not self.released:
             self.keep.release_now(self.opts.session_id)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "acceptance", "typical_epsilon", "typical_delta")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "acceptance", "typical_epsilon", "typical_delta", "lenience", "accept_top_k", "cd_alpha", "cd_beta", "cd_amateur")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,11 @@ class SamplingParams(_message.Message):
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     TYPICAL_EPSILON_FIELD_NUMBER: _ClassVar[int]
     TYPICAL_DELTA_FIELD_NUMBER: _ClassVar[int]
+    LENIENCE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    CD_ALPHA_FIELD_NUMBER: _ClassVar[int]
+    CD_BETA_FIELD_NUMBER: _ClassVar[int]
+    CD_AMATEUR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -22,7 +27,12 @@ class SamplingParams(_message.Message):
     acceptance: str
     typical_epsilon: float
     typical_delta: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., acceptance: _Optional[str] = ..., typical_epsilon: _Optional[float] = ..., typical_delta: _Optional[float] = ...) -> None: ...
+    lenience: float
+    accept_top_k: int
+    cd_alpha: float
+    cd_beta: float
+    cd_amateur: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., acceptance: _Optional[str] = ..., typical_epsilon: _Optional[float] = ..., typical_delta: _Optional[float] = ..., lenience: _Optional[float] = ..., accept_top_k: _Optional[int] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., cd_amateur: _Optional[str] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")
@@ -77,7 +87,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_tokens", "rounds", "target_forwards", "drafted_tokens", "accepted_tokens", "tau", "accept_hist", "position_drafted", "position_accepted", "position_acceptance", "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "tokens_per_s", "finish_reason", "lossy", "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens", "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens")
+    __slots__ = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_tokens", "rounds", "target_forwards", "drafted_tokens", "accepted_tokens", "tau", "accept_hist", "position_drafted", "position_accepted", "position_acceptance", "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "tokens_per_s", "finish_reason", "lossy", "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens", "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens", "acceptance")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_REASON_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +123,7 @@ class GenerationStats(_message.Message):
     ANSWER_S_FIELD_NUMBER: _ClassVar[int]
     SIDE_BRANCHES_FIELD_NUMBER: _ClassVar[int]
     SIDE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     strategy_reason: str
     drafter: str
@@ -148,7 +159,8 @@ class GenerationStats(_message.Message):
     answer_s: float
     side_branches: int
     side_tokens: int
-    def __init__(self, strategy: _Optional[str] = ..., strategy_reason: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., accept_hist: _Optional[_Iterable[int]] = ..., position_drafted: _Optional[_Iterable[int]] = ..., position_accepted: _Optional[_Iterable[int]] = ..., position_acceptance: _Optional[_Iterable[float]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., network_s: _Optional[float] = ..., total_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., lossy: _Optional[bool] = ..., fallbacks: _Optional[int] = ..., verifier: _Optional[str] = ..., reprefills: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., cache_drafted_tokens: _Optional[int] = ..., cache_accepted_tokens: _Optional[int] = ..., warm_prefix_tokens: _Optional[int] = ..., thinking_tokens: _Optional[int] = ..., answer_tokens: _Optional[int] = ..., answer_s: _Optional[float] = ..., side_branches: _Optional[int] = ..., side_tokens: _Optional[int] = ...) -> None: ...
+    acceptance: str
+    def __init__(self, strategy: _Optional[str] = ..., strategy_reason: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., accept_hist: _Optional[_Iterable[int]] = ..., position_drafted: _Optional[_Iterable[int]] = ..., position_accepted: _Optional[_Iterable[int]] = ..., position_acceptance: _Optional[_Iterable[float]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., network_s: _Optional[float] = ..., total_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., lossy: _Optional[bool] = ..., fallbacks: _Optional[int] = ..., verifier: _Optional[str] = ..., reprefills: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., cache_drafted_tokens: _Optional[int] = ..., cache_accepted_tokens: _Optional[int] = ..., warm_prefix_tokens: _Optional[int] = ..., thinking_tokens: _Optional[int] = ..., answer_tokens: _Optional[int] = ..., answer_s: _Optional[float] = ..., side_branches: _Optional[int] = ..., side_tokens: _Optional[int] = ..., acceptance: _Optional[str] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)

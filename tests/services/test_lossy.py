@@ -1,9 +1,11 @@
-"""Lossy (relaxed) acceptance is labelled everywhere: one exact and one typical
-request through a real router, drafter and verifier on loopback (tiny random
-model, the instrumented ``TinyTracedStack`` of tests/support.py): the response's
-``lossy`` flag, the router's and the verifier's Prometheus metrics (read from
-/metrics) and the OpenTelemetry spans (in-memory exporter) of the request and of
-every round."""
+"""Lossy acceptance is labelled everywhere: one exact request and one with each
+rule that is not the plain model's distribution (the relaxed ``typical``,
+``lenient``, ``topk`` and the ``contrastive`` target) through a real router,
+drafter and verifier on loopback (tiny random model, the instrumented
+``TinyTracedStack`` of tests/support.py): the response's ``lossy`` flag and rule
+name, the router's and the verifier's Prometheus metrics (read from /metrics) and
+the OpenTelemetry spans (in-memory exporter) of the request and of every round.
+A rule's bad parameter is INVALID_ARGUMENT naming the field."""
 
 from __future__ import annotations
 
@@ -22,22 +24,29 @@ def tiny(tmp_path_factory):
     stack.close()
 
 
-@pytest.mark.parametrize("strategy,drafter", [("external", "prompt_lookup"), ("self", "")])
-def test_exact_and_typical_requests_are_labelled(tiny, strategy, drafter):
+PARAMS = {"typical": {}, "lenient": {"lenience": 0.5}, "topk": {"accept_top_k": 3},
+          "contrastive": {"cd_alpha": 0.1, "cd_beta": 0.5}}
+CASES = [(s, d, r) for s, d in (("external", "prompt_lookup"), ("self", "")) for r in PARAMS]
+
+
+@pytest.mark.parametrize("strategy,drafter,rule", CASES)
+def test_exact_and_lossy_requests_are_labelled(tiny, strategy, drafter, rule):
     from specmesh import Client
 
     before = {k: samples(scrape(p)) for k, p in tiny.ports.items()}
     tiny.mem.clear()
     results = {}
     with Client(tiny.address, timeout=60) as c:
-        for acceptance in ("exact", "typical"):
+        for acceptance in ("exact", rule):
             results[acceptance] = c.generate(PROMPT, strategy=strategy, drafter=drafter, max_new_tokens=N,
                                              draft_budget=4, raw_prompt=True, temperature=0.8, seed=5,
-                                             acceptance=acceptance)
-    exact, typical = results["exact"], results["typical"]
+                                             acceptance=acceptance,
+                                             acceptance_params=PARAMS[rule] if acceptance == rule else None)
+    exact, lossy = results["exact"], results[rule]
     # the response
-    assert not exact.stats.lossy and typical.stats.lossy
-    assert typical.stats.new_tokens > 0 and typical.stats.rounds > 0
+    assert not exact.stats.lossy and lossy.stats.lossy
+    assert exact.stats.acceptance == "exact" and lossy.stats.acceptance == rule
+    assert lossy.stats.new_tokens > 0 and lossy.stats.rounds > 0
     # the spans: request span and every round span carry the rule and the flag
     assert wait_for(lambda: spans_done(tiny.mem, results.values()))
     spans = spans_of(tiny.mem)
@@ -46,34 +55,34 @@ def test_exact_and_typical_requests_are_labelled(tiny, strategy, drafter):
                and s["attributes"].get("gen_ai.response.id") == r.session_id]
         assert len(req) == 1
         a = req[0]["attributes"]
-        assert a["specmesh.acceptance"] == acceptance and a["specmesh.lossy"] is (acceptance == "typical")
+        assert a["specmesh.acceptance"] == acceptance and a["specmesh.lossy"] is (acceptance == rule)
         rounds = [s for s in spans if s["name"] == "specmesh.round" and s["parent_id"] == req[0]["span_id"]]
         assert len(rounds) == r.stats.rounds + 1  # + the prefill round
         for rnd in rounds:
             ra = rnd["attributes"]
             assert ra["specmesh.acceptance"] == acceptance, ra
-            assert ra["specmesh.lossy"] is (acceptance == "typical"), ra
-    # the router's metrics: the lossy families count the typical request only, with its rule as label
+            assert ra["specmesh.lossy"] is (acceptance == rule), ra
+    # the router's metrics: the lossy families count the lossy request only, with its rule as label
     after = {k: samples(scrape(p)) for k, p in tiny.ports.items()}
     rt_b, rt_a = before["router"], after["router"]
-    lab = dict(strategy=typical.stats.strategy, drafter=typical.stats.drafter)
+    lab = dict(strategy=lossy.stats.strategy, drafter=lossy.stats.drafter)
     d = lambda name, **kw: total(rt_a, name, **kw) - total(rt_b, name, **kw)  # noqa: E731
     assert wait_for(lambda: total(samples(scrape(tiny.ports["router"])), "specmesh_lossy_requests_total", **lab)
                     - total(rt_b, "specmesh_lossy_requests_total", **lab) == 1)
     rt_a = samples(scrape(tiny.ports["router"]))
-    assert d("specmesh_lossy_requests_total", acceptance="typical", **lab) == 1
-    assert d("specmesh_lossy_generated_tokens_total", acceptance="typical", **lab) == typical.stats.new_tokens
-    assert d("specmesh_lossy_accepted_tokens_total", acceptance="typical", **lab) == typical.stats.accepted_tokens
+    assert d("specmesh_lossy_requests_total", acceptance=rule, **lab) == 1
+    assert d("specmesh_lossy_generated_tokens_total", acceptance=rule, **lab) == lossy.stats.new_tokens
+    assert d("specmesh_lossy_accepted_tokens_total", acceptance=rule, **lab) == lossy.stats.accepted_tokens
     assert d("specmesh_lossy_requests_total") == 1  # the exact request is not there
     assert not any(n.startswith("specmesh_lossy") and dict(ls).get("acceptance") == "exact" for n, ls in rt_a)
     assert d("specmesh_requests_total", **lab) == 2  # both are still ordinary requests
-    # the verifier: one lossy Verify call per target forward of the typical request, none for the exact one
+    # the verifier: one lossy Verify call per target forward of the lossy request, none for the exact one
     vb, va = before["verifier"], after["verifier"]
-    assert total(va, "specmesh_verify_lossy_calls_total", acceptance="typical", strategy=strategy) - \
-        total(vb, "specmesh_verify_lossy_calls_total", acceptance="typical", strategy=strategy) == \
-        typical.stats.target_forwards
+    assert total(va, "specmesh_verify_lossy_calls_total", acceptance=rule, strategy=strategy) - \
+        total(vb, "specmesh_verify_lossy_calls_total", acceptance=rule, strategy=strategy) == \
+        lossy.stats.target_forwards
     assert total(va, "specmesh_verify_lossy_calls_total") - total(vb, "specmesh_verify_lossy_calls_total") == \
-        typical.stats.target_forwards
+        lossy.stats.target_forwards
 
 
 def test_trace_cli_marks_the_lossy_request(tiny, tmp_path, capsys):
@@ -91,3 +100,17 @@ def test_trace_cli_marks_the_lossy_request(tiny, tmp_path, capsys):
     assert main(["trace", "list", str(tiny.jsonl_path)]) == 0
     line = [x for x in capsys.readouterr().out.splitlines() if r.session_id in x]
     assert line and "LOSSY" in line[0]
+
+
+@pytest.mark.parametrize("params,field", [({"lenience": 1.5}, "lenience"), ({"accept_top_k": 0}, "accept_top_k"),
+                                          ({"cd_beta": -1.0}, "cd_beta"), ({"cd_alpha": 2.0}, "cd_alpha"),
+                                          ({"cd_amateur": "gpt2"}, "cd_amateur")])
+def test_bad_rule_parameters_are_invalid_argument(tiny, params, field):
+    from specmesh import Client
+    from specmesh.errors import InvalidArgumentError
+
+    with Client(tiny.address, timeout=60) as c:
+        with pytest.raises(InvalidArgumentError) as e:
+            c.generate(PROMPT, strategy="self", max_new_tokens=4, raw_prompt=True, temperature=0.8,
+                       acceptance="lenient", acceptance_params=params)
+    assert e.value.field == f"sampling.{field}", e.value

@@ -39,7 +39,7 @@ LAYERS = [
                 "specmesh.kernels", "specmesh.v1"]),
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.cudagraph", "specmesh.device",
                   "specmesh.models"]),
-    ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop"]),
+    ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive"]),
     ("above the loop", ["specmesh.blockdraft", "specmesh.strategies"]),
     ("in-process assembly", ["specmesh.runtime"]),
     ("observability", ["specmesh.observability"]),
@@ -55,7 +55,7 @@ ALLOWED_UPWARD = {
     ("specmesh.blockdraft.accel", "specmesh.blockdraft.cli"),  # accel.main, `python -m specmesh.blockdraft.accel`
 }
 CORE = ("specmesh.types", "specmesh.seeding", "specmesh.trees", "specmesh.rowops", "specmesh.acceptance",
-        "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters")
+        "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters", "specmesh.contrastive")
 CORE_MUST_NOT_REACH = ("grpc", "google.protobuf", "specmesh.v1", "specmesh.serving", "specmesh.client",
                        "specmesh.observability", "specmesh.router", "specmesh.drafter_service",
                        "specmesh.verifier_service", "specmesh.deploy")
