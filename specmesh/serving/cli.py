@@ -121,11 +121,6 @@ def register(sub) -> None:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft-budget", type=int, default=None)
-    g.add_argument("--acceptance", default=None,
-                   help="verify rule: exact (default) | typical | lenient | topk (lossy) | contrastive")
-    g.add_argument("--acceptance-param", action="append", default=[], metavar="NAME=VALUE",
-                   help="the rule's parameter, repeatable: lenience=0.5, accept_top_k=4, cd_alpha=0.1, "
-                        "cd_beta=0.5, typical_epsilon=0.3, ...")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
     g.add_argument("--token-file", default=None, help="bearer token file (or env SPECMESH_AUTH_TOKEN)")
@@ -248,6 +243,11 @@ def serve_all(s) -> int:
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     extra = {"router": ["--drafter-address", addr["drafter"], "--verifier-addresses", addr["verifier"]]}
+    http_url = None
+    if s.http:  # the router's OpenAI HTTP API: a port fixed here, so a restarted router keeps it
+        http_port = s.http_port or _free_port(host)
+        extra["router"] += ["--http-port", str(http_port)]
+        http_url = f"http://{client_host}:{http_port}/v1"
     cmds = {svc: [sys.executable, "-m", "specmesh.cli", "serve", svc, "--port", str(ports[svc])] + extra.get(svc, [])
             for svc in SERVICES}
     metrics = SupervisorMetrics(SERVICES) if s.metrics else None
@@ -275,6 +275,8 @@ def serve_all(s) -> int:
                 announced = True
                 for svc in SERVICES:
                     print(f"{svc:9s} {addr[svc]}", flush=True)
+                if http_url:
+                    print(f"{'openai':9s} {http_url}", flush=True)
                 print(f'try: specmesh generate "Hello" --address {addr["router"]}', flush=True)
             stop.wait(0.2)
         return 0 if stop.is_set() else 1
@@ -292,8 +294,7 @@ def format_stats(st) -> str:
     pa = ", ".join(f"{x:.2f}" for x in st.position_acceptance)
     lines = [
         f"strategy {st.strategy}" + (f" ({st.drafter})" if st.drafter else "") + f", finish {st.finish_reason}"
-        + (f", LOSSY acceptance ({getattr(st, 'acceptance', '') or '?'})" if st.lossy else "")
-        + (f", verifier {st.verifier}" if st.verifier else ""),
+        + (", LOSSY acceptance" if st.lossy else "") + (f", verifier {st.verifier}" if st.verifier else ""),
         f"{st.new_tokens} new tokens in {st.total_s:.2f} s ({st.tokens_per_s:.1f} tok/s), ttft {st.ttft_s:.3f} s, "
         f"prompt {st.prompt_tokens} tokens",
         f"rounds {st.rounds}, tau {st.tau:.2f} tokens/forward, drafted {st.drafted_tokens}, "
@@ -313,16 +314,6 @@ def format_stats(st) -> str:
     return "\n".join("-- " + x for x in lines)
 
 
-def _acceptance_params(pairs) -> dict:
-    """["lenience=0.5", "accept_top_k=3"] -> {"lenience": 0.5, "accept_top_k": 3}."""
-    out: dict = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        out[name.strip()] = value.strip() if name.strip() == "cd_amateur" else (
-            int(value) if name.strip() == "accept_top_k" else float(value))
-    return out
-
-
 def generate_main(args) -> int:
     from ..client import Client
     from ..errors import InvalidArgumentError, SpecmeshError
@@ -335,8 +326,7 @@ def generate_main(args) -> int:
     kw = dict(strategy=args.strategy, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               draft_budget=args.draft_budget, raw_prompt=args.raw, conversation_id=args.conversation_id,
-              reasoning=args.reasoning, thinking_budget=args.thinking_budget, acceptance=args.acceptance,
-              acceptance_params=_acceptance_params(args.acceptance_param))
+              reasoning=args.reasoning, thinking_budget=args.thinking_budget)
     try:
         s = client.stream(args.prompt, **kw)
         for piece in s:

@@ -120,7 +120,7 @@ def test_serve_restarts_a_killed_drafter_and_the_stream_keeps_its_tokens():
     cmd = [sys.executable, "-m", "specmesh.cli", "serve", "--router-port", str(ports["router"]),
            "--drafter-port", str(ports["drafter"]), "--verifier-port", str(ports["verifier"]),
            "--router-metrics-port", "0", "--drafter-metrics-port", "0", "--verifier-metrics-port", "0",
-           "--supervisor-metrics-port", str(ports["sup"]), "--restart-backoff-s", "0.2"]
+           "--supervisor-metrics-port", str(ports["sup"]), "--restart-backoff-s", "0.2", "--http-port", "0"]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log: list[str] = []
@@ -128,6 +128,7 @@ def test_serve_restarts_a_killed_drafter_and_the_stream_keeps_its_tokens():
     threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
     try:
         assert wait_for(lambda: any(line.startswith("try: specmesh generate") for line in log), 300), "".join(log)
+        assert any(re.match(r"openai +http://127\.0\.0\.1:\d+/v1", line) for line in log), "".join(log)
 
         def drafter_pid() -> int:
             pids = [int(m.group(1)) for line in log for m in [re.search(r"started drafter \(pid (\d+)\)", line)] if m]
