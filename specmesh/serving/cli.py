@@ -121,6 +121,11 @@ def register(sub) -> None:
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft-budget", type=int, default=None)
+    g.add_argument("--acceptance", default=None,
+                   help="verify rule: exact (default) | typical | lenient | topk (lossy) | contrastive")
+    g.add_argument("--acceptance-param", action="append", default=[], metavar="NAME=VALUE",
+                   help="the rule's parameter, repeatable: lenience=0.5, accept_top_k=4, cd_alpha=0.1, "
+                        "cd_beta=0.5, typical_epsilon=0.3, ...")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
     g.add_argument("--token-file", default=None, help="bearer token file (or env SPECMESH_AUTH_TOKEN)")
@@ -294,7 +299,8 @@ def format_stats(st) -> str:
     pa = ", ".join(f"{x:.2f}" for x in st.position_acceptance)
     lines = [
         f"strategy {st.strategy}" + (f" ({st.drafter})" if st.drafter else "") + f", finish {st.finish_reason}"
-        + (", LOSSY acceptance" if st.lossy else "") + (f", verifier {st.verifier}" if st.verifier else ""),
+        + (f", LOSSY acceptance ({getattr(st, 'acceptance', '') or '?'})" if st.lossy else "")
+        + (f", verifier {st.verifier}" if st.verifier else ""),
         f"{st.new_tokens} new tokens in {st.total_s:.2f} s ({st.tokens_per_s:.1f} tok/s), ttft {st.ttft_s:.3f} s, "
         f"prompt {st.prompt_tokens} tokens",
         f"rounds {st.rounds}, tau {st.tau:.2f} tokens/forward, drafted {st.drafted_tokens}, "
@@ -314,6 +320,16 @@ def format_stats(st) -> str:
     return "\n".join("-- " + x for x in lines)
 
 
+def _acceptance_params(pairs) -> dict:
+    """["lenience=0.5", "accept_top_k=3"] -> {"lenience": 0.5, "accept_top_k": 3}."""
+    out: dict = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        out[name.strip()] = value.strip() if name.strip() == "cd_amateur" else (
+            int(value) if name.strip() == "accept_top_k" else float(value))
+    return out
+
+
 def generate_main(args) -> int:
     from ..client import Client
     from ..errors import InvalidArgumentError, SpecmeshError
@@ -326,7 +342,8 @@ def generate_main(args) -> int:
     kw = dict(strategy=args.strategy, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               draft_budget=args.draft_budget, raw_prompt=args.raw, conversation_id=args.conversation_id,
-              reasoning=args.reasoning, thinking_budget=args.thinking_budget)
+              reasoning=args.reasoning, thinking_budget=args.thinking_budget, acceptance=args.acceptance,
+              acceptance_params=_acceptance_params(args.acceptance_param))
     try:
         s = client.stream(args.prompt, **kw)
         for piece in s:
