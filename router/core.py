@@ -49,7 +49,7 @@ from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
 
 from .adapters import DOWN, Calls
 from .replicas import Peer, ReplicaSet
-from .strategies import EXTERNAL_DRAFTERS, SELF_DRAFTERS, STRATEGIES, Strategies  # noqa: F401 - re-exported
+from .strategies import EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STRATEGIES, Strategies  # noqa: F401
 
 log = logging.getLogger("specmesh.router")
 
@@ -304,13 +304,16 @@ class Router:
         """Each strategy: description, drafters, availability and ``default_drafter``
         (what a request naming no drafter gets; "" = none, or chosen per request).
         ``self`` lists the self drafters the verifiers have (all known names while
-        no verifier has answered Info)."""
+        no verifier has answered Info); ``external`` the drafters that need features
+        only where the drafter service hosts them (all while it has not answered)."""
         up = self.drafter is not None and self.drafter.health.available()
         have = self.runner.self_drafters()
         own = [d for d in SELF_DRAFTERS if d in have] if have else list(SELF_DRAFTERS)
+        feats = self.runner.feature_drafters() if self.drafter is not None else None
+        ext = [d for d in EXTERNAL_DRAFTERS if d not in FEATURE_DRAFTERS or feats is None or d in feats]
         avail = {"autoregressive": True, "external": up, "self": True, "proactive": up, "ssr": up, "auto": True}
-        drafters = {"external": list(EXTERNAL_DRAFTERS), "self": own, "proactive": ["cache"],
-                    "ssr": ["cache"], "auto": list(dict.fromkeys(list(EXTERNAL_DRAFTERS) + ["cache"] + own)),
+        drafters = {"external": ext, "self": own, "proactive": ["cache"],
+                    "ssr": ["cache"], "auto": list(dict.fromkeys(ext + ["cache"] + own)),
                     "autoregressive": []}
         defaults = self.runner.default_drafters()
         return [{"name": k, "description": v, "drafters": drafters[k], "available": avail[k],

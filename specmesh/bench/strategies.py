@@ -262,6 +262,11 @@ def render(matrix: dict, pro: list[dict], meta: dict) -> str:
                     lines.append(f"  {wname:<16} {e} / {o}: {ratio:.2f}x  (draft {per[e][0]:.1f} vs {per[o][0]:.1f} "
                                  f"ms/round, network {per[e][1]:.1f} vs {per[o][1]:.1f} ms/round)")
                     verdict_ext.append((wname, e, o, ratio))
+            both = [agg for agg in matrix.values() if e in agg and o in agg]
+            if len(both) > 1:  # every workload's tokens over every workload's seconds
+                te = sum(a[e]["tokens"] for a in both) / max(1e-9, sum(a[e]["seconds"] for a in both))
+                to = sum(a[o]["tokens"] for a in both) / max(1e-9, sum(a[o]["seconds"] for a in both))
+                lines.append(f"  {'all':<16} {e} / {o}: {te / to if to else 0.0:.2f}x")
     lines += ["", "verdicts:"]
     for wname, e, o, ratio in verdict_ext:
         lines.append(f"  [{'PASS' if ratio >= 0.9 else 'FAIL'}] {e} on {wname}: {ratio:.2f}x {o} (needs >= 0.90)")
@@ -286,7 +291,7 @@ def render(matrix: dict, pro: list[dict], meta: dict) -> str:
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench-strategies", help="workloads x router strategies through the services")
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--workloads", default="", help="comma list (default: all in --workloads-dir)")
     p.add_argument("--workloads-dir", default=None)
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload")
