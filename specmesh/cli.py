@@ -13,6 +13,8 @@ owns it (imported lazily so ``specmesh --help`` stays fast):
   calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.bench.calibrate)
   bench-strategies   workloads x strategies through the services (specmesh.bench.strategies)
   device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.bench.device_check)
+  costs              the speculation cost model measured on this device (specmesh.bench.costs)
+  quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD (specmesh.bench.quality)
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for mod, register in (("specmesh.serving.cli", "register"), ("specmesh.bench", "register"),
                           ("specmesh.blockdraft.cli", "register"), ("specmesh.observability.cli", "register"),
-                          ("specmesh.bench.calibrate", "register"), ("specmesh.bench.strategies", "register")):
+                          ("specmesh.bench.calibrate", "register"), ("specmesh.bench.strategies", "register"),
+                          ("specmesh.bench.costs", "register"), ("specmesh.bench.quality", "register")):
         try:
             getattr(importlib.import_module(mod), register)(sub)
         except ModuleNotFoundError as e:
