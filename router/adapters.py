@@ -138,13 +138,13 @@ class RemoteDrafter:
             return None
         if log.error is not None:
             raise FeatureError(log.error)
-        if keep == 0:  # a full (re)seed: the rows the drafter reads, the last window
-            start = max(0, log.n - log.window)
-        else:
-            start = min(self._held_rows.get(sid, 0), log.n)
-            if log.rewritten is not None:
-                start = min(start, log.rewritten)
-        return log.rows(start)
+        window_start = max(0, log.n - log.window)  # the drafter reads no row before it
+        if keep == 0:  # a full (re)seed: the last window
+            return log.rows(window_start)
+        start = self._held_rows.get(sid, 0)
+        if log.rewritten is not None:  # a re-prefill rewrote rows the drafter holds
+            start = min(start, log.rewritten)
+        return log.rows(min(max(start, window_start), log.n))  # never more than a window
 
     def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
         if not self.peer.health.available():

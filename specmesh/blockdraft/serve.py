@@ -228,16 +228,17 @@ class BlockFeatureDrafter(BlockProposer):
         return (f.lo, f.hi) if f is not None else (0, 0)
 
     def _plan(self, session_id: str, feats: Optional[FeatureRows], keep_len: int) -> tuple[bool, int, int]:
-        """(reset, lo, hi) after the delta; raises SessionLost when it does not connect."""
+        """(reset, lo, hi) after the delta: rows that connect to the held ones (lo <= start
+        <= hi) replace them from ``start``; any others (or a full resend, keep_len = 0)
+        replace everything, and must then cover the window themselves. A delta for a
+        session it dropped raises SessionLost (the caller resends from keep_len = 0)."""
         f = self._sessions.get(session_id)
         if feats is None:
             return False, *(self.feature_len(session_id))
-        if keep_len == 0 or (f is None and feats.start == 0):
+        if f is None and keep_len > 0 and feats.start > 0:
+            raise SessionLost(f"session {session_id!r}: no features held (evicted?); resend with keep_len=0")
+        if keep_len == 0 or f is None or not f.lo <= feats.start <= f.hi:
             return True, feats.start, feats.end
-        if f is None or not f.lo <= feats.start <= f.hi:
-            held = f"[{f.lo}, {f.hi})" if f is not None else "none"
-            raise SessionLost(f"features from position {feats.start} do not follow the held ones ({held}); "
-                              "resend with keep_len=0")
         return False, f.lo, feats.end
 
     def check_features(self, session_id: str, feats: Optional[FeatureRows], keep_len: int, n_tokens: int) -> None:

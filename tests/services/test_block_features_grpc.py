@@ -162,6 +162,32 @@ def test_feature_drafter_drafts_what_the_self_drafter_drafts(tree, temperature):
         assert out == reference(60)
 
 
+def test_feature_drafter_sync_rules():
+    """Rows that connect extend; rows that jump replace (and must cover the window); a
+    session the drafter dropped is SessionLost (resend from 0); the window bounds memory."""
+    from specmesh.types import SessionLost
+
+    fd = BlockFeatureDrafter(tiny_block_model(shared_tiny_weights()[1], V), amp=False, max_sessions=1)
+    fd.check_features("a", _rows(0, 40), 0, 41)
+    fd.sync_features("a", _rows(0, 40), 0)
+    assert fd.feature_len("a") == (0, 40)
+    fd.sync_features("a", _rows(40, 30), 41)  # more than twice the window (16 + block 4): compacted
+    lo, hi = fd.feature_len("a")
+    assert hi == 70 and lo == 70 - 20
+    with pytest.raises(InvalidArgument) as e:  # a jump that does not cover the window
+        fd.check_features("a", _rows(75, 0), 71, 76)
+    assert e.value.field == "features.rows"
+    fd.sync_features("a", _rows(60, 15), 71)  # connects inside the held rows: keeps [50, 60)
+    assert fd.feature_len("a") == (50, 75)
+    fd.check_features("a", _rows(40, 36), 75, 77)  # before the held rows, covering the window: replaces
+    fd.sync_features("a", _rows(40, 36), 75)
+    assert fd.feature_len("a") == (40, 76)
+    fd.sync_features("b", _rows(0, 3), 0)  # max_sessions=1: "a" is dropped
+    with pytest.raises(SessionLost):
+        fd.check_features("a", _rows(76, 1), 77, 78)
+    fd.check_features("a", _rows(60, 17), 0, 78)  # the full resend is fine
+
+
 # ---------------------------------------------------------------- through the services
 
 @pytest.fixture(scope="module")
