@@ -108,6 +108,37 @@ def _drafter_proposals(address: str) -> int:
         return drafter_pb2_grpc.DrafterStub(ch).Info(drafter_pb2.DrafterInfoRequest(), timeout=10).proposals
 
 
+def _dashboard_replicas(dashboard_url: str, deployment: str) -> list[str]:
+    """RUNNING replicas of a deployment as the Ray dashboard shows them (its Serve REST API)."""
+    from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
+
+    apps = ServeSubmissionClient(f"http://{dashboard_url}").get_serve_details()["applications"]
+    return [rep["replica_id"] for app in apps.values() for name, d in app["deployments"].items()
+            if name == deployment for rep in d["replicas"] if rep["state"] == "RUNNING"]
+
+
+def _ray_load_series(deployment: str) -> dict:
+    """replica -> value of ray_specmesh_replica_load in Ray's Prometheus export (the metrics the
+    dashboard's Metrics view and Grafana read)."""
+    import urllib.request
+
+    import ray
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for node in ray.nodes():
+        port = node.get("MetricsExportPort")
+        if not node.get("Alive") or not port:
+            continue
+        with urllib.request.urlopen(f"http://{node['NodeManagerAddress']}:{port}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                if smp.name == "ray_specmesh_replica_load" and smp.labels.get("deployment") == deployment:
+                    out[smp.labels["replica"]] = smp.value
+    return out
+
+
 def _drafter_actor_names() -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                   if a["name"].startswith(f"SERVE_REPLICA::{APP}#Drafter#"))
@@ -191,6 +222,9 @@ def test_scaling_drafters_while_requests_run(cluster, ref):
     for addr in after["drafters"]:
         assert after["drafter_calls"].get(addr, 0) > 0 and _drafter_proposals(addr) > 0, addr
     assert len(_drafter_actor_names()) == 2
+    # the dashboard shows both drafter replicas, and Ray's metrics carry each one's load
+    assert len(_dashboard_replicas(cluster.ctx.dashboard_url, "Drafter")) == 2
+    _until(lambda: len(_ray_load_series("Drafter")) == 2, 120, "ray_specmesh_replica_load of both drafters")
 
 
 def test_killing_a_drafter_replica_changes_no_output(cluster, ref):

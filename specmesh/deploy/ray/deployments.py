@@ -20,7 +20,8 @@ names for their deployment; the config has asked Ray for their GPUs.
 Like ``specmesh serve``, each replica sets up tracing from the ``OTEL_*``
 variables and serves Prometheus ``/metrics`` (on a free port unless
 ``metrics_port`` is set: replicas share nodes). Every replica reports its
-load (active sessions) for ``autoscale.load_policy`` and answers Serve's
+load (active sessions) for ``autoscale.load_policy`` — and as the Ray metric
+``specmesh_replica_load{deployment, replica}`` — and answers Serve's
 health checks by calling its own gRPC health service.
 
 This module knows nothing about decoding: it wires existing services into Ray.
@@ -69,6 +70,13 @@ class _Replica:
         self._cleanup = []
         self.metrics = None
         self.metrics_port = None
+        from ray.util.metrics import Gauge
+
+        # the replica's load in Ray's own metrics (the dashboard's Metrics view, Prometheus on the
+        # nodes' metrics export port as ray_specmesh_replica_load), one series per replica
+        self._load_gauge = Gauge("specmesh_replica_load", description="active sessions + calls in flight of one "
+                                 "specmesh replica (what the autoscaler sums)", tag_keys=("deployment", "replica"))
+        self._load_tags = {"deployment": ctx.deployment, "replica": self.replica_id}
 
     def _observe(self, svc, router=None) -> None:
         """Tracing from the OTEL_* variables and Prometheus metrics, as ``specmesh serve`` does."""
@@ -99,6 +107,7 @@ class _Replica:
         """Serve calls this every health_check_period_s; raising gets the replica replaced."""
         if self.running is None:
             raise RuntimeError("gRPC server not running")
+        self._report_load()  # Serve calls this every health_check_period_s, autoscaled or not
         if self.running.tls:
             return  # a plaintext probe cannot reach a TLS server; the process being alive has to do
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -112,7 +121,12 @@ class _Replica:
             raise RuntimeError(f"gRPC health is {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
 
     def record_autoscaling_stats(self) -> dict:
-        return {"load": float(self.load())}
+        return {"load": self._report_load()}
+
+    def _report_load(self) -> float:
+        load = float(self.load())
+        self._load_gauge.set(load, tags=self._load_tags)
+        return load
 
     def load(self) -> float:
         return 0.0
