@@ -10,7 +10,9 @@ when a replica loses the session or dies) and, for the ``external`` strategy, a
 ``RemoteDrafter`` (a dead drafter degrades the rounds to plain decoding, so
 greedy output never changes). ``Generation.cancel()`` (client cancelled, or
 deadline passed) stops it between rounds and releases the session on the
-verifier and the drafter.
+verifier and the drafter. Stop strings (``GenerateSpec.stop``) end a generation
+just before the first one in its text (``StopText``, the OpenAI/vLLM rule;
+finish reason ``stop``; the kept token ids run through the one that completed it).
 
 Strategies: ``autoregressive``, ``external`` (a drafter of the registry's
 ``EXTERNAL``: prompt_lookup | suffix | adaptive_lookup | draft_lm | block |
@@ -37,7 +39,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import grpc
 
@@ -54,6 +56,7 @@ from .strategies import EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STRA
 log = logging.getLogger("specmesh.router")
 
 ROLES = ("system", "user", "assistant")
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
 
 
 @dataclass
@@ -71,6 +74,7 @@ class GenerateSpec:
     conversation_id: str = ""
     reasoning: bool = False
     thinking_budget: Optional[int] = None
+    stop: tuple[str, ...] = ()  # stop strings on the output text
 
 
 @dataclass
@@ -102,6 +106,7 @@ class Plan:
     thinking_budget: Optional[int] = None
     messages: Optional[list[dict]] = None  # the conversation (for anticipation after the turn)
     client: str = ""
+    stop: tuple[str, ...] = ()
 
 
 class TextStream:
@@ -128,6 +133,57 @@ class TextStream:
         after = self.decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
         return after[len(before):] if len(after) > len(before) else ""
+
+
+class StopText:
+    """Stop strings on streamed text, as vLLM and the OpenAI API apply them: the
+    output ends just before the first stop string (which is not part of it), and
+    text that could be the start of one is held back until it cannot be.
+    ``push(piece)`` returns the text that is safe to emit; after a match
+    ``matched`` is the stop string and ``end`` the text offset just after it."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self.hold = max(len(x) for x in self.stops) - 1
+        self.text, self.emitted = "", 0
+        self.matched: Optional[str] = None
+        self.end = 0
+
+    def push(self, piece: str) -> str:
+        if self.matched is not None:
+            return ""
+        start = max(0, len(self.text) - self.hold)  # a new match ends in ``piece``, so it starts here or later
+        self.text += piece
+        hits = [(i, x) for x in self.stops for i in [self.text.find(x, start)] if i >= 0]
+        if hits:
+            i, self.matched = min(hits)
+            self.end = i + len(self.matched)
+            cut = max(i, self.emitted)
+            out, self.emitted = self.text[self.emitted:cut], cut
+            return out
+        safe = max(self.emitted, len(self.text) - self.hold)
+        out, self.emitted = self.text[self.emitted:safe], safe
+        return out
+
+    def flush(self) -> str:
+        """The held-back text once no more comes (nothing after a match)."""
+        if self.matched is not None:
+            return ""
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
+
+
+def tokens_through(decode: Callable[[list[int]], str], ids: list[int], chars: int, lo: int = 0) -> int:
+    """The fewest leading tokens of ``ids`` (at least ``lo``) whose text reaches
+    ``chars`` characters: the tokens a generation cut at a stop string keeps."""
+    hi = len(ids)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(ids[:mid]).rstrip("\ufffd")) >= chars:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 class Generation:
@@ -218,6 +274,12 @@ class Router:
             raise InvalidArgument("draft_budget", f"must be in [1, {self.s.max_tree_nodes}], got {budget}")
         if spec.thinking_budget is not None and spec.thinking_budget > n:
             raise InvalidArgument("thinking_budget", f"{spec.thinking_budget} exceeds max_new_tokens {n}")
+        if len(spec.stop) > MAX_STOPS:
+            raise InvalidArgument("stop", f"{len(spec.stop)} stop strings; at most {MAX_STOPS}")
+        for i, x in enumerate(spec.stop):
+            if not x or len(x) > MAX_STOP_CHARS:
+                raise InvalidArgument("stop", f"stop string {i} must have 1..{MAX_STOP_CHARS} characters, "
+                                      f"got {len(x)}")
         reasoning = spec.reasoning or spec.strategy == "ssr"
         ids = self._prompt_ids(spec, reasoning)
         if len(ids) + n + 1 > self.s.max_seq_len:
@@ -226,7 +288,7 @@ class Router:
         strategy, reason, drafter, self_draft = self._strategy(spec, ids, reasoning)
         messages = spec.messages or ([{"role": "user", "content": spec.prompt}] if not spec.raw_prompt else None)
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
-                    reasoning or strategy == "ssr", spec.thinking_budget, messages)
+                    reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop))
 
     # ------------------------------------------------------------ generation
     def start(self, spec: GenerateSpec, client: str = "", deadline: Optional[float] = None) -> Generation:
@@ -266,23 +328,38 @@ class Router:
             stats = RouterStats(strategy=plan.strategy, strategy_reason=plan.reason,
                                 drafter=plan.drafter or plan.self_draft or "")
             text = TextStream(self.codec.decode)
+            stop = StopText(plan.stop) if plan.stop else None
             out_ids: list[int] = []
             pieces: list[str] = []
             obs = self.observer.request(plan, sid, stats, verifier, drafter)
             rounds = run.rounds(stats, self._drafter_error, round_scope=obs.round_scope)
             try:
                 for chunk in rounds:
+                    first = len(out_ids)
                     out_ids += chunk
-                    pieces.append(text.push(chunk))
-                    yield Delta(chunk, pieces[-1])
+                    piece = text.push(chunk)
+                    if stop is not None:
+                        piece = stop.push(piece)
+                        if stop.matched is not None:  # keep the tokens through the stop string; the loop ends
+                            out_ids = out_ids[:tokens_through(self.codec.decode, out_ids, stop.end, first)]
+                            chunk = out_ids[first:]
+                    pieces.append(piece)
+                    yield Delta(chunk, piece)
                     if cancelled.is_set():
                         return
+                    if stop is not None and stop.matched is not None:
+                        break
             finally:
                 rounds.close()  # the loop's own finally releases verifier and drafter sessions
-            tail = text.flush()
+            tail = text.flush() if stop is None or stop.matched is None else ""
+            if stop is not None:
+                tail = stop.push(tail) + stop.flush()
             if tail:
                 pieces.append(tail)
                 yield Delta([], tail)
+            if stop is not None and stop.matched is not None:
+                out_ids = out_ids[:tokens_through(self.codec.decode, out_ids, stop.end)]
+                stats.finish_reason, stats.new_tokens = "stop", len(out_ids)
             stats.network_s = run.network_s()
             stats.fallbacks += drafter.skipped if drafter else 0  # rounds undrafted while the drafter was down
             stats.verifier, stats.reprefills = verifier.address, verifier.reprefills

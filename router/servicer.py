@@ -34,7 +34,7 @@ def spec_from_proto(m: router_pb2.GenerateRequest) -> GenerateSpec:
         sampling=convert.sampling_from_proto(m.sampling),
         draft_budget=m.draft_budget if m.HasField("draft_budget") else None, raw_prompt=m.raw_prompt,
         conversation_id=m.conversation_id, reasoning=m.reasoning,
-        thinking_budget=m.thinking_budget if m.HasField("thinking_budget") else None)
+        thinking_budget=m.thinking_budget if m.HasField("thinking_budget") else None, stop=tuple(m.stop))
 
 
 def event_to_proto(ev) -> router_pb2.GenerateResponse:

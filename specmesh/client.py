@@ -55,7 +55,7 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
                   acceptance: Optional[str] = None, acceptance_params: Optional[dict] = None,
                   draft_budget: Optional[int] = None,
                   raw_prompt: bool = False, conversation_id: str = "", reasoning: bool = False,
-                  thinking_budget: Optional[int] = None) -> router_pb2.GenerateRequest:
+                  thinking_budget: Optional[int] = None, stop: Sequence[str] = ()) -> router_pb2.GenerateRequest:
     """A GenerateRequest; unset options take the router's defaults (the router validates).
     ``acceptance_params``: the rule's parameters by their SamplingParams names
     (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur)."""
@@ -77,6 +77,7 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
                                      conversation_id=conversation_id, reasoning=reasoning)
     if thinking_budget is not None:
         req.thinking_budget = thinking_budget
+    req.stop.extend([stop] if isinstance(stop, str) else list(stop))  # the output ends before the first one
     if max_new_tokens is not None:
         req.max_new_tokens = max_new_tokens
     if draft_budget is not None:

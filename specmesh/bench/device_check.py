@@ -10,6 +10,11 @@ On a machine where ``torch.cuda.is_available()``:
    both engines, Hugging Face ``generate`` eager and with ``cache_implementation=
    "static"`` + ``torch.compile`` (``hf_static_compile``), on a few ``open_writing`` and
    ``chat_multiturn`` bench prompts;
+4. with the time left, the services side by side (``specmesh bench-strategies
+   --device ...`` in a subprocess: verifier, drafter and router servers on loopback):
+   plain, ``self:block_tree`` and ``external:block_tree`` (the block drafter on the
+   drafter service, fed hidden features through the router), with the
+   external/self ratio it prints;
 
 and writes ``results.json`` and ``report.md`` to ``--out``. Each phase checks the
 time left (``--budget-s``, default 280 s) and is skipped, with a note, when it would
@@ -212,6 +217,10 @@ def render(result: dict) -> str:
         lines.append(f"- {n}")
     if result.get("engine_calls"):
         lines += ["", f"GraphedEngine calls: {result['engine_calls']}"]
+    svc = result.get("services")
+    if svc:
+        lines += ["", "## Through the services (bench-strategies): external vs self block tree", ""]
+        lines += (["```", svc.get("tail", "").strip(), "```"] if svc.get("ran") else [f"not run: {svc.get('reason')}"])
     lines += ["", "Speedups are ratios to the same family's AR measured in this run; bf16 greedy outputs may "
                   "differ at near-ties, so 'identical' is reported, not asserted (fp32 identity is a CUDA test). "
                   "Compilation and graph capture happen before timing.", ""]
@@ -262,6 +271,7 @@ def main(args) -> int:
         result["traceback"] = traceback.format_exc()[-4000:]
         log(result["traceback"])
         status = 1
+    status = max(status, _services_phase(args, device, deadline, out_dir, result, log))
     result["wall_s"] = round(time.monotonic() - t_start, 1)
     (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
     (out_dir / "report.md").write_text(render(result))
@@ -319,3 +329,25 @@ def _bench_phase(args, device, deadline: float, result: dict, log) -> int:
         result["notes"].append(f"plain decoding, GraphedEngine vs eager engine (bf16): {same}/{len(pairs)} "
                                "outputs identical")
     return 1 if notes else 0
+
+
+def _services_phase(args, device, deadline: float, out_dir: Path, result: dict, log) -> int:
+    """``bench-strategies`` on the device: external vs self block tree through the services."""
+    left = deadline - time.monotonic() - 10
+    if left < 90:
+        result["services"] = {"ran": False, "reason": f"{max(0, left):.0f} s left (needs 90)"}
+        return 0
+    cmd = [sys.executable, "-m", "specmesh.cli", "bench-strategies", "--device", str(device), "--dtype", "bf16",
+           "--model", args.model, "--workloads", ",".join(WORKLOADS), "--prompts", str(args.prompts),
+           "--systems", "autoregressive,self:block_tree,external:block_tree", "--max-new-tokens",
+           str(args.max_new_tokens), "--proactive", "0", "--out", str(out_dir / "services")]
+    log("device-check: " + " ".join(cmd[2:]))
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        result["services"] = {"ran": True, "rc": None, "reason": f"timed out after {left:.0f} s",
+                              "tail": out[-3000:]}
+        return 1
+    result["services"] = {"ran": True, "rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
+    return 0 if p.returncode == 0 else 1

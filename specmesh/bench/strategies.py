@@ -66,13 +66,13 @@ class Services(LocalStack):
     """Verifier, drafter and router servers in this process (loopback, free ports) over
     one Runtime: ``specmesh.serving.stack.LocalStack`` with the target's verifier."""
 
-    def __init__(self, model: str, dtype: str, slots: int, max_seq_len: int):
+    def __init__(self, model: str, dtype: str, slots: int, max_seq_len: int, device: str = "cpu"):
         from ..runtime import Runtime
         from ..serving.settings import load_settings
 
-        self.rt = Runtime(model, dtype=dtype, n_slots=slots, max_seq_len=max_seq_len, quiet=True)
+        self.rt = Runtime(model, dtype=dtype, n_slots=slots, max_seq_len=max_seq_len, quiet=True, device=device)
         base = dict(model=model, dtype=dtype, n_slots=slots, max_seq_len=max_seq_len, max_new_tokens=1024,
-                    workers=16, drain_s=0.0, max_sessions_per_client=64)
+                    workers=16, drain_s=0.0, max_sessions_per_client=64, device=device)
         if "metrics" in _fields():
             base["metrics"] = False  # no /metrics HTTP port for an in-process benchmark
         super().__init__([self.rt.verifier], self.rt, self.rt.vocab_size, settings=partial(load_settings, **base))
@@ -303,6 +303,7 @@ def register(subparsers) -> None:
     p.add_argument("--proactive", type=int, default=2, help="conversations for the proactive follow-up test (0: off)")
     p.add_argument("--next-turns", type=int, default=2, help="predicted next turns per anticipation")
     p.add_argument("--slots", type=int, default=8)
+    p.add_argument("--device", default="cpu", help="verifier and drafter service: cpu | cuda | cuda:N | auto")
     p.add_argument("--out", default=None, help="also write the table and raw numbers here (.md and .json)")
     p.set_defaults(module="specmesh.bench.strategies", func="main")
 
@@ -316,7 +317,7 @@ def main(args) -> int:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if "autoregressive" not in systems:
         systems.insert(0, "autoregressive")
-    svc = Services(args.model, args.dtype, args.slots, 2048)
+    svc = Services(args.model, args.dtype, args.slots, 2048, device=getattr(args, "device", "cpu"))
     try:
         with Client(svc.address, timeout=900, client_id="bench") as c:
             c.generate("Say hello.", strategy="autoregressive", max_new_tokens=4)  # warm-up

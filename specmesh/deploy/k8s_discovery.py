@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     if s.http:  # the OpenAI-compatible HTTP API, as `specmesh serve router` serves it
         from specmesh.serving.openai_http import start_http
 
-        http = start_http(s, running.address, router.codec)
+        http = start_http(s, running.address)
         print(f"specmesh router OpenAI API on {http.url}", flush=True)
     try:
         serve_until_signal(running, s.drain_s)

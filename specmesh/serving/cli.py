@@ -126,6 +126,8 @@ def register(sub) -> None:
     g.add_argument("--acceptance-param", action="append", default=[], metavar="NAME=VALUE",
                    help="the rule's parameter, repeatable: lenience=0.5, accept_top_k=4, cd_alpha=0.1, "
                         "cd_beta=0.5, typical_epsilon=0.3, ...")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string, repeatable: the output ends just before the first one")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
     g.add_argument("--token-file", default=None, help="bearer token file (or env SPECMESH_AUTH_TOKEN)")
@@ -197,7 +199,7 @@ def serve_one(service: str, s) -> int:
         from .openai_http import start_http
 
         try:
-            http = start_http(s, running.address, router.codec)
+            http = start_http(s, running.address)
             print(f"specmesh {service} OpenAI API on {http.url}", flush=True)
         except OSError as e:  # the gRPC API is up; say why the HTTP one is not
             print(f"specmesh {service}: WARNING no OpenAI HTTP API, port {s.http_port} on {s.host}: {e} "
@@ -342,7 +344,7 @@ def generate_main(args) -> int:
     kw = dict(strategy=args.strategy, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               draft_budget=args.draft_budget, raw_prompt=args.raw, conversation_id=args.conversation_id,
-              reasoning=args.reasoning, thinking_budget=args.thinking_budget, acceptance=args.acceptance,
+              reasoning=args.reasoning, thinking_budget=args.thinking_budget, stop=args.stop, acceptance=args.acceptance,
               acceptance_params=_acceptance_params(args.acceptance_param))
     try:
         s = client.stream(args.prompt, **kw)

@@ -9,20 +9,19 @@ client (or any OpenAI-compatible client) works unchanged:
   (server-sent events, ``stream: true``, ``stream_options.include_usage``) or
   not; ``temperature`` (OpenAI's default 1.0 when omitted), ``top_p``,
   ``max_tokens`` / ``max_completion_tokens``, ``seed`` (a random one when a
-  sampled request gives none, reported back), ``stop`` (strings, matched on the
-  text here: the output is cut before the stop string and the router's call is
-  cancelled), ``n`` (1 only), ``usage``;
+  sampled request gives none, reported back), ``stop`` (strings, applied by the router:
+  the output ends just before the first one, finish reason ``stop``), ``n`` (1 only), ``usage``;
 - extra body fields, the way vLLM takes extra sampling parameters (the
   ``openai`` client sends them with ``extra_body={...}``): ``strategy``,
-  ``drafter``, ``acceptance`` (``exact`` | ``typical``), ``top_k``,
+  ``drafter``, ``acceptance`` (``exact`` or an opt-in rule: ``typical``, ``lenient``,
+  ``topk``, ``contrastive``, ``divergence``) with its parameters as flat fields
+  (``lenience``, ``accept_top_k``, ``typical_epsilon``, ``cd_alpha``, ... : the
+  ``SamplingParams`` fields), ``top_k``,
   ``draft_budget``, ``conversation_id``;
 - every response carries the speculation stats as an extra field
   ``"specmesh": {tau, accepted_tokens, drafted_tokens, strategy, drafter,
   lossy, ...}`` (the router's ``GenerationStats``, plus ``session_id``); a
-  stream carries it on its final chunk (the one with ``finish_reason``). A
-  generation cut at a stop string is cancelled, and a cancelled call gets no
-  final stats from the router: its ``specmesh`` field says so and names the
-  stop string;
+  stream carries it on its final chunk (the one with ``finish_reason``);
 - ``GET /health``: 200 while the process serves (no token needed, like the
   gRPC health service).
 
@@ -44,14 +43,12 @@ The bearer token, TLS (``tls_cert`` / ``tls_key``, and ``tls_client_ca`` for
 client certificates) are the router's settings; the HTTP peer's address is
 forwarded as the router's per-client session key.
 
-``start_http(settings, router_address, codec)`` binds ``host:http_port`` (0 =
+``start_http(settings, router_address)`` binds ``host:http_port`` (0 =
 a free port) and runs uvicorn in a thread of the router's process
 (``specmesh serve router``, the Kubernetes router, the Ray router replica).
 
-This module knows nothing about models, decoding or the router's internals:
-it speaks the SDK and counts prompt tokens with the router's codec only when a
-stop string cut a generation short (the router sends the count in its final
-message, which a cancelled call does not get).
+This module knows nothing about models, tokenizers, decoding or the router's
+internals: it speaks the SDK.
 """
 
 from __future__ import annotations
@@ -67,14 +64,15 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from ..client import AsyncClient
+from ..v1 import common_pb2
 from ..errors import (DeadlineExceededError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                       SpecmeshError, UnauthenticatedError, UnavailableError)
 
@@ -87,6 +85,11 @@ _PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sa
            "sampling.seed": "seed", "sampling.acceptance": "acceptance", "strategy": "strategy",
            "drafter": "drafter", "draft_budget": "draft_budget", "conversation_id": "conversation_id",
            "messages": "messages", "request": None}
+# the acceptance rules' parameters, taken as flat extra body fields like vLLM's extra sampling parameters
+# (lenience, accept_top_k, typical_epsilon, cd_alpha, ...): every SamplingParams field not mapped above
+_RULE_PARAMS = tuple(f for f in common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
+                     if f"sampling.{f}" not in _PARAMS)
+_PARAMS.update({f"sampling.{f}": f for f in _RULE_PARAMS})
 
 
 # ---------------------------------------------------------------- request bodies
@@ -287,9 +290,11 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
         kw["seed"] = b.seed % U64
     elif temperature > 0:  # OpenAI samples differently on every call without a seed
         drawn = kw["seed"] = secrets.randbits(63)
+    rule = {k: v for k, v in (b.model_extra or {}).items() if k in _RULE_PARAMS and v is not None}
+    if rule:
+        kw["acceptance_params"] = rule
     stops = _stops(b.stop)
-    if stops and b.strategy == "ssr":
-        raise bad("stop", "stop strings are not supported with strategy 'ssr'")
+    kw["stop"] = stops  # the router applies them (finish_reason "stop", its stats count the kept tokens)
     include_usage = bool(b.stream_options and b.stream_options.include_usage)
     return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn)
 
@@ -297,14 +302,11 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
 # ---------------------------------------------------------------- one generation
 
 class Run:
-    """Text pieces of one SDK stream with the stop strings applied: text that
-    could begin a stop string is held back until it cannot."""
+    """The text pieces of one SDK stream (the router has applied the stop strings)."""
 
-    def __init__(self, stream, stops: list[str]):
-        self.s, self.stops = stream, stops
-        self.hold = max((len(x) for x in stops), default=1) - 1
-        self.acc, self.sent = "", 0
-        self.stopped: Optional[str] = None
+    def __init__(self, stream):
+        self.s = stream
+        self.acc = ""
 
     async def pieces(self):
         agen = self.s.__aiter__()
@@ -312,25 +314,9 @@ class Run:
         try:
             async for piece in agen:
                 self.acc += piece
-                if self.stops:
-                    hits = [(i, x) for x in self.stops for i in [self.acc.find(x)] if i >= 0]
-                    if hits:
-                        i, self.stopped = min(hits)
-                        self.s.cancel()  # the router frees the session; no final message follows
-                        out, self.sent = self.acc[self.sent:i], i
-                        self.acc = self.acc[:i]
-                        done = True
-                        if out:
-                            yield out
-                        return
-                safe = len(self.acc) - self.hold
-                if safe > self.sent:
-                    out, self.sent = self.acc[self.sent:safe], safe
-                    yield out
+                if piece:
+                    yield piece
             done = True
-            if self.sent < len(self.acc):
-                out, self.sent = self.acc[self.sent:], len(self.acc)
-                yield out
         finally:
             if not done:
                 self.s.cancel()  # the HTTP client went away, or an error: free the router's session
@@ -341,19 +327,15 @@ class Run:
         return self.acc
 
     def finish_reason(self) -> str:
-        if self.stopped is not None:
-            return "stop"
         return "length" if self.s.result.stats.finish_reason == "length" else "stop"
 
 
 class Api:
     """The routes' logic over an ``AsyncClient`` to the router."""
 
-    def __init__(self, client: AsyncClient, model: str, token: Optional[str] = None,
-                 count_prompt: Optional[Callable[[Optional[str], Optional[list], bool], int]] = None):
+    def __init__(self, client: AsyncClient, model: str, token: Optional[str] = None):
         self.client, self.model = client, model
         self._expected = f"Bearer {token}".encode() if token else None
-        self.count_prompt = count_prompt
         self.created = int(time.time())
 
     def check_auth(self, request: Request) -> None:
@@ -365,24 +347,13 @@ class Api:
 
     # ------------------------------------------------------------ results
     def _usage(self, job: Job, run: Run) -> dict:
-        if run.stopped is None:
-            st = run.s.result.stats
-            prompt, completion = st.prompt_tokens, st.new_tokens
-        else:
-            completion = len(run.s.token_ids)  # tokens the router committed up to the cut
-            kw = job.kwargs
-            prompt = self.count_prompt(kw.get("prompt"), kw.get("messages"), not kw.get("raw_prompt", False)) \
-                if self.count_prompt is not None else 0
+        st = run.s.result.stats
+        prompt, completion = st.prompt_tokens, st.new_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _stats(self, job: Job, run: Run) -> dict:
-        if run.stopped is not None:
-            d: dict[str, Any] = {"stop_string": run.stopped, "stats": None,
-                                 "note": "cut at a stop string: the router's call was cancelled, and a cancelled "
-                                         "call gets no final stats"}
-        else:
-            r = run.s.result
-            d = dict(r.stats.to_dict(), session_id=r.session_id)
+        r = run.s.result
+        d: dict[str, Any] = dict(r.stats.to_dict(), session_id=r.session_id)
         if job.drawn_seed is not None:
             d["seed"] = job.drawn_seed
         return d
@@ -420,7 +391,7 @@ class Api:
         rid = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         stream = self.client.stream(client_id=peer, **job.kwargs)
-        run = Run(stream, job.stops)
+        run = Run(stream)
         pieces = run.pieces()
         try:  # the router validates when the call starts: its errors become HTTP statuses here
             first = await pieces.__anext__()
@@ -571,14 +542,13 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def start_http(s, router_address: str, codec=None, port: Optional[int] = None) -> HttpServer:
+def start_http(s, router_address: str, port: Optional[int] = None) -> HttpServer:
     """Serve the OpenAI API for the router at ``router_address`` on ``s.host``:``port``
     (default ``s.http_port``; 0 = a free port). ``s`` is the router's ``ServeSettings``:
     its token guards the HTTP API too, its ``tls_cert``/``tls_key`` (and ``tls_client_ca``)
     make it HTTPS, and the client reaching the router over gRPC trusts ``peer_ca`` (else
     ``tls_cert``, a self-signed certificate) and shows ``peer_cert`` when the router asks
-    for client certificates. ``codec``: the router's codec (prompt tokens of stop-cut
-    generations). Raises ``OSError`` when the port cannot be bound."""
+    for client certificates. Raises ``OSError`` when the port cannot be bound."""
     token = s.token()
     tls = s.tls_cert is not None
     client_kw: dict[str, Any] = {}
@@ -590,11 +560,7 @@ def start_http(s, router_address: str, codec=None, port: Optional[int] = None) -
                                  "peer_key for its OpenAI HTTP front, or http: false")
             client_kw.update(certificate_chain=str(s.peer_cert), private_key=str(s.peer_key))
     client = AsyncClient(router_address, token=token, **client_kw)
-    count = None
-    if codec is not None:
-        def count(prompt, messages, chat):
-            return len(codec.encode(prompt, messages, chat=chat))
-    app = create_app(Api(client, s.model, token, count))
+    app = create_app(Api(client, s.model, token))
     sock = _bind(s.host, s.http_port if port is None else port)
     ssl_kw: dict[str, Any] = {}
     if tls:

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id", "reasoning", "thinking_budget")
+    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id", "reasoning", "thinking_budget", "stop")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class GenerateRequest(_message.Message):
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     REASONING_FIELD_NUMBER: _ClassVar[int]
     THINKING_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     strategy: str
@@ -31,7 +32,8 @@ class GenerateRequest(_message.Message):
     conversation_id: str
     reasoning: bool
     thinking_budget: int
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., reasoning: _Optional[bool] = ..., thinking_budget: _Optional[int] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., reasoning: _Optional[bool] = ..., thinking_budget: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text")

@@ -6,7 +6,7 @@ on the real SmolLM2).
 - chat and completions, streaming and not: greedy output equal to the gRPC SDK's for
   the same request, usage counts equal to the router's stats, the speculation stats
   in the ``specmesh`` field (on the final chunk of a stream);
-- ``stop`` cuts the text before the stop string (streaming and not);
+- ``stop`` (applied by the router) cuts the text before the stop string (streaming and not);
 - bad input -> ``openai.BadRequestError`` naming the parameter (the router's
   INVALID_ARGUMENT, and the checks of the HTTP layer: ``n``, ``logprobs``, types);
   an unknown model -> ``NotFoundError``; a wrong or missing token ->
@@ -59,7 +59,7 @@ class Front:
                                 drafters={"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter},
                                 metrics=True)
         try:
-            self.http = start_http(self.stack.rs, self.stack.address, self.stack.router.codec, port=0)
+            self.http = start_http(self.stack.rs, self.stack.address, port=0)
         except BaseException:
             self.stack.close()
             raise
@@ -165,28 +165,48 @@ def test_typical_acceptance_is_labelled_lossy(front):
     assert r.model_extra["specmesh"]["lossy"] is True
 
 
+def test_relaxed_rules_take_their_parameters_as_extra_fields(front):
+    """``lenience`` / ``accept_top_k`` ride along as flat extra fields (vLLM style) and
+    reach the verifier: the response names the rule and is labelled lossy; a bad
+    value is a 400 naming the parameter."""
+    for extra in ({"acceptance": "lenient", "lenience": 0.5}, {"acceptance": "topk", "accept_top_k": 3}):
+        r = front.oa.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N, temperature=0.7, seed=1,
+                                             extra_body=dict(extra, strategy="self"))
+        sm = r.model_extra["specmesh"]
+        assert sm["lossy"] is True and sm["acceptance"] == extra["acceptance"], sm
+    with pytest.raises(openai.BadRequestError) as e:
+        front.oa.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N,
+                                         extra_body={"acceptance": "lenient", "lenience": 2.0})
+    assert e.value.body["param"] == "lenience", e.value.body
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_cuts_before_the_stop_string(front, stream):
+    """The router applies the stop strings (the OpenAI rule): the text ends before the
+    first one, finish_reason stop, the router's stats count the tokens through it."""
     full = front.sdk.generate(messages=CHAT, max_new_tokens=N, temperature=0).text
     assert len(full) >= 8
     stop = full[4:6]
     want = full[: full.find(stop)]
+    kept = len(want) + len(stop)  # TokenizerCodec: one character a token; tokens run through the stop string
     kw = dict(model=MODEL, messages=CHAT, stop=[stop, "\x00never"], **_greedy())
     if stream:
         chunks = list(front.oa.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         fin = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
         assert fin.choices[0].finish_reason == "stop"
-        assert fin.model_extra["specmesh"]["stop_string"] == stop
+        st = fin.model_extra["specmesh"]
         usage = chunks[-1].usage
     else:
         r = front.oa.chat.completions.create(**kw)
         text, usage = r.choices[0].message.content, r.usage
-        assert r.choices[0].finish_reason == "stop" and r.model_extra["specmesh"]["stop_string"] == stop
+        assert r.choices[0].finish_reason == "stop"
+        st = r.model_extra["specmesh"]
     assert text == want
-    ref = front.sdk.generate(messages=CHAT, max_new_tokens=N, temperature=0)
-    assert usage.prompt_tokens == ref.stats.prompt_tokens
-    assert len(want) <= usage.completion_tokens <= ref.stats.new_tokens  # TokenizerCodec: one character a token
+    assert st["finish_reason"] == "stop" and st["new_tokens"] == kept and "tau" in st
+    sdk = front.sdk.generate(messages=CHAT, max_new_tokens=N, temperature=0, stop=[stop])
+    assert sdk.text == want and len(sdk.token_ids) == kept and sdk.stats.finish_reason == "stop"
+    assert usage.prompt_tokens == sdk.stats.prompt_tokens and usage.completion_tokens == kept
     # completions, a single stop string
     r = front.oa.completions.create(model=MODEL, prompt=PROMPT, stop=stop, **_greedy())
     full_c = front.sdk.generate(PROMPT, raw_prompt=True, max_new_tokens=N, temperature=0).text
@@ -204,6 +224,8 @@ def test_stop_cuts_before_the_stop_string(front, stream):
     (dict(logprobs=True), "logprobs"),
     (dict(presence_penalty=0.5), "presence_penalty"),
     (dict(stop=[""]), "stop"),
+    (dict(stop=[str(i) for i in range(17)]), "stop"),
+    (dict(stop=["x" * 257]), "stop"),
     (dict(extra_body={"strategy": "warp"}), "strategy"),
     (dict(extra_body={"drafter": "oracle", "strategy": "external"}), "drafter"),
     (dict(extra_body={"acceptance": "bogus"}), "acceptance"),
@@ -328,7 +350,7 @@ def test_real_model_stream_with_self_speculation(runtime):
     stack = RuntimeStack(runtime=runtime, n_slots=4)
     http = None
     try:
-        http = start_http(stack.rs, stack.address, stack.router.codec, port=0)
+        http = start_http(stack.rs, stack.address, port=0)
         msgs = [{"role": "user", "content": "List the planets of the solar system in order from the sun."}]
         with openai.OpenAI(base_url=http.url, api_key="unused", max_retries=0, timeout=300) as oa:
             chunks = list(oa.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, stream=True,

@@ -217,7 +217,7 @@ class RouterReplica(_Replica):
 
             port = self.s.http_port if "http_port" in self.cfg.settings else RAY_HTTP_PORT
             try:
-                http = start_http(self.s, self.running.address, self.router.codec, port=port)
+                http = start_http(self.s, self.running.address, port=port)
             except OSError as e:  # the gRPC API is up; say why the HTTP one is not
                 log.warning("router replica %s: no OpenAI HTTP API on port %s: %s (set settings.http_port)",
                             self.replica_id, port, e)
