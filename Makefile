@@ -5,7 +5,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specmesh-installed
 ARGS    ?=
 
-.PHONY: setup demo test test-fast bench protos clean
+.PHONY: setup demo test test-fast bench bench-peers protos clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,17 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/specmesh bench $(ARGS)
+
+# llama.cpp side by side: builds llama-cpp-python once (the `bench-peers` extra; minutes), then
+# our int4 engine (plain and speculative) and llama.cpp (plain and prompt lookup) on the same
+# prompts, alternating, 128 tokens, greedy. ARGS adds or overrides flags.
+PEERS_STAMP := $(VENV)/.specmesh-bench-peers
+$(PEERS_STAMP): $(STAMP)
+	CMAKE_ARGS="$${CMAKE_ARGS:--DGGML_NATIVE=ON}" $(BIN)/pip install -q -e '.[bench-peers]'
+	touch $(PEERS_STAMP)
+
+bench-peers: $(PEERS_STAMP)
+	$(BIN)/specmesh bench --dtype int4 --systems ours,llamacpp --max-new-tokens 128 --out bench-out/peers $(ARGS)
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py

@@ -35,7 +35,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias or local Hugging Face model directory")
     # bf16: the fastest dtype whose speculative output is identical to its plain decoding
     # and that is not a quantisation (batch-invariant engine; scripts/dtype_compare.py)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"])
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
     add_device_args(p)
 
 

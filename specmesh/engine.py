@@ -1,6 +1,8 @@
 """Llama-family forward written for serving: preallocated KV cache and slot API.
 
-The engine holds the target's weights (fp32, bf16 or int8 weight-only) and a KV
+The engine holds the target's weights (fp32, bf16, or int8 / int4 weight-only with
+bf16 activations, torch's CPU kernels ``_weight_int8pack_mm`` /
+``_weight_int4pack_mm_for_cpu``) and a KV
 cache of ``n_slots`` rows of ``max_seq_len`` positions. A slot holds one
 sequence's committed tokens; callers (the verifier's session pool) decide which
 sequence lives in which slot.
@@ -16,12 +18,12 @@ sequence lives in which slot.
 - ``score_batch``: several slots' trees as one forward (matmuls over the
   concatenated tokens, attention per sequence); equals separate calls.
 
-Batch invariance (``batch_invariant=True``, the default for bf16 and int8 on
+Batch invariance (``batch_invariant=True``, the default for bf16, int8 and int4 on
 CPU): a row's logits and hidden states are bitwise the same whatever else is
 scored in the same call (alone or as row j of a chain, as a tree node, beside
 other sessions), and the KV a chain leaves does not depend on how it was split
 into calls — so greedy speculation returns exactly the tokens of plain decoding in
-bf16 and int8 too. What breaks it in the ragged forward (measured on CPU, torch
+bf16, int8 and int4 too. What breaks it in the ragged forward (measured on CPU, torch
 2.13): matmuls whose row count crosses a kernel boundary (bf16: 1 row in small
 shapes, over 32 rows; fp32: 1, 2-3, 4+ rows); SDPA, whose result for a query
 depends on the key length and on whether its query block has a single row; and
@@ -59,7 +61,13 @@ from .rowops import topk_rows
 from .types import InvalidArgument, ResourceExhausted
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "int8": torch.bfloat16}
+          "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}
+DTYPE_NAMES = ("fp32", "bf16", "int8", "int4")  # what ``dtype=`` accepts (and the command lines offer)
+# int4: weights in groups of INT4_GROUP along the input dimension (asymmetric: a bf16 scale
+# and zero per group). 32 is the block of the GGUF Q4_0/Q4_1 weights the default model
+# ships (its minimum and maximum per block give back that grid, up to the bf16 rounding of
+# scale and zero); 64/128 halve/quarter the scale bytes (docs/int4.md has the measured cost).
+INT4_GROUP = 32
 
 # Batch-invariant forward, per dtype (measured on CPU, see the module docstring):
 # (min, max) rows per matmul call (max 0: any), (min, max) query rows per KV head of
@@ -70,42 +78,90 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 # 4+, so exactly 8. SDPA (flash, CPU): bf16 any 2-32 query rows (one query block; a
 # block of one row runs another path) over keys padded to 64; fp32 exactly 12 rows
 # over keys padded to 512 (its key block).
-ROW_TILES = {"fp32": (8, 8), "bf16": (2, 32), "int8": (1, 0)}
-ATTN_ROWS = {"fp32": (12, 12), "bf16": (2, 32), "int8": (2, 32)}
-KEY_BLOCK = {"fp32": 512, "bf16": 64, "int8": 64}
+# int4 (``_weight_int4pack_mm_for_cpu``, bf16 activations) gives a row the same bits for
+# every M too (measured for 1..300 rows on the engine's shapes).
+ROW_TILES = {"fp32": (8, 8), "bf16": (2, 32), "int8": (1, 0), "int4": (1, 0)}
+ATTN_ROWS = {"fp32": (12, 12), "bf16": (2, 32), "int8": (2, 32), "int4": (2, 32)}
+KEY_BLOCK = {"fp32": 512, "bf16": 64, "int8": 64, "int4": 64}
+
+
+def int4_supported(out_features: int, in_features: int, group: int = INT4_GROUP) -> bool:
+    """Whether torch's CPU int4 pack takes a [out, in] weight in groups of ``group``."""
+    return out_features % 16 == 0 and in_features % group == 0 and group in (32, 64, 128, 256)
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise 4-bit quantisation of w [N, K] along K: (q [N, K] uint8 in
+    0..15, scale [N, K/group], minimum [N, K/group]) float32, w ~ q * scale + minimum."""
+    N, K = w.shape
+    wg = w.float().reshape(N, K // group, group)
+    lo, hi = wg.amin(-1), wg.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((wg - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8).reshape(N, K)
+    return q, scale, lo
 
 
 class Linear:
     """y = x @ W.T (+ b). int8 mode: per-output-channel symmetric weight-only quantisation
-    run by ``aten._weight_int8pack_mm`` with bf16 activations."""
+    run by ``aten._weight_int8pack_mm`` with bf16 activations. int4 mode: group-wise
+    asymmetric 4-bit weights (``quantize_int4``) run by ``aten._weight_int4pack_mm_for_cpu``
+    with bf16 activations, scales and zeros; a weight torch's pack cannot take (out
+    features not a multiple of 16, in features not of the group) falls back to int8.
+    ``keep_rows`` (int4): keep a plain nibble copy so ``rows_fp32`` can dequantise rows
+    (the packed layout is the kernel's own)."""
 
-    def __init__(self, w: torch.Tensor, b: Optional[torch.Tensor], mode: str):
+    def __init__(self, w: torch.Tensor, b: Optional[torch.Tensor], mode: str, group: int = INT4_GROUP,
+                 keep_rows: bool = False):
+        if mode == "int4" and (w.device.type != "cpu" or not int4_supported(*w.shape, group)):
+            mode = "int8"
         self.mode = mode
         self.out_features = w.shape[0]
+        self.group = group
+        self.q4 = None
         if mode == "int8":
             w = w.float()
             scale = (w.abs().amax(1) / 127.0).clamp_min(1e-8)
             self.w = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self.scale = scale.to(torch.bfloat16)
+        elif mode == "int4":
+            q, scale, lo = quantize_int4(w, group)
+            # the kernel computes (q - 8) * scale + zero: zero = minimum + 8 * scale
+            self.scale = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            if keep_rows:
+                self.q4 = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [N, K/2]
         else:
             self.w = w.to(DTYPES[mode]).contiguous()
         self.b = None if b is None else b.to(DTYPES[mode])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, self.group, self.scale)
+            return y if self.b is None else y + self.b
         if self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
             return y if self.b is None else y + self.b
         return F.linear(x, self.w, self.b)
 
     def rows_fp32(self, idx: torch.Tensor) -> torch.Tensor:
-        """Weight rows ``idx`` [...] as fp32 [..., in_features] (dequantised in int8 mode)."""
+        """Weight rows ``idx`` [...] as fp32 [..., in_features] (dequantised in int8/int4
+        mode, as the kernel sees them)."""
         if self.mode == "int8":
             return self.w[idx].float() * self.scale[idx].float()[..., None]
+        if self.mode == "int4":
+            if self.q4 is None:
+                raise InvalidArgument("rows", "this int4 weight keeps no row copy (keep_rows=False)")
+            p = self.q4[idx]  # [..., K/2]
+            q = torch.stack([p & 15, p >> 4], -1).flatten(-2).float()  # [..., K]
+            sz = self.scale[:, idx].float()  # [K/group, ..., 2]
+            s, z = sz[..., 0].movedim(0, -1), sz[..., 1].movedim(0, -1)  # [..., K/group]
+            q = q.unflatten(-1, (-1, self.group))
+            return ((q - 8) * s[..., None] + z[..., None]).flatten(-2)
         return self.w[idx].float()
 
     def nbytes(self) -> int:
         n = self.w.numel() * self.w.element_size()
-        return n + (self.scale.numel() * 2 if self.mode == "int8" else 0)
+        return n + (self.scale.numel() * 2 if self.mode in ("int8", "int4") else 0)
 
 
 @dataclass
@@ -157,15 +213,25 @@ class LlamaEngine:
     def __init__(self, config: dict, state_dict: dict, dtype: str = "fp32", n_slots: int = 4,
                  max_seq_len: int = 2048, device: str = "cpu", batch_invariant: Optional[bool] = None,
                  row_tiles: Optional[tuple[int, int]] = None, attn_rows: Optional[tuple[int, int]] = None,
-                 key_block: Optional[int] = None):
+                 key_block: Optional[int] = None, int4_group: int = INT4_GROUP, int4_head: bool = False):
         """``batch_invariant``: the forward whose rows do not depend on what else is
-        scored (module docstring); default: on for bf16 and int8 on CPU (greedy
+        scored (module docstring); default: on for bf16, int8 and int4 on CPU (greedy
         identity needs it there), off for fp32 (greedy output was identical without
         it, and its exact 8-row matmul tiles cost) and on other devices (CPU-only).
         ``row_tiles`` / ``attn_rows`` / ``key_block`` override the per-dtype tiling
-        (``ROW_TILES``, ``ATTN_ROWS``, ``KEY_BLOCK``)."""
-        if dtype not in ("fp32", "bf16", "int8"):
-            raise InvalidArgument("dtype", f"must be fp32, bf16 or int8, got {dtype!r}")
+        (``ROW_TILES``, ``ATTN_ROWS``, ``KEY_BLOCK``). ``int4_group``: the int4 weights'
+        group size along the input dimension (32, 64, 128; ``INT4_GROUP``). ``int4_head``:
+        the LM head in int4 too (default: int8 in int4 mode; the head is the tied
+        embedding table, which GGUF files keep at 8 bits or more, and 4 bits cost it 9%
+        relative weight error against int8's 1%: docs/int4.md)."""
+        if dtype not in DTYPE_NAMES:
+            raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
+        if dtype == "int4" and torch.device(device).type != "cpu":
+            raise InvalidArgument("dtype", "int4 runs torch's CPU int4 kernel: on the CPU only")
+        if int4_group not in (32, 64, 128, 256):
+            raise InvalidArgument("int4_group", f"must be 32, 64, 128 or 256, got {int4_group}")
+        self.int4_group = int(int4_group)
+        self.int4_head = bool(int4_head)
         self.config = config
         self.dtype_name = dtype
         self.act_dtype = DTYPES[dtype]
@@ -252,6 +318,7 @@ class LlamaEngine:
     def _load(self, sd: dict) -> None:
         sd = {k.removeprefix("model."): v for k, v in sd.items()}
         mode = self.dtype_name
+        lin = lambda w, b=None: Linear(w, b, mode, self.int4_group)  # noqa: E731
         g = lambda k: sd[k].to(self.device)  # noqa: E731
         opt = lambda k: sd[k].to(self.device) if k in sd else None  # noqa: E731
         self.embed = g("embed_tokens.weight").to(self.act_dtype)  # [V, H]
@@ -264,15 +331,16 @@ class LlamaEngine:
             bqkv = None if bq is None else torch.cat([bq, g(p + "self_attn.k_proj.bias"), g(p + "self_attn.v_proj.bias")])
             self.layers.append(Layer(
                 ln1=g(p + "input_layernorm.weight").float(),
-                qkv=Linear(wqkv, bqkv, mode),
-                o=Linear(g(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias"), mode),
+                qkv=lin(wqkv, bqkv),
+                o=lin(g(p + "self_attn.o_proj.weight"), opt(p + "self_attn.o_proj.bias")),
                 ln2=g(p + "post_attention_layernorm.weight").float(),
-                gate_up=Linear(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")]), None, mode),
-                down=Linear(g(p + "mlp.down_proj.weight"), None, mode),
+                gate_up=lin(torch.cat([g(p + "mlp.gate_proj.weight"), g(p + "mlp.up_proj.weight")])),
+                down=lin(g(p + "mlp.down_proj.weight")),
             ))
         self.norm = g("norm.weight").float()
         head = sd.get("lm_head.weight", sd["embed_tokens.weight"])
-        self.head = Linear(head.to(self.device), None, mode)
+        head_mode = "int8" if mode == "int4" and not self.int4_head else mode
+        self.head = Linear(head.to(self.device), None, head_mode, self.int4_group, keep_rows=True)
 
     # ------------------------------------------------------------------ sizes
     def weight_bytes(self) -> int:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 
 SYSTEMS_HELP = ("comma list of systems or groups (all, ours, hf, llamacpp). ours_ar, ours_prompt_lookup, "
-                "ours_suffix, ours_draft_lm, ours_layerskip (append _fp32/_bf16/_int8 to run on another engine "
+                "ours_suffix, ours_draft_lm, ours_layerskip (append _fp32/_bf16/_int8/_int4 to run on another engine "
                 "dtype, e.g. ours_ar_fp32,ours_suffix_fp32 for the greedy-identity check), hf_ar, hf_pld, "
                 "hf_assisted, llamacpp_ar, llamacpp_pld; hf_static_compile (HF static cache + torch.compile, "
                 "in no group). Default: all")
@@ -36,7 +36,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark our decoding vs HF generate and llama.cpp on workloads",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias or local Hugging Face model directory")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"], help="our engine's dtype")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"], help="our engine's dtype")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (ours and the HF peers)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on CUDA, run our eager engine instead of replaying CUDA graphs")

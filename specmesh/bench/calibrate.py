@@ -85,7 +85,7 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("calibrate-layerskip",
                               help="measure tau and tokens/s per layer-skip exit layer E; write the best E")
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias or local Hugging Face model directory")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--exits", default="", help="comma list of exit layers (default: about n/4, n/2, 2n/3, 4n/5)")
     p.add_argument("--prompts-file", default=None, help="text file, one prompt per line (default: built-in samples)")
     p.add_argument("--max-new-tokens", type=int, default=48)

@@ -24,8 +24,9 @@ from typing import Optional
 
 from ..types import InvalidArgument
 from . import workloads as wl
+from .llamacpp_worker import PeerFailed
 from .peers import HFModels, llamacpp_unavailable, make_hf, make_llamacpp
-from .systems import DEFAULT_SYSTEMS, RunOutput, System, expand, make_ours, parse_ours
+from .systems import DEFAULT_SYSTEMS, DTYPES, RunOutput, System, expand, make_ours, parse_ours
 
 WARMUP_PROMPT = "Say hello and name three colours."
 RECORD_FIELDS = ("system", "workload", "prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_own_ar",
@@ -137,10 +138,26 @@ class Bench:
                     self.skipped[n] = why
                     self.log(f"note: skipping {n}: {why}")
                     continue
-                self.systems.append(make_llamacpp(n, self.cfg.model, main.model_dir, main.stop_ids, threads,
-                                                  self.cfg.max_seq_len))
-        self._warmup([s for s in self.systems[first_peer:] if s.name != "hf_static_compile"])
+                lc = make_llamacpp(n, self.cfg.model, main.model_dir, main.stop_ids, threads, self.cfg.max_seq_len)
+                try:  # warmed up here: a peer that cannot run is skipped with the reason
+                    self._warmup([lc])
+                except PeerFailed as e:
+                    self._drop(lc, f"{e} (during warm-up)")
+                    continue
+                self.systems.append(lc)
+        self._warmup([s for s in self.systems[first_peer:] if s.name != "hf_static_compile"
+                      and s.family != "llamacpp"])
         self._stage("all systems loaded and warmed up")
+
+    def _drop(self, s: System, why: str) -> None:
+        """Skip a peer from here on (its child process died or cannot start)."""
+        self.skipped[s.name] = why
+        self.log(f"note: skipping {s.name}: {why}")
+        close = getattr(s, "close", None)
+        if close is not None:
+            close()
+        if s in self.systems:
+            self.systems.remove(s)
 
     def _warmup(self, systems: list[System]) -> None:
         if not systems:
@@ -152,8 +169,8 @@ class Bench:
     # ------------------------------------------------------------ run
     def run(self) -> dict:
         cfg = self.cfg
-        if cfg.dtype not in ("fp32", "bf16", "int8"):
-            raise InvalidArgument("dtype", f"must be fp32, bf16 or int8, got {cfg.dtype!r}")
+        if cfg.dtype not in DTYPES:
+            raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPES)}, got {cfg.dtype!r}")
         if cfg.max_new_tokens <= 0:
             raise InvalidArgument("max_new_tokens", f"must be positive, got {cfg.max_new_tokens}")
         if cfg.budget <= 0:
@@ -189,11 +206,24 @@ class Bench:
                 order = self.systems[k % len(self.systems):] + self.systems[: k % len(self.systems)]
                 k += 1
                 for s in order:
+                    if s not in self.systems:  # dropped earlier in this rotation
+                        continue
                     bar.set_description(f"{w} {p.id} {s.name}")
-                    out = s.run(ids, p.budget(cfg.max_new_tokens))
+                    try:
+                        out = s.run(ids, p.budget(cfg.max_new_tokens))
+                    except PeerFailed as e:  # a peer's child process died: the run goes on without it
+                        done = sum(len(v) for (n, _), v in runs.items() if n == s.name)
+                        self._drop(s, f"{e} (after {done} generations; its partial results are dropped)")
+                        for key in [key for key in runs if key[0] == s.name]:
+                            del runs[key]
+                        continue
                     runs.setdefault((s.name, w), []).append((p.id, out, peak_rss_mb()))
                     bar.update(1)
         bar.close()
+        for s in self.systems:
+            close = getattr(s, "close", None)
+            if close is not None:
+                close()
         self._stage("end of run")
         records = self.aggregate(list(encoded), runs)
         outputs = [{"system": s, "workload": w, "id": pid, "tokens": o.tokens, "seconds": round(o.seconds, 4),
@@ -201,6 +231,7 @@ class Bench:
         meta = {
             "config": asdict(cfg), "systems": [s.name for s in self.systems], "skipped": self.skipped,
             "workloads": {w: len(v) for w, v in encoded.items()}, "verifier": _info(main),
+            "peers": {s.name: s.info for s in self.systems if s.family != "ours"},
             "rss_stages": self.rss_stages, "peak_rss_mb": round(peak_rss_mb(), 1),
             "torch_threads": _torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),

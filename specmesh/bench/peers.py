@@ -9,7 +9,8 @@
                 Compilation is kept out of the timing: the first call for each static
                 cache size is an untimed warm-up. Skipped, with the reason, when the
                 model or the compiler refuses.
-  llamacpp_ar   llama-cpp-python on the model's GGUF, greedy (optional extra ``bench-peers``)
+  llamacpp_ar   llama-cpp-python on the model's GGUF, greedy (optional extra ``bench-peers``),
+                in a child process (``llamacpp_worker``): a crash there skips the peer
   llamacpp_pld  the same with llama-cpp-python's prompt-lookup draft model
 
 The HF models run on the benchmark's device (``--device``) in ``--hf-dtype``.
@@ -220,30 +221,24 @@ def llamacpp_unavailable(model_name: str, model_dir: Path) -> Optional[str]:
 
 def make_llamacpp(name: str, model_name: str, model_dir: Path, stop_ids: Sequence[int], threads: int,
                   max_seq_len: int) -> System:
-    from llama_cpp import Llama
+    """A llama.cpp system run in a child process (``llamacpp_worker``): a crash there
+    raises ``PeerFailed`` from ``run`` instead of ending the benchmark."""
+    from .llamacpp_worker import LlamaCppWorker
 
-    kw: dict = {}
-    if name == "llamacpp_pld":
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-
-        kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=HF_PLD_TOKENS)
-    llm = Llama(model_path=str(gguf_path(model_name, model_dir)), n_ctx=max_seq_len, n_threads=threads,
-                n_threads_batch=threads, seed=0, verbose=False, **kw)
-    stops = set(stop_ids)
+    gguf = gguf_path(model_name, model_dir)
+    worker = LlamaCppWorker(str(gguf), threads, max_seq_len, pld_tokens=HF_PLD_TOKENS if name == "llamacpp_pld" else 0)
+    stops = list(stop_ids)
+    info = {"gguf": str(gguf), "threads": threads, "process": "child (specmesh.bench.llamacpp_worker)"}
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
-        out: list[int] = []
-        t0 = time.perf_counter()
-        llm.reset()
-        for tok in llm.generate(list(prompt_ids), top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
-                                reset=True):
-            if tok in stops:
-                break
-            out.append(int(tok))
-            if len(out) >= max_new_tokens:
-                break
-        return RunOutput(out, time.perf_counter() - t0)
+        out, secs = worker.generate(list(prompt_ids), max_new_tokens, stops)
+        info.update(worker.info)
+        if worker.notes:
+            info["notes"] = list(worker.notes)
+        return RunOutput(out, secs)
 
-    return System(name, "llamacpp", "llamacpp_ar", run, dtype="gguf",
-                  budget=HF_PLD_TOKENS if name == "llamacpp_pld" else None, speculative=name != "llamacpp_ar",
-                  info={"gguf": str(gguf_path(model_name, model_dir)), "threads": threads})
+    system = System(name, "llamacpp", "llamacpp_ar", run, dtype="gguf",
+                    budget=HF_PLD_TOKENS if name == "llamacpp_pld" else None, speculative=name != "llamacpp_ar",
+                    info=info)
+    system.close = worker.close  # type: ignore[attr-defined]
+    return system

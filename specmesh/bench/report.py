@@ -45,8 +45,8 @@ def verdicts(records: list[dict], meta: dict) -> list[tuple[str, str]]:
     """[(PASS|FAIL|n/a, text)] for each target."""
     ix = _Idx(records)
     dt = meta.get("config", {}).get("dtype", "bf16")
-    spec = [s for s in ix.systems if s.startswith("ours_") and s != "ours_ar" and not s.endswith(("_fp32", "_bf16", "_int8"))]
-    ours_all = [s for s in ix.systems if s.startswith("ours_") and not s.endswith(("_fp32", "_bf16", "_int8"))]
+    spec = [s for s in ix.systems if s.startswith("ours_") and s != "ours_ar" and not s.endswith(("_fp32", "_bf16", "_int8", "_int4"))]
+    ours_all = [s for s in ix.systems if s.startswith("ours_") and not s.endswith(("_fp32", "_bf16", "_int8", "_int4"))]
     out: list[tuple[str, str]] = []
 
     def line(ok: Optional[bool], text: str) -> None:

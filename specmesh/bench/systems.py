@@ -12,7 +12,7 @@ draft–verify loop (``specmesh.loop``) over an in-process ``Runtime``:
   ours_block          the trained block drafter inside the verifier (chain)
   ours_block_tree     the same drafter, best-first calibrated tree
 
-A ``_fp32`` / ``_bf16`` / ``_int8`` suffix runs the same system on an engine of
+A ``_fp32`` / ``_bf16`` / ``_int8`` / ``_int4`` suffix runs the same system on an engine of
 that dtype (default: the run's ``--dtype``); its reference AR is ``ours_ar`` with
 the same suffix. Peer systems (Hugging Face, llama.cpp) live in ``peers``; ``hf_static_compile``
 is known but in no group (name it).
@@ -35,7 +35,7 @@ SELF_STRATEGIES = registry.SELF  # drafted inside the verifier
 HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
 HF_EXTRA_SYSTEMS = ("hf_static_compile",)  # known, but in no group: it compiles (minutes on a CPU)
 LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld")
-DTYPES = ("fp32", "bf16", "int8")
+DTYPES = ("fp32", "bf16", "int8", "int4")
 DEFAULT_SYSTEMS = tuple(f"ours_{s}" for s in OURS_STRATEGIES) + HF_SYSTEMS + LLAMACPP_SYSTEMS
 GROUPS = {
     "all": DEFAULT_SYSTEMS,
@@ -99,7 +99,7 @@ def expand(names: Sequence[str]) -> list[str]:
             parse_ours(n, "fp32")
         elif n not in HF_SYSTEMS + HF_EXTRA_SYSTEMS + LLAMACPP_SYSTEMS:
             raise InvalidArgument("systems", f"unknown system {n!r}; known: {list(DEFAULT_SYSTEMS)} "
-                                             f"(+ _fp32/_bf16/_int8 on ours_*) or groups {list(GROUPS)}")
+                                             f"(+ _fp32/_bf16/_int8/_int4 on ours_*) or groups {list(GROUPS)}")
     if not out:
         raise InvalidArgument("systems", "is empty")
     return out

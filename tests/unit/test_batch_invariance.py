@@ -1,8 +1,8 @@
 """Batch-invariant engine: a row's logits and hidden states are bitwise the same
 whether it is scored alone, as row j of a chain, as a node of a tree, or beside other
 sessions in ``score_batch``; the KV a prompt leaves does not depend on how it was
-split; so greedy speculation returns exactly the tokens of plain decoding in bf16 and
-int8 (and fp32), like the loop promises. The ragged forward (``batch_invariant=False``,
+split; so greedy speculation returns exactly the tokens of plain decoding in bf16, int8
+and int4 (and fp32), like the loop promises. The ragged forward (``batch_invariant=False``,
 the engine before) fails these in bf16 and int8 on the development machine; two
 tests show that (and skip where the ragged forward happens to agree)."""
 
@@ -19,7 +19,7 @@ from specmesh.loop import AdaptiveBudget, generate_tokens
 from specmesh.types import TokenTree
 from specmesh.verifier import EngineVerifier
 
-DTYPES = ["fp32", "bf16", "int8"]
+DTYPES = ["fp32", "bf16", "int8", "int4"]
 V = 96  # tiny vocabulary
 
 
@@ -136,7 +136,7 @@ def test_first_token_of_a_sequence(dtype):
         1, [5], [-1]).logits[0])
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_ragged_forward_is_not_invariant(dtype):
     """The engine before (one matmul over all rows, one SDPA per sequence) differs: what
     the tests above catch."""
@@ -146,9 +146,10 @@ def test_ragged_forward_is_not_invariant(dtype):
     assert bad["chain"] > 0 and bad["batch"] > 0
 
 
-def test_default_is_invariant_for_bf16_and_int8_on_cpu():
+def test_default_is_invariant_for_bf16_int8_and_int4_on_cpu():
     assert _engine("bf16", invariant=None).batch_invariant
     assert _engine("int8", invariant=None).batch_invariant
+    assert _engine("int4", invariant=None).batch_invariant
     assert not _engine("fp32", invariant=None).batch_invariant
 
 
@@ -216,12 +217,12 @@ def _identity_failures(dtype, invariant, max_new=48):
     return fails
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "fp32"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "fp32"])
 def test_greedy_speculation_equals_plain_decoding(dtype):
     assert _identity_failures(dtype, invariant=True) == []
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_ragged_forward_breaks_greedy_identity(dtype):
     """Without invariance some of the same generations differ (what the test above guards);
     measured on the development machine (AMX bf16 kernels), skipped where they agree."""
