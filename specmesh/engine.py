@@ -291,6 +291,10 @@ class LlamaEngine:
             kb[:, :, :, : self.max_seq_len] = self.k_cache
             vb[:, :, :, : self.max_seq_len] = self.v_cache
         self._k_buf, self._v_buf = kb, vb
+        # per (layer, slot): the slot's K and V buffers [nk, T, hd] and the same with a leading
+        # tile axis [1, nk, T, hd], made once here, not by indexing in every layer of every step
+        self._kv_views = [[(kb[li, sl], vb[li, sl], kb[li, sl].unsqueeze(0), vb[li, sl].unsqueeze(0))
+                           for sl in range(slots)] for li in range(self.n_layers)]
         self.k_cache = kb[:, :, :, : self.max_seq_len]  # [layers, slots, nk, max_seq_len, hd]
         self.v_cache = vb[:, :, :, : self.max_seq_len]
 
@@ -626,24 +630,34 @@ class LlamaEngine:
             k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
             v = qkv[:, (nq + nk) * hd:].view(N, nk, hd).transpose(0, 1)
             a = None if whole else torch.zeros(N, nq, hd, dtype=ad, device=self.device)
-            kb, vb = self._k_buf[li], self._v_buf[li]
+            views = self._kv_views[li]
             for slot, s, n, base, restore, calls in plan:
-                kc, vc = kb[slot], vb[slot]  # [nk, T, hd]
-                kc[:, base: base + n] = k[:, s: s + n]  # tree layout (a chain's is its chain order)
-                vc[:, base: base + n] = v[:, s: s + n]
+                kc, vc, kc4, vc4 = views[slot]  # [nk, T, hd], [1, nk, T, hd]
+                if s == 0 and n == N:  # the call's only rows (no slicing ops)
+                    kc[:, base: base + n] = k
+                    vc[:, base: base + n] = v
+                else:
+                    kc[:, base: base + n] = k[:, s: s + n]  # tree layout (a chain's is its chain order)
+                    vc[:, base: base + n] = v[:, s: s + n]
                 for c in calls:
                     if c.write is not None:  # this path's keys in chain order, from where they differ
                         e0, rows = c.write
                         kw = k[:, rows]
                         kc[:, base + e0: base + e0 + kw.shape[1]] = kw
                         vc[:, base + e0: base + e0 + kw.shape[1]] = v[:, rows]
-                    qt = q[s: s + c.t * c.R] if c.q_rows is None else q[c.q_rows]
-                    # [t, nk, R * g, hd]: a KV head's query heads folded into its rows
-                    qt = qt.view(c.t, c.R, nk, g, hd).transpose(1, 2).reshape(c.t, nk, c.R * g, hd)
-                    ks = kc[:, : c.Lp].unsqueeze(0).expand(c.t, -1, -1, -1)
-                    vs = vc[:, : c.Lp].unsqueeze(0).expand(c.t, -1, -1, -1)
+                    qt = (q if whole else q[s: s + c.t * c.R]) if c.q_rows is None else q[c.q_rows]
+                    if c.R == 1:  # one token per tile: [t, 1, nk, g, hd] is already [t, nk, g, hd] in memory
+                        qt = qt.view(c.t, nk, g, hd)
+                    else:  # [t, nk, R * g, hd]: a KV head's query heads folded into its rows
+                        qt = qt.view(c.t, c.R, nk, g, hd).transpose(1, 2).reshape(c.t, nk, c.R * g, hd)
+                    if c.t == 1:
+                        ks, vs = kc4[:, :, : c.Lp], vc4[:, :, : c.Lp]
+                    else:
+                        ks = kc4[:, :, : c.Lp].expand(c.t, -1, -1, -1)
+                        vs = vc4[:, :, : c.Lp].expand(c.t, -1, -1, -1)
                     o = F.scaled_dot_product_attention(qt, ks, vs, attn_mask=c.mask)
-                    o = o.view(c.t, nk, c.R, g, hd).transpose(1, 2)  # [t, R, nk, g, hd]
+                    if c.R > 1:
+                        o = o.view(c.t, nk, c.R, g, hd).transpose(1, 2)  # [t, R, nk, g, hd]
                     if whole:
                         a = o
                     elif c.q_rows is None:
