@@ -27,19 +27,24 @@
   tokens and the last ``context_window`` rows. The router stays the source of
   truth: a lost drafter replica loses nothing.
 - Both measure network time: RPC wall time minus the server's handler time.
+- One-off calls of the strategy runner, in domain terms: ``seed_cache``,
+  ``prefill_session`` (also a fork of another session's KV prefix),
+  ``release_session``, ``verifier_self_drafters``, ``drafter_feature_drafters``;
+  ``drafter_failure`` classifies a drafter call's exception (down or broken).
 
 This module knows nothing about tokenizers, strategies or how servers are built.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Optional, Sequence
 
 import grpc
 
-from specmesh.drafters.prompt_lookup import common_prefix_len
+from specmesh.seqs import common_prefix_len
 from specmesh.serving import convert
 from specmesh.types import FEATURE_DTYPE, DraftContext, FeatureRows, SessionLost, TokenTree, VerifyRequest, \
     VerifyResult
@@ -47,6 +52,7 @@ from specmesh.v1 import drafter_pb2, verifier_pb2
 
 from .replicas import Peer, ReplicaSet
 
+log = logging.getLogger("specmesh.router")
 DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 RELEASE_TIMEOUT_S = 2.0
 
@@ -296,3 +302,56 @@ class RemoteVerifier:
         m = peer.stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=self.calls.timeout(),
                            metadata=self.calls.metadata)
         return MessageToDict(m, preserving_proto_field_name=True)
+
+
+# ---------------------------------------------------------------- one-off calls (the strategy runner's)
+
+def seed_cache(peer: Peer, cache_id: str, texts: Sequence[Sequence[int]], ttl_s: float, replace: bool,
+               calls: Calls, timeout_s: float) -> None:
+    """Seed (or replace) a draft cache on the drafter service (``Drafter/Seed``)."""
+    req = drafter_pb2.SeedRequest(cache_id=cache_id, texts=[drafter_pb2.TokenList(tokens=list(t)) for t in texts],
+                                  ttl_s=ttl_s, replace=replace)
+    peer.stub.Seed(req, timeout=timeout_s, metadata=calls.metadata)
+
+
+def prefill_session(peer: Peer, session_id: str, calls: Calls, timeout_s: float, tokens: Sequence[int] = (),
+                    fork_from: str = "", fork_len: int = 0) -> int:
+    """Open ``session_id`` on a verifier replica with ``tokens`` prefilled, or as a fork
+    of ``fork_from``'s first ``fork_len`` KV positions; returns its cache length."""
+    req = verifier_pb2.PrefillRequest(session_id=session_id, tokens=list(tokens), fork_from=fork_from,
+                                      fork_len=fork_len)
+    return peer.stub.Prefill(req, timeout=timeout_s, metadata=calls.metadata).cache_len
+
+
+def release_session(peer: Peer, session_id: str, calls: Calls) -> None:
+    peer.stub.Release(verifier_pb2.VerifierReleaseRequest(session_id=session_id), timeout=RELEASE_TIMEOUT_S,
+                      metadata=calls.metadata)
+
+
+def verifier_self_drafters(peer: Peer, calls: Calls, timeout_s: float) -> Optional[frozenset]:
+    """The in-verifier drafters a replica offers (``Verifier/Info``); None when it does not answer."""
+    try:
+        m = peer.stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=timeout_s, metadata=calls.metadata)
+    except grpc.RpcError as e:
+        log.info("Info of verifier %s failed (%s); self drafters unknown there", peer.address, e.code())
+        return None
+    return frozenset(m.self_drafters)
+
+
+def drafter_feature_drafters(peer: Peer, calls: Calls, timeout_s: float) -> Optional[dict]:
+    """name -> (layers, dim, context_window) of the drafter service's drafters that need
+    hidden features (``DrafterInfo.feature_drafters``); None when it does not answer."""
+    try:
+        m = peer.stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s, metadata=calls.metadata)
+    except grpc.RpcError as e:
+        log.info("Info of the drafter service failed (%s); its feature drafters unknown", e.code())
+        return None
+    return {f.drafter: (tuple(f.layers), f.dim, f.context_window) for f in m.feature_drafters}
+
+
+def drafter_failure(e: BaseException) -> tuple[str, bool]:
+    """(what failed, whether the drafter is down) for an exception a drafter call raised:
+    down (UNAVAILABLE, DEADLINE_EXCEEDED) is retried after a backoff; anything else
+    disables the drafter for the rest of the generation."""
+    code = e.code() if isinstance(e, grpc.RpcError) else None
+    return (code.name if code is not None else type(e).__name__), code in DOWN

@@ -41,17 +41,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
-import grpc
-
 from specmesh.observability.requests import RouterObserver
 from specmesh.serving.convert import RouterStats
 from specmesh.serving.settings import ServeSettings
 from specmesh.strategies.ssr import reasoning_messages
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
 
-from .adapters import DOWN, Calls
+from .adapters import Calls, drafter_failure
 from .replicas import Peer, ReplicaSet
-from .strategies import EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STRATEGIES, Strategies  # noqa: F401
+from .strategies import (EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STRATEGIES,  # noqa: F401
+                         Collaborators, Strategies)
 
 log = logging.getLogger("specmesh.router")
 
@@ -226,7 +225,8 @@ class Router:
         self.s, self.codec, self.replicas, self.drafter = settings, codec, replicas, drafter
         self.vocab_size, self.token = vocab_size, token
         self.observer = RouterObserver(settings.model)  # request/round spans; metrics once instrumented
-        self.runner = Strategies(self)  # strategy choice and plumbing (router/strategies.py)
+        # strategy choice and plumbing (router/strategies.py), over explicit collaborators
+        self.runner = Strategies(Collaborators(settings, codec, replicas, drafter, vocab_size, token))
         self._clients: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -312,9 +312,9 @@ class Router:
                 del self._clients[client]
 
     def _drafter_error(self, e: Exception):
-        code = e.code() if isinstance(e, grpc.RpcError) else None
-        log.warning("drafter failed (%s); falling back to plain decoding", code or type(e).__name__)
-        return None if code in DOWN else False  # an unexpected error disables the drafter for this request
+        what, down = drafter_failure(e)
+        log.warning("drafter failed (%s); falling back to plain decoding", what)
+        return None if down else False  # an unexpected error disables the drafter for this request
 
     def _events(self, plan: Plan, client: str, deadline: Optional[float],
                 cancelled: threading.Event) -> Iterator[Union[Delta, Final]]:

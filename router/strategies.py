@@ -39,10 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
-import grpc
-
 from specmesh.drafters import registry
-from specmesh.drafters.prompt_lookup import common_prefix_len
+from specmesh.seqs import common_prefix_len
 from specmesh.loop import AdaptiveBudget, BudgetPolicy, LoopOptions, VerifyCosts, speculative_generate
 from specmesh.serving import convert
 from specmesh.strategies import auto
@@ -50,9 +48,10 @@ from specmesh.strategies.adapt import CacheMeter, ResumePrefix, TreeBudget
 from specmesh.strategies.proactive import Anticipator, Config, Gate, cache_id
 from specmesh.strategies.ssr import ThinkFormat, reasoning_generate
 from specmesh.types import InvalidArgument
-from specmesh.v1 import drafter_pb2, verifier_pb2
 
-from .adapters import Calls, FeatureLog, RemoteDrafter, RemoteVerifier
+from .adapters import (Calls, FeatureLog, RemoteDrafter, RemoteVerifier, drafter_feature_drafters, prefill_session,
+                       release_session, seed_cache, verifier_self_drafters)
+from .replicas import Peer, ReplicaSet
 
 log = logging.getLogger("specmesh.router")
 
@@ -90,8 +89,8 @@ def default_self_drafter(available) -> str:
     return "block_tree" if "block_tree" in available else "layerskip"
 
 
-def _drafter_up(router) -> bool:
-    return router.drafter is not None and router.drafter.health.available()
+def _drafter_up(parts: Collaborators) -> bool:
+    return parts.drafter is not None and parts.drafter.health.available()
 
 
 @dataclass
@@ -102,29 +101,43 @@ class Resolved:
     self_draft: Optional[str]
 
 
+@dataclass(frozen=True)
+class Collaborators:
+    """What the strategy runner works with (the router builds it): the router's
+    settings, its text codec, the verifier replicas, the drafter service's peer
+    (None: no drafter service), the vocabulary size and the peers' bearer token."""
+
+    s: object  # ServeSettings
+    codec: object
+    replicas: ReplicaSet
+    drafter: Optional[Peer]
+    vocab_size: int
+    token: Optional[str] = None
+
+
 class RemoteBackend:
     """``proactive.Backend`` over the router's services (runs in the worker thread)."""
 
-    def __init__(self, router):
-        self.router = router
-        self.stop_ids = list(router.codec.stop_ids)
+    def __init__(self, parts: Collaborators):
+        self.parts = parts
+        self.stop_ids = list(parts.codec.stop_ids)
         self._where: dict[str, object] = {}  # warm session -> replica peer
 
     def _calls(self) -> Calls:
-        return Calls(self.router.token, self.router.s.verifier_timeout_s)
+        return Calls(self.parts.token, self.parts.s.verifier_timeout_s)
 
     def encode(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         if generation_prompt:
-            return list(self.router.codec.encode(None, messages))
-        enc = self.router.codec.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
+            return list(self.parts.codec.encode(None, messages))
+        enc = self.parts.codec.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
                                                               return_dict=True)
         return list(enc["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.router.codec.decode(list(ids))
+        return self.parts.codec.decode(list(ids))
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str) -> Iterator[list[int]]:
-        r = self.router
+        r = self.parts
         calls = self._calls()
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
         drafter = RemoteDrafter(r.drafter, "prompt_lookup", calls, r.s.drafter_timeout_s) if _drafter_up(r) else None
@@ -132,20 +145,16 @@ class RemoteBackend:
                                     stop_ids=self.stop_ids, session_id=session_id, budget=AdaptiveBudget(8))
 
     def seed(self, cache: str, texts: list[list[int]], ttl_s: float, replace: bool) -> None:
-        r = self.router
-        req = drafter_pb2.SeedRequest(cache_id=cache, texts=[drafter_pb2.TokenList(tokens=t) for t in texts],
-                                      ttl_s=ttl_s, replace=replace)
-        r.drafter.stub.Seed(req, timeout=r.s.drafter_timeout_s * 5, metadata=self._calls().metadata)
+        seed_cache(self.parts.drafter, cache, texts, ttl_s, replace, self._calls(), self.parts.s.drafter_timeout_s * 5)
 
     def warm(self, session_id: str, tokens: list[int]) -> Optional[str]:
-        r = self.router
+        r = self.parts
         if len(tokens) >= r.s.max_seq_len:
             return None
         peer = r.replicas.pin(session_id)
         r.replicas.unpin(peer)  # the next turn's generation pins it (RemoteVerifier.prefer)
         try:
-            peer.stub.Prefill(verifier_pb2.PrefillRequest(session_id=session_id, tokens=tokens),
-                              timeout=r.s.verifier_timeout_s, metadata=self._calls().metadata)
+            prefill_session(peer, session_id, self._calls(), r.s.verifier_timeout_s, tokens)
         except Exception as e:  # noqa: BLE001 - warming is an optimisation
             log.info("warming %s failed: %s", session_id, e)
             return None
@@ -158,8 +167,7 @@ class RemoteBackend:
     def release(self, session_id: str) -> None:
         peer = self._where.pop(session_id, None)
         if peer is not None:
-            peer.stub.Release(verifier_pb2.VerifierReleaseRequest(session_id=session_id), timeout=2.0,
-                              metadata=self._calls().metadata)
+            release_session(peer, session_id, self._calls())
 
 
 @dataclass
@@ -181,8 +189,8 @@ class Run:
     entered: bool = False
 
     def rounds(self, stats, on_drafter_error, round_scope=None) -> Iterator[list[int]]:
-        p, s = self.plan, self.owner.router.s
-        stop_ids = self.owner.router.codec.stop_ids
+        p, s = self.plan, self.owner.parts.s
+        stop_ids = self.owner.parts.codec.stop_ids
         if not p.reasoning:
             return speculative_generate(self.loop_drafter, self.loop_verifier, p.ids, LoopOptions(
                 sampling=p.sampling, max_new_tokens=p.max_new_tokens, stop_ids=stop_ids, session_id=self.sid,
@@ -203,7 +211,7 @@ class Run:
                                   max_new_limit=s.max_new_tokens, round_scope=round_scope, **kw)
 
     def _think_drafter(self):
-        r = self.owner.router
+        r = self.owner.parts
         d = RemoteDrafter(r.drafter, THINK_DRAFTER, self.verifier.calls, r.s.drafter_timeout_s)
         self.side.append(d)
         return d
@@ -211,7 +219,7 @@ class Run:
     def _side_answer(self, context: list[int], shared: int, main_session: str) -> list[int]:
         """One SSR side branch: fork the main session's KV prefix on its replica (no
         re-prefill; the main KV is untouched), decode the short answer, release."""
-        r = self.owner.router
+        r = self.owner.parts
         calls = self.verifier.calls
         v = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
         d = RemoteDrafter(r.drafter, THINK_DRAFTER, calls, r.s.drafter_timeout_s)
@@ -221,9 +229,7 @@ class Run:
         main = self.verifier.peer
         if main is not None and v.prefer(main.address):
             try:
-                n = main.stub.Prefill(verifier_pb2.PrefillRequest(session_id=sid, fork_from=main_session,
-                                                                  fork_len=shared),
-                                      timeout=calls.timeout(), metadata=calls.metadata).cache_len
+                n = prefill_session(main, sid, calls, calls.timeout(), fork_from=main_session, fork_len=shared)
                 loop_v = ResumePrefix(v, n)
             except Exception as e:  # noqa: BLE001 - no fork: the branch prefills its context itself
                 log.info("fork of %s failed (%s); side branch prefills", main_session, e)
@@ -245,7 +251,7 @@ class Run:
         if self.resumed is not None:
             stats.warm_prefix_tokens = self.resumed.used
         self.owner.learn(p, stats, self.policies[-1].alpha if self.policies else None)
-        r = self.owner.router
+        r = self.owner.parts
         if r.s.auto_anticipate and p.conversation_id and p.messages and not cancelled and _drafter_up(r):
             try:
                 self.owner.anticipator().submit(p.conversation_id,
@@ -262,8 +268,8 @@ class Run:
 class Strategies:
     """Strategy choice and plumbing for one ``Router`` (see module docstring)."""
 
-    def __init__(self, router):
-        self.router = router
+    def __init__(self, parts: Collaborators):
+        self.parts = parts
         self.gate = Gate()
         self.book = auto.SessionBook()
         self.verify_costs = VerifyCosts()  # the verifiers' cost per scored draft token, shared by all requests
@@ -280,19 +286,19 @@ class Strategies:
     # ------------------------------------------------------------ shared pieces
     def think_format(self) -> ThinkFormat:
         if self._fmt is None:
-            tok = self.router.codec.tokenizer
+            tok = self.parts.codec.tokenizer
             self._fmt = ThinkFormat.from_encode(lambda t: tok.encode(t, add_special_tokens=False))
         return self._fmt
 
     def anticipator(self) -> Anticipator:
         with self._lock:
             if self._anticipator is None:
-                s = self.router.s
+                s = self.parts.s
                 cfg = Config(next_turns=s.anticipate_next_turns, reply_tokens=s.anticipate_reply_tokens,
                              token_budget=s.anticipate_tokens, ttl_s=s.anticipate_ttl_s,
                              max_conversations=s.anticipate_max_conversations, max_warm=s.anticipate_max_warm,
                              warm=s.anticipate_max_warm > 0)
-                self._anticipator = Anticipator(RemoteBackend(self.router), self.gate, cfg).start()
+                self._anticipator = Anticipator(RemoteBackend(self.parts), self.gate, cfg).start()
             return self._anticipator
 
     def anticipation_ready(self, conversation_id: str) -> bool:
@@ -302,7 +308,7 @@ class Strategies:
         if self._calibration is None:
             from specmesh.drafters.calibration import load_calibration, speedup_of
 
-            s = self.router.s
+            s = self.parts.s
             rec = load_calibration(s.model, s.dtype)
             self._calibration = (speedup_of(rec, s.layerskip_exit),)
         return self._calibration[0]
@@ -316,19 +322,14 @@ class Strategies:
         with self._info_lock:
             if now < self._self_until:
                 return self._self_drafters
-            r = self.router
+            r = self.parts
             found = None
             for peer in r.replicas.peers:
                 if not peer.health.available():
                     continue
-                try:
-                    m = peer.stub.Info(verifier_pb2.VerifierInfoRequest(),
-                                       timeout=min(SELF_INFO_TIMEOUT_S, r.s.verifier_timeout_s),
-                                       metadata=Calls(r.token).metadata)
-                except grpc.RpcError as e:
-                    log.info("Info of verifier %s failed (%s); self drafters unknown there", peer.address, e.code())
+                names = verifier_self_drafters(peer, Calls(r.token), min(SELF_INFO_TIMEOUT_S, r.s.verifier_timeout_s))
+                if names is None:
                     continue
-                names = frozenset(m.self_drafters)
                 found = names if found is None else found & names
             if found is None:
                 self._self_until = now + SELF_INFO_RETRY_S
@@ -342,29 +343,25 @@ class Strategies:
         answered. Cached like ``self_drafters``; the last answer is kept while it is down."""
         now = time.monotonic()
         with self._info_lock:
-            r = self.router
+            r = self.parts
             if now < self._feature_until or r.drafter is None:
                 return self._feature_drafters
-            try:
-                m = r.drafter.stub.Info(drafter_pb2.DrafterInfoRequest(),
-                                        timeout=min(SELF_INFO_TIMEOUT_S * 5, r.s.drafter_timeout_s * 5),
-                                        metadata=Calls(r.token).metadata)
-            except grpc.RpcError as e:
-                log.info("Info of the drafter service failed (%s); its feature drafters unknown", e.code())
+            found = drafter_feature_drafters(r.drafter, Calls(r.token),
+                                             min(SELF_INFO_TIMEOUT_S * 5, r.s.drafter_timeout_s * 5))
+            if found is None:
                 self._feature_until = now + SELF_INFO_RETRY_S
                 return self._feature_drafters
-            self._feature_drafters = {f.drafter: (tuple(f.layers), f.dim, f.context_window)
-                                      for f in m.feature_drafters}
+            self._feature_drafters = found
             self._feature_until = now + SELF_INFO_TTL_S
             return self._feature_drafters
 
     def default_drafters(self) -> dict[str, str]:
         """strategy -> the drafter a request without one gets ("" = none, or chosen per request)."""
-        return {"autoregressive": "", "external": self.router.s.default_drafter,
+        return {"autoregressive": "", "external": self.parts.s.default_drafter,
                 "self": default_self_drafter(self.self_drafters()), "proactive": "cache", "ssr": "cache", "auto": ""}
 
     def seed(self, cache: str, texts: list[list[int]], ttl_s: float, replace: bool = False) -> None:
-        RemoteBackend(self.router).seed(cache, texts, ttl_s, replace)
+        RemoteBackend(self.parts).seed(cache, texts, ttl_s, replace)
 
     def close(self) -> None:
         if self._anticipator is not None:
@@ -373,7 +370,7 @@ class Strategies:
     # ------------------------------------------------------------ choice
     def check(self, spec) -> None:
         """Field checks that need no tokenizer (strategy and drafter names)."""
-        name = spec.strategy or ("external" if spec.drafter else self.router.s.default_strategy)
+        name = spec.strategy or ("external" if spec.drafter else self.parts.s.default_strategy)
         if name not in STRATEGIES:
             raise InvalidArgument("strategy", f"unknown strategy {spec.strategy!r}; known: {sorted(STRATEGIES)}")
         if len(spec.conversation_id.encode()) > convert.MAX_SESSION_ID:
@@ -384,7 +381,7 @@ class Strategies:
             raise InvalidArgument("thinking_budget", f"must be >= 1, got {spec.thinking_budget}")
 
     def resolve(self, spec, ids: list[int], reasoning: bool) -> Resolved:
-        r = self.router
+        r = self.parts
         name = spec.strategy or ("external" if spec.drafter else r.s.default_strategy)
         reason = "requested" if spec.strategy else "default"
         if name == "auto":
@@ -439,7 +436,7 @@ class Strategies:
 
     # ------------------------------------------------------------ one generation
     def prepare(self, plan, sid: str, calls: Calls) -> Run:
-        r = self.router
+        r = self.parts
         features = None
         if plan.drafter in FEATURE_DRAFTERS and plan.strategy == "external":
             spec = (self.feature_drafters() or {}).get(plan.drafter)
@@ -504,15 +501,15 @@ class Strategies:
     # ------------------------------------------------------------ anticipation API
     def anticipate(self, conversation_id: str, messages: list[dict], max_tokens: int = 0, next_turns: int = 0,
                    wait: bool = False, timeout: Optional[float] = None) -> dict:
-        if self.router.drafter is None:
+        if self.parts.drafter is None:
             raise InvalidArgument("conversation_id", "anticipation needs a drafter service and this router has none")
         if len(conversation_id.encode()) > convert.MAX_SESSION_ID:
             raise InvalidArgument("conversation_id", f"longer than {convert.MAX_SESSION_ID} bytes")
         for i, m in enumerate(messages):
             if m.get("role") not in ("system", "user", "assistant"):
                 raise InvalidArgument("messages", f"entry {i} has role {m.get('role')!r}")
-        limit = self.router.s.max_prompt_tokens
-        if messages and len(self.router.codec.encode(None, messages)) > limit:
+        limit = self.parts.s.max_prompt_tokens
+        if messages and len(self.parts.codec.encode(None, messages)) > limit:
             raise InvalidArgument("messages", f"the conversation exceeds max_prompt_tokens {limit}")
         e = self.anticipator().submit(conversation_id, messages, max_tokens, next_turns)
         if wait:

@@ -43,7 +43,8 @@ import torch
 
 from ..types import DraftContext, InvalidArgument, TokenTree
 from .base import DrafterBase
-from .prompt_lookup import NgramIndex, SessionStates, common_prefix_len, periodic_continuation
+from ..seqs import common_prefix_len
+from .prompt_lookup import NgramIndex, SessionStates, periodic_continuation
 
 
 def build_trie(continuations: Sequence[Sequence[int]], budget: int, branch_len: int,

@@ -29,6 +29,7 @@ from array import array
 from collections import OrderedDict
 from typing import Callable, Generic, Sequence, TypeVar
 
+from ..seqs import common_prefix_len
 from ..types import DraftContext, InvalidArgument, TokenTree
 from .base import DrafterBase
 
@@ -38,21 +39,6 @@ _NOT_INDEXED = -2  # prev entry of a position with fewer than k tokens before it
 def _key(seq: Sequence[int], end: int, k: int) -> int:
     """Hash key of seq[end-k:end] (the token itself for k == 1)."""
     return seq[end - 1] if k == 1 else hash(tuple(seq[end - k:end]))
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two lists (C-speed slice compares)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # invariant: a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 class NgramIndex:

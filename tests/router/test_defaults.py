@@ -41,7 +41,7 @@ def _router(*stubs, default_drafter="prompt_lookup"):
              for i, s in enumerate(stubs)]
     s = SimpleNamespace(verifier_timeout_s=5.0, default_drafter=default_drafter, default_strategy="external",
                         model="m", dtype="fp32", layerskip_exit=None)
-    return SimpleNamespace(replicas=SimpleNamespace(peers=peers), token=None, s=s, drafter=None)
+    return rs.Collaborators(s=s, codec=None, replicas=SimpleNamespace(peers=peers), drafter=None, vocab_size=0)
 
 
 def test_self_drafters_are_the_replicas_intersection_and_cached(monkeypatch):

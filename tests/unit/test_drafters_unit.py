@@ -8,7 +8,8 @@ import pytest
 
 from specmesh.drafters import DRAFTERS, PromptLookupDrafter, SuffixDrafter, make_drafter
 from specmesh.drafters.base import Drafter
-from specmesh.drafters.prompt_lookup import NgramIndex, common_prefix_len
+from specmesh.drafters.prompt_lookup import NgramIndex
+from specmesh.seqs import common_prefix_len
 from specmesh.types import DraftContext, InvalidArgument, TokenTree
 
 V = 1000
