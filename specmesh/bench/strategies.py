@@ -199,10 +199,39 @@ def render(matrix: dict, pro: list[dict], meta: dict) -> str:
     lines = [f"# bench-strategies  ({meta['model']}, {meta['dtype']}, max_new_tokens={meta['max_new']}, "
              f"reasoning max_new_tokens={meta['think_new']}, budget={meta['budget']}, {meta['prompts']} prompt(s) "
              "per workload; tokens/s and x plain decoding, measured side by side)", ""]
+    table, verdict_auto = _table(matrix)
+    lines += table
+    lines += _reasoning_and_proactive(matrix, pro)
+    ext, verdict_ext = _external_vs_self(matrix)
+    lines += ext
+    lines += ["", "verdicts:"]
+    for wname, e, o, ratio in verdict_ext:
+        lines.append(f"  [{'PASS' if ratio >= 0.9 else 'FAIL'}] {e} on {wname}: {ratio:.2f}x {o} (needs >= 0.90)")
+    for wname, ok, vs_best, vs_ar, best in verdict_auto:
+        lines.append(f"  [{'PASS' if ok else 'FAIL'}] auto on {wname}: {vs_best:.2f}x the best fixed ({best}), "
+                     f"{vs_ar:.2f}x plain (needs >= 0.90 and >= 0.95)")
+    if pro:
+        tp = sum(r["covered"]["pro_tps"] for r in pro) / len(pro)
+        tpl = sum(r["covered"]["plain_tps"] for r in pro) / len(pro)
+        lines.append(f"  [{'PASS' if tp >= 2 * tpl else 'FAIL'}] proactive on covered follow-ups: "
+                     f"{tp / tpl if tpl else 0:.2f}x plain tokens/s (needs >= 2)")
+    if "reasoning" in matrix and "ssr" in matrix["reasoning"]:
+        agg = matrix["reasoning"]
+        pa = agg["autoregressive"]
+        sa = agg["ssr"]
+        r = ((sa["answer_tokens"] / sa["answer_s"]) / (pa["answer_tokens"] / pa["answer_s"])
+             if sa["answer_s"] and pa["answer_s"] and pa["answer_tokens"] else 0.0)
+        lines.append(f"  [{'PASS' if r >= 1.5 else 'FAIL'}] ssr answer phase: {r:.2f}x plain (needs >= 1.5)")
+    return "\n".join(lines)
+
+
+def _table(matrix: dict) -> tuple[list[str], list]:
+    """The workloads x systems table (tokens/s, x plain), the '!' note, auto's reasons;
+    and auto's verdict rows."""
     systems = sorted({s for agg in matrix.values() for s in agg}, key=lambda s: (s == "auto", s == "ssr",
                                                                                   FIXED.index(s) if s in FIXED else 9))
     w = max(14, max(len(s) for s in systems) + 1)
-    lines.append(f"{'workload':<17}" + "".join(f"{s:>{w}}" for s in systems))
+    lines = [f"{'workload':<17}" + "".join(f"{s:>{w}}" for s in systems)]
     verdict_auto = []
     for wname, agg in matrix.items():
         ar = _tps(agg["autoregressive"])
@@ -228,6 +257,11 @@ def render(matrix: dict, pro: list[dict], meta: dict) -> str:
     for wname, agg in matrix.items():
         if "auto" in agg:
             lines.append(f"  {wname}: " + "; ".join(sorted(set(agg["auto"]["reasons"]))))
+    return lines, verdict_auto
+
+
+def _reasoning_and_proactive(matrix: dict, pro: list[dict]) -> list[str]:
+    lines = []
     if "reasoning" in matrix:
         agg = matrix["reasoning"]
         lines += ["", "reasoning, answer phase only (tokens after the end of thinking / seconds from there):"]
@@ -247,45 +281,33 @@ def render(matrix: dict, pro: list[dict], meta: dict) -> str:
                              f"warm prefix {x['warm']}, identical {x['identical']})")
             lines.append(f"    anticipation took {r['anticipation_s']:.1f} s idle ({r['anticipation_tokens']} tokens); "
                          f"covered turn: {r['covered_turn']!r}")
+    return lines
+
+
+def _external_vs_self(matrix: dict) -> tuple[list[str], list]:
+    """The block drafter on the drafter service vs in the verifier, per workload and pooled."""
     pairs = [(f"external:{d}", f"self:{d}") for d in ("block_tree", "block")]
     pairs = [(e, o) for e, o in pairs if any(e in agg and o in agg for agg in matrix.values())]
-    verdict_ext = []
-    if pairs:
-        lines += ["", "the block drafter on the drafter service (features over the wire) vs in the verifier "
-                  "(tokens/s ratio; per round: draft ms incl. its RPC, network ms = RPC wall - server time):"]
-        for e, o in pairs:
-            for wname, agg in matrix.items():
-                if e in agg and o in agg:
-                    ratio = _tps(agg[e]) / _tps(agg[o]) if _tps(agg[o]) else 0.0
-                    per = {k: (1e3 * agg[k]["draft_s"] / max(1, agg[k]["rounds"]),
-                               1e3 * agg[k]["network_s"] / max(1, agg[k]["rounds"])) for k in (e, o)}
-                    lines.append(f"  {wname:<16} {e} / {o}: {ratio:.2f}x  (draft {per[e][0]:.1f} vs {per[o][0]:.1f} "
-                                 f"ms/round, network {per[e][1]:.1f} vs {per[o][1]:.1f} ms/round)")
-                    verdict_ext.append((wname, e, o, ratio))
-            both = [agg for agg in matrix.values() if e in agg and o in agg]
-            if len(both) > 1:  # every workload's tokens over every workload's seconds
-                te = sum(a[e]["tokens"] for a in both) / max(1e-9, sum(a[e]["seconds"] for a in both))
-                to = sum(a[o]["tokens"] for a in both) / max(1e-9, sum(a[o]["seconds"] for a in both))
-                lines.append(f"  {'all':<16} {e} / {o}: {te / to if to else 0.0:.2f}x")
-    lines += ["", "verdicts:"]
-    for wname, e, o, ratio in verdict_ext:
-        lines.append(f"  [{'PASS' if ratio >= 0.9 else 'FAIL'}] {e} on {wname}: {ratio:.2f}x {o} (needs >= 0.90)")
-    for wname, ok, vs_best, vs_ar, best in verdict_auto:
-        lines.append(f"  [{'PASS' if ok else 'FAIL'}] auto on {wname}: {vs_best:.2f}x the best fixed ({best}), "
-                     f"{vs_ar:.2f}x plain (needs >= 0.90 and >= 0.95)")
-    if pro:
-        tp = sum(r["covered"]["pro_tps"] for r in pro) / len(pro)
-        tpl = sum(r["covered"]["plain_tps"] for r in pro) / len(pro)
-        lines.append(f"  [{'PASS' if tp >= 2 * tpl else 'FAIL'}] proactive on covered follow-ups: "
-                     f"{tp / tpl if tpl else 0:.2f}x plain tokens/s (needs >= 2)")
-    if "reasoning" in matrix and "ssr" in matrix["reasoning"]:
-        agg = matrix["reasoning"]
-        pa = agg["autoregressive"]
-        sa = agg["ssr"]
-        r = ((sa["answer_tokens"] / sa["answer_s"]) / (pa["answer_tokens"] / pa["answer_s"])
-             if sa["answer_s"] and pa["answer_s"] and pa["answer_tokens"] else 0.0)
-        lines.append(f"  [{'PASS' if r >= 1.5 else 'FAIL'}] ssr answer phase: {r:.2f}x plain (needs >= 1.5)")
-    return "\n".join(lines)
+    lines, verdict_ext = [], []
+    if not pairs:
+        return lines, verdict_ext
+    lines += ["", "the block drafter on the drafter service (features over the wire) vs in the verifier "
+              "(tokens/s ratio; per round: draft ms incl. its RPC, network ms = RPC wall - server time):"]
+    for e, o in pairs:
+        for wname, agg in matrix.items():
+            if e in agg and o in agg:
+                ratio = _tps(agg[e]) / _tps(agg[o]) if _tps(agg[o]) else 0.0
+                per = {k: (1e3 * agg[k]["draft_s"] / max(1, agg[k]["rounds"]),
+                           1e3 * agg[k]["network_s"] / max(1, agg[k]["rounds"])) for k in (e, o)}
+                lines.append(f"  {wname:<16} {e} / {o}: {ratio:.2f}x  (draft {per[e][0]:.1f} vs {per[o][0]:.1f} "
+                             f"ms/round, network {per[e][1]:.1f} vs {per[o][1]:.1f} ms/round)")
+                verdict_ext.append((wname, e, o, ratio))
+        both = [agg for agg in matrix.values() if e in agg and o in agg]
+        if len(both) > 1:  # every workload's tokens over every workload's seconds
+            te = sum(a[e]["tokens"] for a in both) / max(1e-9, sum(a[e]["seconds"] for a in both))
+            to = sum(a[o]["tokens"] for a in both) / max(1e-9, sum(a[o]["seconds"] for a in both))
+            lines.append(f"  {'all':<16} {e} / {o}: {te / to if to else 0.0:.2f}x")
+    return lines, verdict_ext
 
 
 def register(subparsers) -> None:
