@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Optional
 
 OPEN_WRITING = ("code_write", "chat_multiturn")
+# issue 20's targets against llama.cpp plain decoding (best speculative system of ours per workload)
+LLAMACPP_SPEC_TARGETS = {"open_writing": 2.0, "chat_multiturn": 2.0, "code_edit": 3.0, "summarize_quotes": 3.0}
 RSS_LIMIT_MB = 2048
 
 
@@ -107,6 +109,9 @@ def verdicts(records: list[dict], meta: dict) -> list[tuple[str, str]]:
             if d != "fp32":
                 text += " (bf16/int8 near-ties can flip; greedy identity is a fp32 claim: add ours_*_fp32 systems)"
         line(not bad, text)
+    # 7. against llama.cpp plain decoding, side by side in this run (issue 20)
+    for v, text in llamacpp_verdicts(ix, ours_all, spec):
+        out.append((v, text))
     # 6. peak RSS <= 2 GB: judged on specmesh alone (measured before any peer model is loaded)
     peak = meta.get("peak_rss_mb")
     own = next((s["peak_rss_mb"] for s in meta.get("rss_stages", []) if "before any peer" in s["stage"]), None)
@@ -116,6 +121,37 @@ def verdicts(records: list[dict], meta: dict) -> list[tuple[str, str]]:
         judged = own if own is not None else peak
         line(judged <= RSS_LIMIT_MB, f"specmesh peak RSS {judged:.0f} MiB (limit {RSS_LIMIT_MB} MiB; measured "
              f"before any peer model was loaded); whole benchmark process incl. HF models: {_fmt(peak, 0)} MiB")
+    return out
+
+
+def llamacpp_rows(ix: "_Idx", ours_all: list[str], spec: list[str]) -> list[tuple]:
+    """Per workload: (workload, llamacpp_ar tok/s, ours_ar tok/s, best ours speculative (tok/s, name))."""
+    rows = []
+    for w in ix.workloads:
+        lc = ix.get("llamacpp_ar", w, "tokens_per_s")
+        ar = ix.get("ours_ar", w, "tokens_per_s") if "ours_ar" in ours_all else None
+        best = max(((ix.get(s, w, "tokens_per_s") or 0.0, s) for s in spec), default=(None, None))
+        rows.append((w, lc, ar, best))
+    return rows
+
+
+def llamacpp_verdicts(ix: "_Idx", ours_all: list[str], spec: list[str]) -> list[tuple[str, str]]:
+    out = []
+    rows = llamacpp_rows(ix, ours_all, spec)
+    if not any(lc for _, lc, _, _ in rows):
+        return [("n/a", "ours vs llama.cpp plain decoding (needs llamacpp_ar; `make bench-peers`)")]
+    pairs = [(w, ar / lc) for w, lc, ar, _ in rows if lc and ar]
+    if pairs:
+        worst = min(pairs, key=lambda x: x[1])
+        out.append(("PASS" if worst[1] >= 1.0 else "FAIL", "ours_ar vs llamacpp_ar tokens/s: " + ", ".join(
+            f"{w} {r:.2f}x" for w, r in pairs) + f" (worst {worst[1]:.2f}x, target 1x)"))
+    for w, lc, _, (b, name) in rows:
+        target = LLAMACPP_SPEC_TARGETS.get(w)
+        if target is None or not lc or not b:
+            continue
+        out.append(("PASS" if b / lc >= target else "FAIL",
+                    f"{w}: best ours speculative {b:.1f} tok/s ({name}) = {b / lc:.2f}x llamacpp_ar {lc:.1f} tok/s "
+                    f"(target {target:g}x)"))
     return out
 
 
@@ -137,6 +173,22 @@ def render(result: dict) -> str:
         L += [""] + [f"- skipped `{k}`: {v}" for k, v in meta["skipped"].items()]
     L += ["", "## Verdicts", ""]
     L += [f"- **{v}** {t}" for v, t in verdicts(records, meta)]
+    lc_rows = [r for r in llamacpp_rows(ix, [s for s in ix.systems if s == "ours_ar"],
+                                        [s for s in ix.systems if s.startswith("ours_") and s != "ours_ar"
+                                         and not s.endswith(("_fp32", "_bf16", "_int8", "_int4"))]) if r[1]]
+    if lc_rows:
+        L += ["", "## Side by side with llama.cpp (tokens/s, same prompts, same run)", ""]
+        L.append("| workload | llamacpp_ar | llamacpp_pld | ours_ar | ours_ar / llamacpp_ar | best ours speculative "
+                 "| best / llamacpp_ar |")
+        L.append("|---|---|---|---|---|---|---|")
+        for w, lc, ar, (b, name) in lc_rows:
+            pld = ix.get("llamacpp_pld", w, "tokens_per_s")
+            lc, pld, ar, b = (None if v is None else float(v) for v in (lc, pld, ar, b))
+            L.append(f"| {w} | {lc:.1f} | {_fmt(pld, 1)} | {_fmt(ar, 1)} | {_fmt(ar / lc if ar else None, 2, 'x')} | "
+                     f"{_fmt(b, 1)} ({name}) | {_fmt(b / lc if b else None, 2, 'x')} |")
+        notes = {k: v.get("notes") for k, v in meta.get("peers", {}).items() if v.get("notes")}
+        for k, v in notes.items():
+            L.append(f"- `{k}`: " + "; ".join(v))
     L += ["", "## Speedup vs own AR (tokens/s ratio)", ""]
     L.append("| system | " + " | ".join(ix.workloads) + " |")
     L.append("|---|" + "---|" * len(ix.workloads))

@@ -140,3 +140,22 @@ def test_bench_smoke_real_model(tmp_path, runtime):
         p = Path(tmp_path / png)
         assert p.exists() and p.stat().st_size > 1000, png
     assert len((tmp_path / "outputs.jsonl").read_text().splitlines()) == len(SMOKE_SYSTEMS) * len(WORKLOADS)
+
+
+def test_llamacpp_side_by_side_from_synthetic_records():
+    """Every report with llamacpp_ar carries the ratios to it (issue 20's targets as verdicts)."""
+    recs = [_rec("ours_ar", "code_edit", 50, 1.0, "ours_ar"), _rec("ours_prompt_lookup", "code_edit", 160, 3.2, "ours_ar"),
+            _rec("llamacpp_ar", "code_edit", 40, 1.0, "llamacpp_ar"),
+            _rec("llamacpp_pld", "code_edit", 60, 1.5, "llamacpp_ar"),
+            _rec("ours_ar", "open_writing", 30, 1.0, "ours_ar"), _rec("ours_prompt_lookup", "open_writing", 33, 1.1, "ours_ar"),
+            _rec("llamacpp_ar", "open_writing", 40, 1.0, "llamacpp_ar")]
+    meta = {"config": {"dtype": "int4"}, "peers": {"llamacpp_ar": {"notes": ["restarted without extra buffers"]}}}
+    text = "\n".join(f"{a} {b}" for a, b in report.verdicts(recs, meta))
+    assert "FAIL ours_ar vs llamacpp_ar tokens/s: code_edit 1.25x, open_writing 0.75x" in text
+    assert "PASS code_edit: best ours speculative 160.0 tok/s (ours_prompt_lookup) = 4.00x llamacpp_ar" in text
+    assert "FAIL open_writing: best ours speculative 33.0 tok/s (ours_prompt_lookup) = 0.82x" in text
+    md = report.render({"meta": meta, "records": recs})
+    assert "| code_edit | 40.0 | 60.0 | 50.0 | 1.25x | 160.0 (ours_prompt_lookup) | 4.00x |" in md
+    assert "restarted without extra buffers" in md
+    no_peer = report.verdicts([r for r in recs if not r["system"].startswith("llamacpp")], meta)
+    assert ("n/a", "ours vs llama.cpp plain decoding (needs llamacpp_ar; `make bench-peers`)") in no_peer
