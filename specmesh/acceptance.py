@@ -312,6 +312,56 @@ def contrastive_logits(expert: torch.Tensor, amateur: torch.Tensor, alpha: float
 
 
 # ---------------------------------------------------------------------------
+# divergence decoding: a specialist drafts, the target (the generalist) verifies
+
+
+def jsd_bits(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Jensen-Shannon divergence, in bits (so in [0, 1]), of each row pair of [n, V]
+    probabilities (float64): 1/2 KL(p || m) + 1/2 KL(q || m), m = (p + q) / 2, with
+    0 log 0 = 0. Symmetric; 0 exactly when the rows are equal."""
+    p, q = p.double(), q.double()
+    m = 0.5 * (p + q)
+
+    def kl(a: torch.Tensor) -> torch.Tensor:
+        return torch.where(a > 0, a * (a.clamp_min(1e-300).log() - m.clamp_min(1e-300).log()),
+                           torch.zeros_like(a)).sum(-1)
+
+    return ((0.5 * kl(p) + 0.5 * kl(q)) / math.log(2.0)).clamp(0.0, 1.0)
+
+
+def divergence_jsd(logits: torch.Tensor, specialist: torch.Tensor) -> torch.Tensor:
+    """[k] JSD (bits) between the specialist's and the target's distributions at each
+    drafted position: softmax of the raw logits (temperature 1: the models' own
+    distributions, whatever the request samples with). ``logits``: the target's
+    [>= k, V] rows (row i: the position draft i fills), ``specialist``: [k, V]."""
+    k = specialist.shape[0]
+    return jsd_bits(torch.softmax(specialist.double(), -1), torch.softmax(logits[:k].double(), -1))
+
+
+def divergence_chain(logits: torch.Tensor, specialist: torch.Tensor, draft: Sequence[int], threshold: float,
+                     probs: Optional[torch.Tensor] = None, u_sample: Optional[torch.Tensor] = None) -> Acceptance:
+    """LOSSY Divergence Decoding over a chain the specialist drafted: accept drafts
+    0..n-1 where n is the first position with JSD(p_specialist, p_target) > ``threshold``
+    (``divergence_jsd``: both full distributions), whatever the drafted tokens are;
+    at n (or after the last draft: the bonus) emit the target's token: its argmax
+    (greedy, ``probs`` None) or a sample of ``probs[n]`` (the target distribution after
+    the request's temperature / top-k / top-p) with ``u_sample[n]``. ``logits``: the
+    target's [k + 1, V] rows, ``specialist``: the specialist's [k, V] logits at the
+    drafted positions. Threshold 0 accepts only where the two distributions are equal,
+    where the specialist's draft is a draw of the target's own distribution: exact."""
+    k = len(draft)
+    if specialist.shape[0] != k:
+        raise ValueError(f"{specialist.shape[0]} specialist rows for {k} drafted tokens")
+    n = k
+    if k:
+        over = (divergence_jsd(logits, specialist) > threshold).tolist()
+        n = over.index(True) if True in over else k
+    if probs is None:
+        return Acceptance(list(range(n)), int(logits[n].float().argmax()))
+    return Acceptance(list(range(n)), sample(probs[n].double(), float(u_sample[n])))
+
+
+# ---------------------------------------------------------------------------
 # dispatch
 
 
@@ -375,13 +425,16 @@ def _accept_group(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sa
 
 def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], samplings: Sequence[SamplingParams],
                  seeds: Sequence[int], batched: Optional[bool] = None, backend: str = "auto",
-                 amateurs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[Acceptance]:
+                 amateurs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 specialists: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[Acceptance]:
     """``accept`` for every request of one verify forward. ``batched`` (default: on
     when the logits are CUDA tensors): the exact rules of all greedy requests run as
     one kernel call and those of all sampled requests as another; the rest (empty
     drafts, relaxed rules, siblings drawn without replacement) one by one on the host.
     Same tokens as calling ``accept`` per request (same rules, same uniforms).
-    ``amateurs[i]``: the amateur's logits for request i's rows (contrastive requests)."""
+    ``amateurs[i]``: the amateur's logits for request i's rows (contrastive requests);
+    ``specialists[i]``: the specialist's logits at request i's drafted positions
+    (divergence requests)."""
     n = len(trees)
     if batched is None:
         batched = n > 0 and logits[0].is_cuda
@@ -392,7 +445,8 @@ def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sam
         if batched and _batchable(trees[i], samplings[i]):
             groups[samplings[i].greedy].append(i)
         else:
-            out[i] = _accept_scores(logits[i], trees[i], samplings[i], seeds[i])
+            out[i] = _accept_scores(logits[i], trees[i], samplings[i], seeds[i],
+                                    specialist=specialists[i] if specialists is not None else None)
     for greedy, idx in groups.items():
         if idx:
             res = _accept_group([logits[i] for i in idx], [trees[i] for i in idx], [samplings[i] for i in idx],
@@ -403,21 +457,26 @@ def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sam
 
 
 def accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
-           probs: Optional[torch.Tensor] = None, amateur: Optional[torch.Tensor] = None) -> Acceptance:
+           probs: Optional[torch.Tensor] = None, amateur: Optional[torch.Tensor] = None,
+           specialist: Optional[torch.Tensor] = None) -> Acceptance:
     """Apply the rule ``sampling`` asks for to [len(tree)+1, V] target logits.
     CUDA tensors go through the batched kernels (``accept_batch``: same uniforms, same
     tokens). ``contrastive`` needs ``amateur``, the amateur's logits for the same rows:
     the target becomes ``contrastive_logits(logits, amateur)`` and the exact rules apply
-    to it (``probs``, if given, must then be the contrastive target's)."""
+    to it (``probs``, if given, must then be the contrastive target's). ``divergence``
+    needs ``specialist``, the specialist's [len(tree), V] logits at the drafted positions
+    of its chain (``divergence_chain``)."""
     if sampling.acceptance == "contrastive":
         logits = _contrastive_inputs([logits], [sampling], [amateur])[0]
-    return _accept_scores(logits, tree, sampling, seed, probs)
+    return _accept_scores(logits, tree, sampling, seed, probs, specialist)
 
 
 def _accept_scores(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
-                   probs: Optional[torch.Tensor] = None) -> Acceptance:
+                   probs: Optional[torch.Tensor] = None, specialist: Optional[torch.Tensor] = None) -> Acceptance:
     """``accept`` after a contrastive target has replaced the logits by its scores."""
     rule = sampling.acceptance
+    if rule == "divergence":
+        return _accept_divergence(logits, tree, sampling, seed, probs, specialist)
     if logits.is_cuda and _batchable(tree, sampling):
         return _accept_group([logits], [tree], [sampling], [seed], sampling.greedy, "auto")[0]
     if logits.is_cuda:  # the rules below are host code: one readback of the scored rows
@@ -442,3 +501,22 @@ def _accept_scores(logits: torch.Tensor, tree: TokenTree, sampling: SamplingPara
     if tree.is_chain:
         return rejection_chain(probs, tree.tokens, q, u_acc, u_smp, lenience)
     return rejection_tree(probs, tree, q, u_acc, u_smp, lenience)
+
+
+def _accept_divergence(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
+                       probs: Optional[torch.Tensor], specialist: Optional[torch.Tensor]) -> Acceptance:
+    if len(tree) and not tree.is_chain:
+        raise ValueError("divergence acceptance verifies the specialist's chain, not a tree")
+    if specialist is None:
+        if len(tree):
+            raise ValueError("divergence acceptance needs the specialist's logits at the drafted positions")
+        specialist = logits[:0]
+    logits, specialist = logits.float().cpu(), specialist.float().cpu()
+    if sampling.greedy:
+        return divergence_chain(logits, specialist, tree.tokens, sampling.jsd_threshold)
+    if probs is None:
+        probs = target_probs(logits, sampling)
+    # no accept uniforms (the test is deterministic): u_sample[n] is then the uniform plain
+    # decoding draws with the same round seed, so a round that accepts nothing emits its token
+    _, u_smp = uniforms(seed, 0, len(tree))
+    return divergence_chain(logits, specialist, tree.tokens, sampling.jsd_threshold, probs.cpu(), u_smp)

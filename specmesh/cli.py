@@ -15,6 +15,7 @@ owns it (imported lazily so ``specmesh --help`` stays fast):
   device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.bench.device_check)
   costs              the speculation cost model measured on this device (specmesh.bench.costs)
   quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD (specmesh.bench.quality)
+  train-specialist   LoRA-tune a domain specialist of the target for divergence decoding (specmesh.specialist)
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     for mod, register in (("specmesh.serving.cli", "register"), ("specmesh.bench", "register"),
                           ("specmesh.blockdraft.cli", "register"), ("specmesh.observability.cli", "register"),
                           ("specmesh.bench.calibrate", "register"), ("specmesh.bench.strategies", "register"),
-                          ("specmesh.bench.costs", "register"), ("specmesh.bench.quality", "register")):
+                          ("specmesh.bench.costs", "register"), ("specmesh.bench.quality", "register"),
+                          ("specmesh.specialist", "register")):
         try:
             getattr(importlib.import_module(mod), register)(sub)
         except ModuleNotFoundError as e:

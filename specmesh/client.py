@@ -58,7 +58,7 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
                   thinking_budget: Optional[int] = None, stop: Sequence[str] = ()) -> router_pb2.GenerateRequest:
     """A GenerateRequest; unset options take the router's defaults (the router validates).
     ``acceptance_params``: the rule's parameters by their SamplingParams names
-    (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur)."""
+    (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur, jsd_threshold)."""
     sp = common_pb2.SamplingParams()
     if temperature is not None:
         sp.temperature = temperature

@@ -24,11 +24,13 @@ from typing import Optional, Sequence
 
 from .drafters import DRAFTERS, make_drafter, registry
 from .drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
+from .drafters.specialist import SpecialistDrafter
 from .device import resolve_device
 from .engine import LlamaEngine
 from .loop import VerifyCosts
 from .models.codec import TextCodec
 from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model
+from .specialist import adapter_dir as specialist_adapter
 from .types import InvalidArgument
 from .verifier import EngineVerifier
 
@@ -102,10 +104,12 @@ def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: i
 class Runtime:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048,
                  draft_model: Optional[str] = None, layerskip_exit: Optional[int] = None, quiet: bool = False,
-                 block_drafter: bool = True, device="cpu", cuda_graphs=True):
+                 block_drafter: bool = True, device="cpu", cuda_graphs=True, specialist: Optional[str] = "code"):
         """``device``: auto | cpu | cuda | cuda:N. ``cuda_graphs``: on CUDA, the engines
         are ``GraphedEngine`` (False: the eager engine; "always": on the CPU too, see
-        ``make_engine``)."""
+        ``make_engine``). ``specialist``: the domain of the divergence-decoding specialist
+        offered as the ``specialist`` self drafter when its adapter exists
+        (``specmesh.specialist.adapter_dir``; built on first use; None: none)."""
         self.device = resolve_device(device)
         self.cuda_graphs = cuda_graphs if cuda_graphs == "always" else self.device.type == "cuda" and bool(cuda_graphs)
         self.model_dir = resolve_model(model, quiet=quiet)
@@ -140,6 +144,22 @@ class Runtime:
                 folded=self.block_drafter.folded)
         self.codec = TextCodec(self.tokenizer, self.engine.vocab_size)
         self.stop_ids = self.codec.stop_ids
+        self.specialist = None
+        if specialist is not None and specialist_adapter(model, specialist) is not None:
+            self.specialist = SpecialistDrafter(lambda: self._specialist_engine(specialist), domain=specialist,
+                                                vocab_size=self.engine.vocab_size)
+            self.verifier.self_drafters["specialist"] = self.specialist
+
+    def _specialist_engine(self, domain: str) -> LlamaEngine:
+        """The specialist (target + the domain's LoRA merged) as an engine like the target's."""
+        from .specialist import load_specialist
+
+        cfg, sd = load_specialist(self.model_name, domain)
+        cls = type(self.engine)
+        eng = cls(cfg, sd, dtype=self.dtype, n_slots=self.engine.n_slots, max_seq_len=self.max_seq_len,
+                  device=self.device)
+        eng.model_dir = specialist_adapter(self.model_name, domain)
+        return eng
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +179,10 @@ class Runtime:
         """A drafter for the loop; ``layerskip`` drafts in this process's verifier."""
         if name == "layerskip":
             return LayerSkipDrafter(self.verifier, kw.get("exit_layer", self.layerskip_exit))
+        if name == "specialist":  # divergence decoding: drafts inside this verifier (self_draft="specialist")
+            if self.specialist is None:
+                raise InvalidArgument("drafter", "no specialist: train one with `specmesh train-specialist`")
+            return self.specialist
         if name == "draft_lm":
             if self._draft_lm is None:
                 path = self.draft_model or str(default_draft_model(self.model_name))

@@ -46,7 +46,11 @@ class SamplingParams:
     strength, ``cd_amateur`` the amateur model) and the exact rules apply to it, so the
     output follows vanilla contrastive decoding exactly — but it is not the plain
     model's distribution, so it is labelled ``lossy`` like the relaxed rules (responses,
-    metrics and traces carry the rule's name).
+    metrics and traces carry the rule's name). "divergence" (Divergence Decoding): a
+    domain *specialist* drafts, the target (the generalist) verifies, and a draft is
+    accepted up to the first position where JSD(p_specialist, p_target) > ``jsd_threshold``
+    (bits, in [0, 1]); there the target's own token is emitted. LOSSY: tokens the target
+    would not pick pass where the two models agree in distribution; threshold 0 is exact.
     """
 
     temperature: float = 0.0
@@ -61,6 +65,7 @@ class SamplingParams:
     cd_alpha: float = 0.1
     cd_beta: float = 0.5
     cd_amateur: str = "layerskip"
+    jsd_threshold: float = 0.3
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -82,6 +87,7 @@ class SamplingParams:
         if self.cd_amateur not in CD_AMATEURS:
             raise InvalidArgument("cd_amateur", f"must be one of {', '.join(map(repr, CD_AMATEURS))}, "
                                   f"got {self.cd_amateur!r}")
+        _check_real("jsd_threshold", self.jsd_threshold, lambda x: 0 <= x <= 1, "in [0, 1] (bits)")
 
     @property
     def greedy(self) -> bool:
@@ -90,11 +96,12 @@ class SamplingParams:
     @property
     def lossy(self) -> bool:
         """Not the plain target model's distribution: every rule but "exact" (the relaxed
-        rules, and "contrastive", which is exact for the contrastive target instead)."""
+        rules and "divergence", and "contrastive", which is exact for the contrastive
+        target instead)."""
         return self.acceptance != "exact"
 
 
-ACCEPTANCE_RULES = ("exact", "typical", "lenient", "topk", "contrastive")
+ACCEPTANCE_RULES = ("exact", "typical", "lenient", "topk", "contrastive", "divergence")
 CD_AMATEURS = ("layerskip",)  # the amateur of "contrastive": the target's own layer-skip exit
 
 

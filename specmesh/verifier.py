@@ -182,6 +182,16 @@ class EngineVerifier:
         if req.sampling.acceptance == "contrastive" and self.contrastive_exit() is None:
             raise InvalidArgument("sampling.cd_amateur", f"{req.sampling.cd_amateur!r}: this verifier has no "
                                   "layer-skip exit to serve as the contrastive amateur")
+        if req.sampling.acceptance == "divergence":
+            if "specialist" not in self.self_drafters:
+                raise InvalidArgument("sampling.acceptance", "divergence needs a specialist (a domain-tuned model "
+                                      "with the target's tokenizer) in the verifier, and this verifier has none "
+                                      "(`specmesh train-specialist`, docs/acceptance.md)")
+            own = req.self_draft is not None and req.self_draft.method == "specialist"
+            if not own and (len(req.tree) or (req.self_draft is not None and req.self_draft.budget > 0)):
+                raise InvalidArgument("sampling.acceptance", "divergence verifies the specialist's own drafts: "
+                                      "draft in the verifier with the 'specialist' self drafter (strategy self, "
+                                      "drafter specialist), not with an external draft tree")
         if req.self_draft is not None:
             if req.self_draft.method not in self.self_drafters:
                 raise InvalidArgument("self_draft.method", f"unknown {req.self_draft.method!r}; "
@@ -232,6 +242,10 @@ class EngineVerifier:
                         raise InvalidArgument("session_id", "one request per session per batch")
                     self._validate(r)
                     slot = self._slot_for(r)
+                    if r.sampling.acceptance == "divergence" or (
+                            r.self_draft is not None and r.self_draft.method == "specialist"):
+                        # the specialist keeps the session's tokens itself (SessionLost: re-prefill)
+                        self.self_drafters["specialist"].sync(r.session_id, r.keep_len, r.append_tokens)
                     seen.add(r.session_id)
                     self.pool.busy.add(r.session_id)
                     ready.append((i, r, slot))
@@ -271,9 +285,10 @@ class EngineVerifier:
                                 if m[1].sampling.acceptance == "contrastive" else None
                                 for m, so in zip(meta, scored)] if cd else None
                     fwd_ms = (time.perf_counter() - t1) * 1e3
+                    specialists = [self._specialist_rows(m[1], m[4]) for m in meta]
                     decided = acc.accept_batch([so.logits for so in scored], [m[4] for m in meta],
                                                [m[1].sampling for m in meta], [m[1].round_seed for m in meta],
-                                               amateurs=amateurs)
+                                               amateurs=amateurs, specialists=specialists)
                     for (i, r, slot, a, tree, rows, draft_ms), so, res in zip(meta, scored, decided):
                         start = self.engine.length(slot)
                         kept = list(range(a)) + [a + j for j in res.path]
@@ -293,6 +308,16 @@ class EngineVerifier:
                 for _, r, _ in ready:
                     self.pool.busy.discard(r.session_id)
         return out
+
+    def _specialist_rows(self, req: VerifyRequest, tree) -> Optional[torch.Tensor]:
+        """Divergence requests: the specialist's logits at the positions of the chain it
+        just drafted (they stay in this process: the JSD needs the full distribution)."""
+        if req.sampling.acceptance != "divergence" or not len(tree):
+            return None
+        rows = self.self_drafters["specialist"].draft_logits(req.session_id)
+        if rows is None or rows.shape[0] != len(tree):
+            raise RuntimeError("the specialist's logits do not match its draft")
+        return rows
 
     def prefill(self, session_id: str, tokens: Sequence[int]) -> int:
         """Warm a session's KV with ``tokens`` (no sampling); returns its length."""

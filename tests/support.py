@@ -155,6 +155,25 @@ def tiny_layerskip_verifier(n_slots: int = 8, max_seq_len: int = 256) -> EngineV
     return v
 
 
+def tiny_specialist_weights(cfg: dict, sd: dict, noise: float = 0.05, seed: int = 1) -> tuple[dict, dict]:
+    """A tiny "specialist" of a tiny target: every matrix plus normal(0, ``noise``) (a
+    perturbed copy, like a LoRA-tuned one: same vocabulary, close but not equal)."""
+    g = torch.Generator().manual_seed(seed)
+    return cfg, {k: v + torch.randn(v.shape, generator=g) * noise if v.dim() == 2 else v.clone()
+                 for k, v in sd.items()}
+
+
+def tiny_divergence_verifier(n_slots: int = 8, max_seq_len: int = 256, noise: float = 0.02) -> EngineVerifier:
+    """``tiny_layerskip_verifier`` plus a ``specialist`` self drafter (``tiny_specialist_weights``)."""
+    from specmesh.drafters.specialist import SpecialistDrafter
+
+    v = tiny_layerskip_verifier(n_slots, max_seq_len)
+    cfg, sd = tiny_specialist_weights(*tiny_weights(), noise=noise)
+    v.self_drafters["specialist"] = SpecialistDrafter(
+        lambda: LlamaEngine(cfg, sd, n_slots=n_slots, max_seq_len=max_seq_len), domain="tiny", vocab_size=V)
+    return v
+
+
 def tiny_block_model(target_sd: dict, vocab: int, seed: int = 0, hidden: int = 64, heads: int = 4,
                      feature_layers=(0, 1), block: int = 4, window: int = 16):
     """A random-weight block drafter over a tiny target's embeddings and head (fp32, eval)."""

@@ -12,6 +12,11 @@ process with the systems alternating per prompt:
   teacher-forced: how likely the target finds what the rule let through), and, on the
   reasoning workload, whether the final answer (the last number in the text) equals the
   target's;
+- divergence decoding (``--divergence`` thresholds): the verifier's domain specialist
+  drafts (``specialist`` self drafter) and ``acceptance="divergence"`` accepts while
+  JSD(p_specialist, p_target) <= tau; beside it the same specialist drafts under the
+  exact rule (``specialist:exact``: its speed without the relaxation). ``--split
+  code`` reports every system twice: on the code workloads and on the others;
 - contrastive decoding: vanilla CD (one target forward per token, amateur = the
   layer-skip exit from the same forward) and speculative CD with the same drafter,
   side by side: the speedup of speculative over vanilla CD and whether their outputs
@@ -35,7 +40,7 @@ from typing import Optional, Sequence
 
 DEFAULT_RULES = "exact,typical,lenient:0.5,lenient:0.2,lenient:0.05,topk:2,topk:4,topk:8"
 PARAM = {"lenient": ("lenience", float), "topk": ("accept_top_k", int), "typical": ("typical_epsilon", float),
-         "contrastive": ("cd_beta", float)}
+         "contrastive": ("cd_beta", float), "divergence": ("jsd_threshold", float)}
 
 
 def register(subparsers) -> None:
@@ -50,6 +55,10 @@ def register(subparsers) -> None:
     p.add_argument("--rules", default=DEFAULT_RULES, help="comma list of rule[:parameter]")
     p.add_argument("--cd", default="0.5", help="contrastive betas to run (vanilla and speculative); '' = none")
     p.add_argument("--cd-alpha", type=float, default=0.1)
+    p.add_argument("--divergence", default="", help="divergence thresholds (bits) to run with the specialist "
+                                                    "drafting, plus the specialist under the exact rule; '' = none")
+    p.add_argument("--split", default="", help="a workload prefix (e.g. code): summarise its workloads and the "
+                                               "others separately")
     p.add_argument("--workloads", default="", help="comma list (default: all)")
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload, from the end of each file")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -144,6 +153,13 @@ def main(args) -> int:
     for b in cds:
         cd = SamplingParams(**base, acceptance="contrastive", cd_beta=b, cd_alpha=args.cd_alpha)
         systems += [(f"cd_vanilla:{b}", None, cd), (f"cd_spec:{b}", True, cd)]
+    divs = [float(t) for t in args.divergence.split(",") if t.strip()]
+    if divs:  # the specialist drafts in the verifier (self_draft): its own systems
+        if "specialist" not in rt.verifier.self_drafters:
+            raise SystemExit("--divergence needs the specialist: `specmesh train-specialist --domain code`")
+        systems += [("specialist:exact", "specialist", SamplingParams(**base))]
+        systems += [(f"divergence:{t:g}", "specialist", SamplingParams(**base, acceptance="divergence",
+                                                                        jsd_threshold=t)) for t in divs]
     rec: dict = {name: [] for name, _, _ in systems}
     slot = rt.engine.n_slots - 1  # the log-likelihood forward's scratch slot (sessions are released between runs)
     with tqdm(total=len(prompts) * len(systems), desc="specmesh quality", disable=args.no_progress) as bar:
@@ -154,9 +170,10 @@ def main(args) -> int:
             for name, spec, sp in systems:
                 bar.set_postfix_str(f"{p.id} {name}")
                 t0 = time.perf_counter()
-                out, st = generate_tokens(drafter if spec else None, rt.verifier, ids, sampling=sp, max_new_tokens=n,
-                                          stop_ids=rt.stop_ids, budget=args.budget if spec else 0,
-                                          self_draft=self_draft if spec else None)
+                own = spec == "specialist"
+                out, st = generate_tokens(drafter if spec and not own else None, rt.verifier, ids, sampling=sp,
+                                          max_new_tokens=n, stop_ids=rt.stop_ids, budget=args.budget if spec else 0,
+                                          self_draft="specialist" if own else self_draft if spec else None)
                 dt = time.perf_counter() - t0
                 outs[name] = out
                 rec[name].append({"prompt": p.id, "workload": p.workload, "tokens": len(out), "s": dt,
@@ -179,9 +196,11 @@ def main(args) -> int:
                 if ref_ans is not None:
                     r["answer_match"] = final_answer(rt.decode(out)) == ref_ans
     rows = summarise(rec)
+    if args.split:
+        rows = summarise_split(rec, args.split)
     meta = {"model": args.model, "dtype": args.dtype, "device": str(rt.device), "drafter": args.drafter,
             "budget": args.budget, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-            "prompts": [p.id for p in prompts], "cd_alpha": args.cd_alpha}
+            "prompts": [p.id for p in prompts], "cd_alpha": args.cd_alpha, "split": args.split}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "rows": rows, "records": rec}
@@ -211,6 +230,20 @@ def summarise(rec: dict) -> list[dict]:
             row["speedup_vs_vanilla_cd"] = (toks / secs) / (vt / vs) if secs and vs else 0.0
             row["identical_to_vanilla_cd"] = f"{sum(r['identical_to_vanilla_cd'] for r in rs)}/{len(rs)}"
         rows.append(row)
+    return rows
+
+
+def summarise_split(rec: dict, prefix: str) -> list[dict]:
+    """``summarise`` of the workloads starting with ``prefix`` and of the others, each
+    row named ``system @prefix`` / ``system @other``."""
+    rows = []
+    for grp, keep in ((prefix, lambda w: w.startswith(prefix)), ("other", lambda w: not w.startswith(prefix))):
+        part = {name: [r for r in rs if keep(r["workload"])] for name, rs in rec.items()}
+        if not any(part.values()):
+            continue
+        for row in summarise(part):
+            row["system"] = f"{row['system']} @{grp}"
+            rows.append(row)
     return rows
 
 

@@ -58,6 +58,9 @@ SPECS: tuple[DrafterSpec, ...] = (
                 "suffix drafting over a conversation's draft cache (proactive / SSR texts)", selectable=False),
     DrafterSpec("draft_lm", "external", "token", "chain", "a small LM with the target's tokenizer"),
     DrafterSpec("layerskip", "verifier", "token", "chain", "the target's first E layers and its head"),
+    DrafterSpec("specialist", "verifier", "token", "chain",
+                "a domain specialist (LoRA-tuned copy of the target) drafting for divergence decoding; its full "
+                "distributions stay in the verifier for the JSD test"),
     DrafterSpec("block", "verifier", "round", "chain",
                 "the trained block drafter on the target's hidden states: a chain in one pass", needs_features=True),
     DrafterSpec("block_tree", "verifier", "round", "tree",

@@ -122,10 +122,12 @@ def register(sub) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--draft-budget", type=int, default=None)
     g.add_argument("--acceptance", default=None,
-                   help="verify rule: exact (default) | typical | lenient | topk (lossy) | contrastive")
+                   help="verify rule: exact (default) | typical | lenient | topk (lossy) | contrastive | "
+                        "divergence (lossy; the verifier's specialist drafts: strategy self, drafter specialist "
+                        "unless given)")
     g.add_argument("--acceptance-param", action="append", default=[], metavar="NAME=VALUE",
                    help="the rule's parameter, repeatable: lenience=0.5, accept_top_k=4, cd_alpha=0.1, "
-                        "cd_beta=0.5, typical_epsilon=0.3, ...")
+                        "cd_beta=0.5, typical_epsilon=0.3, jsd_threshold=0.3, ...")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string, repeatable: the output ends just before the first one")
     g.add_argument("--raw", action="store_true", help="no chat template")
@@ -341,6 +343,8 @@ def generate_main(args) -> int:
         token = Path(args.token_file).read_text().strip()
     client = Client(args.address, token=token, root_certificates=args.ca, timeout=args.timeout,
                     private_key=args.key, certificate_chain=args.cert)
+    if args.acceptance == "divergence" and not args.strategy and not args.drafter:
+        args.strategy, args.drafter = "self", "specialist"  # divergence verifies the specialist's own drafts
     kw = dict(strategy=args.strategy, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               draft_budget=args.draft_budget, raw_prompt=args.raw, conversation_id=args.conversation_id,

@@ -56,7 +56,7 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p), seed=int(s.seed) & U64,
         acceptance=s.acceptance, typical_epsilon=float(s.typical_epsilon), typical_delta=float(s.typical_delta),
         lenience=float(s.lenience), accept_top_k=int(s.accept_top_k), cd_alpha=float(s.cd_alpha),
-        cd_beta=float(s.cd_beta), cd_amateur=s.cd_amateur)
+        cd_beta=float(s.cd_beta), cd_amateur=s.cd_amateur, jsd_threshold=float(s.jsd_threshold))
 
 
 def sampling_from_proto(m: common_pb2.SamplingParams, prefix: str = "sampling") -> SamplingParams:
@@ -70,7 +70,8 @@ def sampling_from_proto(m: common_pb2.SamplingParams, prefix: str = "sampling") 
             lenience=m.lenience if m.HasField("lenience") else d.lenience,
             accept_top_k=m.accept_top_k if m.HasField("accept_top_k") else d.accept_top_k,
             cd_alpha=m.cd_alpha if m.HasField("cd_alpha") else d.cd_alpha,
-            cd_beta=m.cd_beta if m.HasField("cd_beta") else d.cd_beta, cd_amateur=m.cd_amateur or d.cd_amateur)
+            cd_beta=m.cd_beta if m.HasField("cd_beta") else d.cd_beta, cd_amateur=m.cd_amateur or d.cd_amateur,
+            jsd_threshold=m.jsd_threshold if m.HasField("jsd_threshold") else d.jsd_threshold)
     except InvalidArgument as e:
         raise InvalidArgument(f"{prefix}.{e.field}", e.message) from None
 

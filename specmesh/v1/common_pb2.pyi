@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "acceptance", "typical_epsilon", "typical_delta", "lenience", "accept_top_k", "cd_alpha", "cd_beta", "cd_amateur")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "acceptance", "typical_epsilon", "typical_delta", "lenience", "accept_top_k", "cd_alpha", "cd_beta", "cd_amateur", "jsd_threshold")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class SamplingParams(_message.Message):
     CD_ALPHA_FIELD_NUMBER: _ClassVar[int]
     CD_BETA_FIELD_NUMBER: _ClassVar[int]
     CD_AMATEUR_FIELD_NUMBER: _ClassVar[int]
+    JSD_THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -32,7 +33,8 @@ class SamplingParams(_message.Message):
     cd_alpha: float
     cd_beta: float
     cd_amateur: str
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., acceptance: _Optional[str] = ..., typical_epsilon: _Optional[float] = ..., typical_delta: _Optional[float] = ..., lenience: _Optional[float] = ..., accept_top_k: _Optional[int] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., cd_amateur: _Optional[str] = ...) -> None: ...
+    jsd_threshold: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., acceptance: _Optional[str] = ..., typical_epsilon: _Optional[float] = ..., typical_delta: _Optional[float] = ..., lenience: _Optional[float] = ..., accept_top_k: _Optional[int] = ..., cd_alpha: _Optional[float] = ..., cd_beta: _Optional[float] = ..., cd_amateur: _Optional[str] = ..., jsd_threshold: _Optional[float] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("ids", "probs")

@@ -38,7 +38,7 @@ LAYERS = [
     ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.rowops", "specmesh.trees", "specmesh.errors",
                 "specmesh.kernels", "specmesh.v1"]),
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.cudagraph", "specmesh.device",
-                  "specmesh.models"]),
+                  "specmesh.models", "specmesh.specialist"]),
     ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive"]),
     ("above the loop", ["specmesh.blockdraft", "specmesh.strategies"]),
     ("in-process assembly", ["specmesh.runtime"]),
