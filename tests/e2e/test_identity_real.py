@@ -94,3 +94,23 @@ def test_demo_command_runs_every_default_drafter_identically(capsys):
         assert out.count(f": {name} ") == 3, name  # one line per built-in prompt
     assert out.count(", identical") == 3 * len(drafters)
     assert "peak RSS" in out
+
+
+def test_int4_speculation_equals_int4_plain_decoding():
+    """int4 (batch-invariant, like bf16/int8): prompt lookup and the block drafter's chain
+    and tree return exactly the int4 engine's own plain greedy tokens on the real model."""
+    from specmesh.runtime import Runtime
+
+    rt = Runtime("smollm2-135m-instruct", dtype="int4", n_slots=2, max_seq_len=1024, quiet=True)
+    assert rt.engine.batch_invariant and rt.engine.layers[0].qkv.mode == "int4"
+    for p in PROMPTS[:3]:
+        ids = rt.encode(p)
+        ref, _ = generate_tokens(None, rt.verifier, ids, max_new_tokens=N, stop_ids=rt.stop_ids)
+        out, _ = generate_tokens(rt.drafter("prompt_lookup"), rt.verifier, ids, max_new_tokens=N,
+                                 stop_ids=rt.stop_ids, budget=6)
+        assert out == ref, "prompt_lookup diverged from int4 plain decoding"
+        for method in ("block", "block_tree"):
+            if method in rt.verifier.self_drafters:
+                out, st = generate_tokens(None, rt.verifier, ids, max_new_tokens=N, stop_ids=rt.stop_ids,
+                                          budget=6, self_draft=method)
+                assert out == ref and st.drafted_tokens > 0, f"{method} diverged from int4 plain decoding"
