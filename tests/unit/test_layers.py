@@ -35,7 +35,8 @@ BARE = ("router", "drafter_service", "verifier_service", "kernels")
 # The layers, lowest first (docs/design.md, "Layering rules"); a module belongs to the
 # layer of its longest matching prefix and may import only from that layer or lower ones.
 LAYERS = [
-    ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.rowops", "specmesh.trees", "specmesh.errors",
+    ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.rowops", "specmesh.trees",
+                "specmesh.errors",
                 "specmesh.kernels", "specmesh.v1"]),
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.cudagraph", "specmesh.device",
                   "specmesh.models", "specmesh.specialist"]),
@@ -54,7 +55,8 @@ ROOT_PACKAGE_LAYER = "gRPC layer"  # ``specmesh`` itself: it re-exports the SDK 
 ALLOWED_UPWARD = {
     ("specmesh.blockdraft.accel", "specmesh.blockdraft.cli"),  # accel.main, `python -m specmesh.blockdraft.accel`
 }
-CORE = ("specmesh.types", "specmesh.seeding", "specmesh.trees", "specmesh.rowops", "specmesh.acceptance",
+CORE = ("specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees", "specmesh.rowops",
+        "specmesh.acceptance",
         "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters", "specmesh.contrastive")
 CORE_MUST_NOT_REACH = ("grpc", "google.protobuf", "specmesh.v1", "specmesh.serving", "specmesh.client",
                        "specmesh.observability", "specmesh.router", "specmesh.drafter_service",
