@@ -38,7 +38,7 @@ _FLAGS = [
     # (flag, field, type, help)
     ("--host", "host", str, "bind address (default 127.0.0.1)"),
     ("--model", "model", str, "model alias or local HF directory (verifier, router tokenizer)"),
-    ("--dtype", "dtype", str, "fp32 | bf16 | int8 (verifier)"),
+    ("--dtype", "dtype", str, "fp32 | bf16 | int8 | int4 (verifier; default bf16)"),
     ("--device", "device", str, "verifier and draft LM: auto | cpu | cuda | cuda:N (default auto)"),
     ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false"),
     ("--n-slots", "n_slots", int, "KV slots of the verifier"),
