@@ -38,6 +38,7 @@ from specmesh.bench.workloads import load
 from specmesh.engine import LlamaEngine
 from specmesh.loop import generate_tokens
 from specmesh.models.loading import load_tokenizer, resolve_model, stop_ids
+from specmesh.seqs import common_prefix_len
 from specmesh.verifier import EngineVerifier
 
 
@@ -86,7 +87,7 @@ def main() -> None:
         t0 = time.time()
         eng = _engine(a.model, spec, max_len)
         ver = EngineVerifier(eng)
-        outs, lps = [], []
+        outs = []
         for _, _, ids, n in prompts:
             out, _ = generate_tokens(None, ver, ids, max_new_tokens=n, stop_ids=stops)
             outs.append(out)
@@ -105,7 +106,7 @@ def main() -> None:
         r = run(spec)
         eng = r.pop("engine")
         same = sum(o == f for o, f in zip(r["outputs"], ref["outputs"]))
-        pref = sum(_prefix(o, f) for o, f in zip(r["outputs"], ref["outputs"])) / max(
+        pref = sum(common_prefix_len(o, f) for o, f in zip(r["outputs"], ref["outputs"])) / max(
             1, sum(len(f) for f in ref["outputs"]))
         hit = tot = 0
         for (_, _, ids, _), f, rc in zip(prompts, ref["outputs"], ref_cont):
@@ -130,15 +131,6 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(figures, f, indent=2)
-
-
-def _prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _ll(lps: list[torch.Tensor], ref: list[torch.Tensor], prompts) -> tuple[float, float]:

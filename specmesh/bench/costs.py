@@ -23,10 +23,11 @@ spread, not the third digit.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
+
+from .report import write_result
 
 DRAFTERS = "prompt_lookup,suffix,draft_lm,layerskip,block,block_tree"
 SELF = ("layerskip", "block", "block_tree")
@@ -41,7 +42,7 @@ def register(subparsers) -> None:
                                             "the S <= tau/2 bound) for this device and dtype",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"])
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--drafters", default=DRAFTERS, help="comma list")
     p.add_argument("--budget", type=int, default=6, help="draft budget k of a round")
@@ -194,15 +195,8 @@ def main(args) -> int:
     meta = {"model": args.model, "dtype": args.dtype, "device": str(rt.device), "budget": k,
             "context": args.context, "reps": args.reps, "max_new_tokens": args.max_new_tokens,
             "prompts": len(prompts), "torch_threads": __import__("torch").get_num_threads()}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "verify_s": tv, "batch_s": tb, "drafters": rows}
-    (out / "costs.json").write_text(json.dumps(result, indent=2))
-    md = report(result)
-    (out / "costs.md").write_text(md)
-    plot(result, out / "costs.png")
-    print(md)
-    print(f"wrote {out}/costs.json, costs.md, costs.png")
+    write_result(args.out, "costs", result, report(result), plot)
     return 0
 
 
@@ -229,7 +223,7 @@ def report(r: dict) -> str:
         lines.append(f"| {B} | {row[1] * 1e3:.1f} | {row[1] * 1e3 / B:.1f} | {row[k + 1] * 1e3:.1f} | "
                      f"{row[k + 1] * 1e3 / B:.1f} |")
     lines += ["", "## Drafters: cost, break-even τ and the S ≤ τ/2 bound", "",
-              f"τ* = (T_draft(k) + T_verify(k+1)) / T_verify(1); predicted S = τ/τ*; c = T_draft / T_verify(1). "
+              "τ* = (T_draft(k) + T_verify(k+1)) / T_verify(1); predicted S = τ/τ*; c = T_draft / T_verify(1). "
               "A drafter with c ≥ 1 (a target pass or more per round) cannot beat τ/2.", "",
               "| drafter | draft ms/round | ms/token | c (target passes) | break-even τ* | measured τ | "
               "predicted S | measured S | τ/2 | S ≤ τ/2 (c ≥ 1) |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..seqs import common_prefix_len
 from ..types import InvalidArgument
 from . import workloads as wl
 from .llamacpp_worker import PeerFailed
@@ -66,15 +67,6 @@ def peak_rss_mb() -> float:
     except OSError:
         pass
     return peak_kb / 1024.0
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Bench:
@@ -269,7 +261,7 @@ class Bench:
                     rec.update(identical_to_ar=None, identical_prompts=None, token_agreement=None)
                 else:
                     same = [tokens[(s.name, w)][pid] == ref[pid] for pid, _, _ in rs]
-                    agree = sum(_common_prefix(tokens[(s.name, w)][pid], ref[pid]) for pid, _, _ in rs)
+                    agree = sum(common_prefix_len(tokens[(s.name, w)][pid], ref[pid]) for pid, _, _ in rs)
                     ref_len = sum(len(ref[pid]) for pid, _, _ in rs)
                     rec.update(identical_to_ar=all(same), identical_prompts=sum(same),
                                token_agreement=round(agree / ref_len, 4) if ref_len else 1.0)

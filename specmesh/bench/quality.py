@@ -32,10 +32,11 @@ quality columns are deterministic, the speed columns are not.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
 from pathlib import Path
+
+from .report import write_result
 from typing import Optional, Sequence
 
 DEFAULT_RULES = "exact,typical,lenient:0.5,lenient:0.2,lenient:0.05,topk:2,topk:4,topk:8"
@@ -48,7 +49,7 @@ def register(subparsers) -> None:
                                               "speculative vs vanilla contrastive decoding, in one run",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"])
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--device", default="auto")
     p.add_argument("--drafter", default="block", help="drafter of every speculative system (self drafters: "
                                                       "layerskip, block, block_tree; external: prompt_lookup, ...)")
@@ -201,15 +202,8 @@ def main(args) -> int:
     meta = {"model": args.model, "dtype": args.dtype, "device": str(rt.device), "drafter": args.drafter,
             "budget": args.budget, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
             "prompts": [p.id for p in prompts], "cd_alpha": args.cd_alpha, "split": args.split}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"meta": meta, "rows": rows, "records": rec}
-    (out / "quality.json").write_text(json.dumps(result, indent=2))
-    md = report(result)
-    (out / "quality.md").write_text(md)
-    plot(result, out / "quality.png")
-    print(md)
-    print(f"wrote {out}/quality.json, quality.md, quality.png")
+    write_result(args.out, "quality", result, report(result), plot)
     return 0
 
 

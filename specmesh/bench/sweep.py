@@ -40,7 +40,7 @@ NOT_READY = ("specmesh bench-sweep: it needs the gRPC client SDK (specmesh.clien
 def add_arguments(p) -> None:
     p.add_argument("--target", default="", help="router address host:port (default: --serve, or 127.0.0.1:50051)")
     p.add_argument("--serve", action="store_true", help="start the three services on free loopback ports first")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8"], help="verifier dtype with --serve")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"], help="verifier dtype with --serve")
     p.add_argument("--device", default="auto", help="verifier device with --serve: auto | cpu | cuda | cuda:N")
     p.add_argument("--streams", default="1,4,8", help="comma list of concurrent stream counts")
     p.add_argument("--systems", default="autoregressive,external:prompt_lookup",
