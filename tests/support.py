@@ -678,3 +678,25 @@ def chi2(counts: Counter, probs: dict) -> float:
     total = sum(exp)
     exp = [e * n / total for e in exp]  # float rounding of the enumeration
     return float(sstats.chisquare(obs, exp).pvalue)
+
+
+class ToyChain:
+    """A toy target and a different draft over ``vocab`` tokens whose next-token
+    distributions depend only on the previous token (row ``vocab`` = the start):
+    the acceptance rules' exact laws are computed from ``P`` and ``Q`` by hand."""
+
+    def __init__(self, seed: int, vocab: int = 5, scale: float = 1.5):
+        g = torch.Generator().manual_seed(seed)
+        self.V = vocab
+        self.P = torch.softmax(torch.randn(vocab + 1, vocab, generator=g) * scale, -1)
+        self.Q = torch.softmax(torch.randn(vocab + 1, vocab, generator=g) * scale, -1)
+
+    def p_next(self, ctx):
+        return self.P[ctx[-1] if ctx else self.V]
+
+    def q_next(self, ctx):
+        return self.Q[ctx[-1] if ctx else self.V]
+
+    @staticmethod
+    def draw(dist, gen) -> int:
+        return int(torch.multinomial(dist, 1, generator=gen)[0])

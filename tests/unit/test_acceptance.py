@@ -12,6 +12,7 @@ from scipy.stats import chisquare
 
 from specmesh import acceptance as A
 from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, InvalidArgument, SamplingParams, TokenTree
+from tests.support import ToyChain
 
 V = 5
 
@@ -60,21 +61,8 @@ def test_sampling_params_validation_names_field(bad):
 
 # ---------------------------------------------------------------- statistical tests
 # A toy "target": the next-token distribution depends on the previous token.
-g = torch.Generator().manual_seed(123)
-P_TABLE = torch.softmax(torch.randn(V + 1, V, generator=g) * 1.5, -1)  # row V = start
-Q_TABLE = torch.softmax(torch.randn(V + 1, V, generator=g) * 1.5, -1)  # a different draft
-
-
-def p_next(ctx):
-    return P_TABLE[ctx[-1] if ctx else V]
-
-
-def q_next(ctx):
-    return Q_TABLE[ctx[-1] if ctx else V]
-
-
-def _draw(dist, gen):
-    return int(torch.multinomial(dist, 1, generator=gen)[0])
+TOY = ToyChain(123, V)
+P_TABLE, p_next, q_next, _draw = TOY.P, TOY.p_next, TOY.q_next, TOY.draw
 
 
 def _chain_round(ctx, gen, rule):

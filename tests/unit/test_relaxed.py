@@ -24,23 +24,11 @@ from scipy.stats import chisquare
 
 from specmesh import acceptance as A
 from specmesh.types import InvalidArgument, SamplingParams, TokenTree
+from tests.support import ToyChain
 
 V = 5
-g0 = torch.Generator().manual_seed(321)
-P_TABLE = torch.softmax(torch.randn(V + 1, V, generator=g0) * 1.5, -1)  # row V = start
-Q_TABLE = torch.softmax(torch.randn(V + 1, V, generator=g0) * 1.5, -1)
-
-
-def p_next(ctx):
-    return P_TABLE[ctx[-1] if ctx else V]
-
-
-def q_next(ctx):
-    return Q_TABLE[ctx[-1] if ctx else V]
-
-
-def _draw(dist, gen):
-    return int(torch.multinomial(dist, 1, generator=gen)[0])
+TOY = ToyChain(321, V)
+P_TABLE, p_next, q_next, _draw = TOY.P, TOY.p_next, TOY.q_next, TOY.draw
 
 
 def _seed(gen):
