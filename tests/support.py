@@ -700,3 +700,19 @@ class ToyChain:
     @staticmethod
     def draw(dist, gen) -> int:
         return int(torch.multinomial(dist, 1, generator=gen)[0])
+
+    def pair_counts(self, round_fn, n: int, seed: int) -> torch.Tensor:
+        """[V, V] counts of the first two generated tokens over ``n`` generations, each
+        built from rounds ``round_fn(ctx, gen) -> new tokens``."""
+        gen = torch.Generator().manual_seed(seed)
+        counts = torch.zeros(self.V, self.V)
+        for _ in range(n):
+            out: list[int] = []
+            while len(out) < 2:
+                out += round_fn(out, gen)
+            counts[out[0], out[1]] += 1
+        return counts
+
+    def expected_pairs(self, n: int) -> torch.Tensor:
+        """What ``pair_counts`` should be under the target's own law: n P(x | start) P(y | x)."""
+        return n * self.P[self.V][:, None] * self.P[: self.V]

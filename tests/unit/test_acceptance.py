@@ -4,7 +4,6 @@ rejects a deliberately wrong rule); the target-distribution filters."""
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch
@@ -123,21 +122,11 @@ def _wor_as_iid(ctx, gen, rule):
 
 
 def _sample_pairs(round_fn, rule, n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(V, V)
-    for _ in range(n):
-        out: list[int] = []
-        while len(out) < 2:
-            out += round_fn(out, gen, rule)
-        counts[out[0], out[1]] += 1
-    return counts
+    return TOY.pair_counts(lambda ctx, gen: round_fn(ctx, gen, rule), n, seed)
 
 
 def _expected_pairs(n):
-    exp = torch.zeros(V, V)
-    for x, y in itertools.product(range(V), range(V)):
-        exp[x, y] = P_TABLE[V, x] * P_TABLE[x, y]
-    return exp * n
+    return TOY.expected_pairs(n)
 
 
 def _wrong_chain(probs, draft, q, u_acc, u_smp):

@@ -70,21 +70,11 @@ def test_lenient_one_is_the_exact_rule_token_for_token():
 
 
 def _pairs(round_fn, n, seed):
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(V, V)
-    for _ in range(n):
-        out: list[int] = []
-        while len(out) < 2:
-            out += round_fn(out, gen)
-        counts[out[0], out[1]] += 1
-    return counts
+    return TOY.pair_counts(round_fn, n, seed)
 
 
 def _expected_pairs(n):
-    exp = torch.zeros(V, V)
-    for x, y in itertools.product(range(V), range(V)):
-        exp[x, y] = P_TABLE[V, x] * P_TABLE[x, y]
-    return exp * n
+    return TOY.expected_pairs(n)
 
 
 def _lenient_chain_round(ctx, gen, lenience=1.0):
