@@ -250,7 +250,9 @@ class DrafterPool:
             try:
                 resp = p.stub.Propose(request, timeout=timeout, metadata=metadata)
             except (grpc.RpcError, ValueError) as e:  # ValueError: its channel was closed under us
-                if isinstance(e, grpc.RpcError) and e.code() != grpc.StatusCode.UNAVAILABLE:
+                # a replica shutting down aborts the calls it holds with CANCELLED: fail over as when it is gone
+                if isinstance(e, grpc.RpcError) and e.code() not in (grpc.StatusCode.UNAVAILABLE,
+                                                                     grpc.StatusCode.CANCELLED):
                     raise
                 p.health.failed()
                 tried.append(p)
