@@ -38,7 +38,7 @@ def test_external_block_drafters_equal_self_and_plain_greedy(stack):
     assert {f.drafter for f in info.feature_drafters} == {"block", "block_tree"}
     assert list(info.feature_drafters[0].layers) == list(stack.rt.block_drafter.model.cfg.feature_layers)
     with Client(stack.address, timeout=300) as c:
-        for prompt in PROMPTS:
+        for prompt in PROMPTS[:2]:  # two prompts keep CI short; tests/services/test_block_features_grpc.py has more
             ref = stack.ref(prompt, N)
             for name, budget in (("block_tree", 8), ("block", 6)):
                 own = c.generate(prompt, strategy="self", drafter=name, max_new_tokens=N, draft_budget=budget)

@@ -1,5 +1,6 @@
 """Greedy identity on the real SmolLM2-135M-Instruct (fp32): for every drafter, the
-speculative tokens equal plain greedy decoding on 5 prompts x 64 new tokens."""
+speculative tokens equal plain greedy decoding on 5 prompts x 64 new tokens (the
+per-token model drafters, draft_lm and layerskip, on the first 3)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def references(runtime):
 def test_drafter_greedy_identity(runtime, references, name):
     drafter = runtime.drafter(name)
     total_acc = 0
-    for ids, ref in references:
+    # the drafters that cost a model step per drafted token run on the first three prompts (CI time)
+    for ids, ref in references if name in ("prompt_lookup", "suffix") else references[:3]:
         out, st = generate_tokens(drafter, runtime.verifier, ids, max_new_tokens=N, stop_ids=runtime.stop_ids,
                                   budget=6)
         assert out == ref, f"{name} diverged from plain greedy"
