@@ -4,6 +4,8 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.specmesh-installed
 ARGS    ?=
+# test processes (pytest-xdist; whole files per process, so module fixtures load once each)
+WORKERS ?= 2
 
 .PHONY: setup demo test test-fast bench bench-peers protos clean
 
@@ -23,7 +25,7 @@ demo: setup
 	$(BIN)/specmesh demo $(ARGS)
 
 test: setup
-	$(BIN)/python -m pytest -q -rs $(ARGS)
+	$(BIN)/python -m pytest -q -rs -n $(WORKERS) --dist loadfile $(ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
