@@ -575,6 +575,24 @@ def check_metrics_agree(before: dict, after: dict, results: list, verifier_befor
         assert dp == sum(s.drafted_tokens for s in ext)
 
 
+def check_rule_spans(spans: list[dict], results: dict, lossy_rule: str) -> None:
+    """Each request (``results``: acceptance rule -> its result) has one request span,
+    and it and every one of its round spans (the prefill round too) carry the rule and
+    the lossy flag, true only for ``lossy_rule``."""
+    for acceptance, r in results.items():
+        req = [s for s in spans if s["name"] == "specmesh.generate"
+               and s["attributes"].get("gen_ai.response.id") == r.session_id]
+        assert len(req) == 1
+        a = req[0]["attributes"]
+        assert a["specmesh.acceptance"] == acceptance and a["specmesh.lossy"] is (acceptance == lossy_rule)
+        rounds = [s for s in spans if s["name"] == "specmesh.round" and s["parent_id"] == req[0]["span_id"]]
+        assert len(rounds) == r.stats.rounds + 1  # + the prefill round
+        for rnd in rounds:
+            ra = rnd["attributes"]
+            assert ra["specmesh.acceptance"] == acceptance, ra
+            assert ra["specmesh.lossy"] is (acceptance == lossy_rule), ra
+
+
 def spans_done(mem, results) -> bool:
     """Every result's request span and as many Router/Generate server spans as results are exported."""
     names = [(s.name, s.attributes.get("gen_ai.response.id")) for s in mem.get_finished_spans()]

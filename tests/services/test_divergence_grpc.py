@@ -12,7 +12,8 @@ import functools
 
 import pytest
 
-from tests.support import (TRACED_SETTINGS, V, TokenizerCodec, TracedStack, samples, scrape, settings, spans_done,
+from tests.support import (TRACED_SETTINGS, V, TokenizerCodec, TracedStack, check_rule_spans, samples, scrape,
+                           settings, spans_done,
                            spans_of, tiny_divergence_verifier, total, wait_for)
 
 N = 16
@@ -62,16 +63,7 @@ def test_divergence_is_labelled_lossy_end_to_end(stack, temperature):
     # spans: the request span and every round span carry the rule and the flag
     results = {"exact": exact, "divergence": div}
     assert wait_for(lambda: spans_done(stack.mem, [exact, div, zero]))
-    spans = spans_of(stack.mem)
-    for acceptance, r in results.items():
-        req = [s for s in spans if s["name"] == "specmesh.generate"
-               and s["attributes"].get("gen_ai.response.id") == r.session_id]
-        assert len(req) == 1
-        a = req[0]["attributes"]
-        assert a["specmesh.acceptance"] == acceptance and a["specmesh.lossy"] is (acceptance == "divergence")
-        rounds = [s for s in spans if s["name"] == "specmesh.round" and s["parent_id"] == req[0]["span_id"]]
-        assert len(rounds) == r.stats.rounds + 1
-        assert all(x["attributes"]["specmesh.acceptance"] == acceptance for x in rounds)
+    check_rule_spans(spans_of(stack.mem), results, "divergence")
     # metrics: the lossy families count the two divergence requests with their rule as label
     lab = dict(strategy=div.stats.strategy, drafter=div.stats.drafter)
     rt_b = before["router"]

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import TinyTracedStack, samples, scrape, spans_done, spans_of, total, wait_for
+from tests.support import (TinyTracedStack, check_rule_spans, samples, scrape, spans_done, spans_of, total,
+                           wait_for)
 
 N = 16
 PROMPT = "abcabcabcabc hello hello hello abcabc"
@@ -49,19 +50,7 @@ def test_exact_and_lossy_requests_are_labelled(tiny, strategy, drafter, rule):
     assert lossy.stats.new_tokens > 0 and lossy.stats.rounds > 0
     # the spans: request span and every round span carry the rule and the flag
     assert wait_for(lambda: spans_done(tiny.mem, results.values()))
-    spans = spans_of(tiny.mem)
-    for acceptance, r in results.items():
-        req = [s for s in spans if s["name"] == "specmesh.generate"
-               and s["attributes"].get("gen_ai.response.id") == r.session_id]
-        assert len(req) == 1
-        a = req[0]["attributes"]
-        assert a["specmesh.acceptance"] == acceptance and a["specmesh.lossy"] is (acceptance == rule)
-        rounds = [s for s in spans if s["name"] == "specmesh.round" and s["parent_id"] == req[0]["span_id"]]
-        assert len(rounds) == r.stats.rounds + 1  # + the prefill round
-        for rnd in rounds:
-            ra = rnd["attributes"]
-            assert ra["specmesh.acceptance"] == acceptance, ra
-            assert ra["specmesh.lossy"] is (acceptance == rule), ra
+    check_rule_spans(spans_of(tiny.mem), results, rule)
     # the router's metrics: the lossy families count the lossy request only, with its rule as label
     after = {k: samples(scrape(p)) for k, p in tiny.ports.items()}
     rt_b, rt_a = before["router"], after["router"]
