@@ -22,6 +22,7 @@ import torch
 
 from ..engine import LlamaEngine
 from ..seeding import draft_generator
+from ..seqs import common_prefix_len
 from ..types import DraftContext, SamplingParams, TokenTree
 from .base import DrafterBase
 
@@ -79,10 +80,7 @@ class DraftLMDrafter(DrafterBase):
         if len(ctx.tokens) >= self.engine.max_seq_len:
             return TokenTree()
         # sync: keep the common prefix, append the rest (all of ctx.tokens)
-        common = 0
-        lim = min(len(have), len(ctx.tokens) - 1)
-        while common < lim and have[common] == ctx.tokens[common]:
-            common += 1
+        common = common_prefix_len(have, ctx.tokens[:-1])  # at least the last token is fed
         self.engine.truncate(slot, common)
         logits = self.engine.prefill(slot, ctx.tokens[common:])
         gen = None if ctx.sampling.greedy else draft_generator(ctx)

@@ -31,6 +31,7 @@ import torch
 from ..acceptance import target_probs
 from ..engine import LlamaEngine
 from ..seeding import draft_generator
+from ..seqs import common_prefix_len
 from ..types import DraftContext, SessionLost, TokenTree
 from .base import DrafterBase
 
@@ -110,9 +111,7 @@ class SpecialistDrafter(DrafterBase):
         if budget <= 0 or not toks:
             return TokenTree()
         slot, have = self._slot(sid)
-        common, lim = 0, min(len(have), len(toks) - 1)
-        while common < lim and have[common] == toks[common]:
-            common += 1
+        common = common_prefix_len(have, toks[:-1])  # keep the KV both share; at least the last token is fed
         eng.truncate(slot, common)
         logits = eng.prefill(slot, toks[common:])
         gen = None if ctx.sampling.greedy else draft_generator(ctx)
