@@ -351,14 +351,16 @@ class Router:
                         break
             finally:
                 rounds.close()  # the loop's own finally releases verifier and drafter sessions
-            tail = text.flush() if stop is None or stop.matched is None else ""
-            if stop is not None:
+            stopped = stop is not None and stop.matched is not None  # in a round: out_ids already cut
+            tail = "" if stopped else text.flush()
+            if stop is not None and not stopped:
                 tail = stop.push(tail) + stop.flush()
+                if stop.matched is not None:  # the last characters completed a stop string
+                    out_ids = out_ids[:tokens_through(self.codec.decode, out_ids, stop.end)]
             if tail:
                 pieces.append(tail)
                 yield Delta([], tail)
             if stop is not None and stop.matched is not None:
-                out_ids = out_ids[:tokens_through(self.codec.decode, out_ids, stop.end)]
                 stats.finish_reason, stats.new_tokens = "stop", len(out_ids)
             stats.network_s = run.network_s()
             stats.fallbacks += drafter.skipped if drafter else 0  # rounds undrafted while the drafter was down
