@@ -36,6 +36,7 @@ import re
 import time
 from pathlib import Path
 
+from ..seqs import common_prefix_len
 from .report import write_result
 from typing import Optional, Sequence
 
@@ -84,10 +85,7 @@ def parse_rule(spec: str):
 # ---------------------------------------------------------------- quality metrics
 
 def prefix_agreement(out: Sequence[int], ref: Sequence[int]) -> float:
-    n = 0
-    while n < min(len(out), len(ref)) and out[n] == ref[n]:
-        n += 1
-    return n / len(ref) if ref else 1.0
+    return common_prefix_len(list(out), list(ref)) / len(ref) if ref else 1.0
 
 
 def rouge_l(out: Sequence[int], ref: Sequence[int]) -> float:
