@@ -85,7 +85,8 @@ def main(args) -> int:
             con.print(f"[dim]{label}:[/dim] {rt.decode(ref)}")
         for name in drafters:
             kw = dict(budget=args.budget if args.fixed_budget
-                      else AdaptiveBudget.for_drafter(name, args.budget, costs=rt.verify_costs))
+                      else AdaptiveBudget.for_drafter(name, args.budget, costs=rt.verify_costs,
+                                                     schedule=rt.tree_schedule))
             if name in rt.verifier.self_drafters:  # drafts inside the verifier (self strategy)
                 drafter, kw["self_draft"] = None, name
             else:

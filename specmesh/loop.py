@@ -79,6 +79,34 @@ class VerifyCosts:
         return min(0.5, max(0.0, (vl / vs - 1) / (kl - ks)))
 
 
+@dataclass
+class TreeSchedule:
+    """Entropy-switched tree budgets (after EntMTP): per bin of the target's entropy
+    where it predicted the pending token (the last round's ``VerifyResult.entropy``),
+    the τ that best-first trees of each node budget reached on held-out text
+    (``specmesh tree-study``, stored as ``tree_schedule.json`` next to the block
+    drafter). ``budget`` picks the node count maximising τ / (1 + c + beta n) with the
+    caller's live costs (0: drafting does not pay in this bin)."""
+
+    edges: list[float]  # interior bin edges, ascending (nats)
+    taus: list[dict[int, float]]  # per bin: node budget -> τ
+
+    def budget(self, entropy: float, c: float, beta: float, cap: int) -> int:
+        row = self.taus[min(sum(entropy >= e for e in self.edges), len(self.taus) - 1)]
+        best, best_n = 1.0, 0
+        for n, tau in sorted(row.items()):
+            if 0 < n <= cap and tau / (1 + c + beta * n) > best + 1e-12:
+                best, best_n = tau / (1 + c + beta * n), n
+        return best_n
+
+    def to_dict(self) -> dict:
+        return {"edges": self.edges, "taus": [{str(n): t for n, t in r.items()} for r in self.taus]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TreeSchedule":
+        return cls([float(e) for e in d["edges"]], [{int(n): float(t) for n, t in r.items()} for r in d["taus"]])
+
+
 class AdaptiveBudget(BudgetPolicy):
     """Draft length from the cost model in docs/design.md ("Adaptive draft length: the cost model").
 
@@ -106,14 +134,19 @@ class AdaptiveBudget(BudgetPolicy):
     some length pays (the chain model at shorter lengths — a lower bound for the tree —
     or the measured full-budget acceptance). Where scored tokens are dear (fp32 on a
     CPU: beta ~ 0.12) the chain model's length is kept: a full tree would not pay.
+    ``schedule`` (tree drafters): the node budget follows the target's entropy at the
+    last round through a ``TreeSchedule`` measured offline, with the live costs, capped
+    at ``max_budget`` (drafting that was switched off is re-probed the same way).
     ``for_drafter`` picks these settings by drafter name."""
 
     TREE_CHEAP = 0.5  # bf16 on CPU matrix units: 8 x 0.01-0.03; fp32 on a CPU: 8 x 0.12
 
     def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
                  alpha0: float = 0.6, entropy_scale: float = 3.0, per_round_draft: bool = False,
-                 costs: Optional[VerifyCosts] = None, tree: bool = False):
+                 costs: Optional[VerifyCosts] = None, tree: bool = False,
+                 schedule: Optional[TreeSchedule] = None):
         super().__init__(max_budget)
+        self.schedule = schedule
         self.per_round_draft = per_round_draft
         self.tree = tree and per_round_draft
         self.costs = costs if costs is not None else VerifyCosts(beta, ema)
@@ -139,6 +172,8 @@ class AdaptiveBudget(BudgetPolicy):
         if drafter in BLOCK_DRAFTERS:
             kw.setdefault("ema", 0.1)
             kw.update(per_round_draft=True, tree=drafter in TREE_DRAFTERS)
+        if drafter not in TREE_DRAFTERS:
+            kw.pop("schedule", None)
         return cls(max_budget, costs=costs, **kw)
 
     @property
@@ -165,7 +200,9 @@ class AdaptiveBudget(BudgetPolicy):
             if s > best + 1e-9:
                 best_k, best = k, s
         self.last_speedup = best
-        if self.tree and best_k and self.max_budget * self.beta <= self.TREE_CHEAP:
+        if self.tree and self.schedule is not None:
+            best_k = self.schedule.budget(self.entropy, self.cost, self.beta, self.max_budget)
+        elif self.tree and best_k and self.max_budget * self.beta <= self.TREE_CHEAP:
             best_k = self.max_budget  # a tree whose full size is cheap to verify: its full budget or nothing
         if best_k == 0:
             self.off_rounds += 1
@@ -173,7 +210,7 @@ class AdaptiveBudget(BudgetPolicy):
                 return self.max_budget if self.per_round_draft else 1  # a block costs the same at any length
             return 0
         self.off_rounds = 0
-        if self.per_round_draft and best_k < self.max_budget:
+        if self.per_round_draft and best_k < self.max_budget and self.schedule is None:
             self.short_rounds += 1  # keep the full block's measured acceptance fresh
             if self.short_rounds % self.probe_every == 0:
                 return self.max_budget

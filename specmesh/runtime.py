@@ -130,11 +130,13 @@ class Runtime:
         self.verifier.self_drafters["layerskip"] = LayerSkipDrafter(self.verifier, layerskip_exit)
         self._draft_lm: Optional[DraftLMDrafter] = None
         self.block_drafter = None
+        self.tree_schedule = None  # the block drafter's entropy-switched tree budgets (loop.TreeSchedule)
         bd = block_drafter_path(model) if block_drafter else None
         if bd is not None:  # the `self` strategy's trained drafter ("block"), fed by kept hidden states
-            from .blockdraft.serve import BlockSelfDrafter
+            from .blockdraft.serve import BlockSelfDrafter, load_schedule
 
             self.block_drafter = BlockSelfDrafter.from_checkpoint(self.verifier, bd)
+            self.tree_schedule = load_schedule(bd)
             if self.device.type != "cpu":  # the same weights, folded again on the device
                 self.block_drafter = BlockSelfDrafter(self.verifier, self.block_drafter.model.to(self.device),
                                                       calibration=self.block_drafter.calibration)

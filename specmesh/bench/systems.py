@@ -124,7 +124,9 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         stats = GenerationStats()
         t0 = time.perf_counter()
-        policy = AdaptiveBudget.for_drafter(strategy, budget, costs=runtime.verify_costs) if adaptive else budget
+        policy = (AdaptiveBudget.for_drafter(strategy, budget, costs=runtime.verify_costs,
+                                             schedule=getattr(runtime, "tree_schedule", None))
+                  if adaptive else budget)
         out, stats = generate_tokens(drafter, runtime.verifier, list(prompt_ids), max_new_tokens=max_new_tokens,
                                      stop_ids=runtime.stop_ids, budget=policy, self_draft=self_draft, stats=stats)
         dt = time.perf_counter() - t0

@@ -81,8 +81,28 @@ def register(sub) -> None:
                    help="target samples from its top-k renormalised (0 = full softmax); small k makes "
                         "the early slots exactly enumerable")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workloads", default=None,
+                   help="e.g. open_writing,chat_multiturn: one report per bench workload, contexts from the target's "
+                        "greedy answers to its prompts (instead of --data's held-out records)")
     p.add_argument("--out", default="floor.png", help="PNG; the numbers go to the same name with .json")
     p.set_defaults(module=M, func="floor_main")
+    p = sub.add_parser("tree-study", help="draft trees on held-out bench prompts: prefix-blind vs path-conditioned "
+                       "scoring per node budget, entropy-switched budgets (writes JSON, table, PNG)")
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--drafter", default=None, help="checkpoint (default: the bundled one)")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16"])
+    p.add_argument("--workloads", default="open_writing,chat_multiturn,code_edit,summarize_quotes")
+    p.add_argument("--prompts", type=int, default=None, help="first N prompts of each workload")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--width", type=int, default=6, help="candidates per slot")
+    p.add_argument("--entropy-bins", type=int, default=4)
+    p.add_argument("--beta", type=float, default=None,
+                   help="a linear verify cost per scored token, in forwards (default: each budget's forward time "
+                        "measured here)")
+    p.add_argument("--out", default="tree-study", help="directory for results.json, report.md, tree-study.png")
+    p.add_argument("--write-calibration", default=None,
+                   help="also fit both scorers on every anchor and write calibration.json into this checkpoint dir")
+    p.set_defaults(module=M, func="tree_study_main")
     p = sub.add_parser("accel-drafter", help="the whole drafter recipe on one accelerator in a time budget "
                        "(synthesised instructions, greedy responses, batched training, held-out τ)")
     add_accel_arguments(p)
@@ -356,36 +376,98 @@ def _train_and_save(args, model, train_ex, held_ex, curriculum, t0: float) -> in
 
 def floor_main(args) -> int:
     """Per-slot floors from the target's exact conditionals (``floor.floors``) on
-    held-out contexts, optionally the drafter's measured rejection and model gap."""
+    held-out contexts, optionally the drafter's measured rejection and model gap;
+    with ``--workloads``, one report per bench workload (contexts cut from the
+    target's greedy answers to its prompts: ``treestudy.heldout_sequences``)."""
+    from ..runtime import Runtime
+    from .data import load_records
+
+    rt = Runtime(args.model, dtype="fp32", n_slots=4, max_seq_len=1024, quiet=True, block_drafter=False,
+                 specialist=None)
+    drafter = None
+    if args.drafter:
+        from .serve import BlockSelfDrafter
+
+        drafter = BlockSelfDrafter.from_checkpoint(rt.verifier, args.drafter)
+    if not args.workloads:
+        recs = load_records(Path(args.data), "heldout")[: args.contexts]
+        if not recs:
+            raise SystemExit(f"no held-out records in {args.data} (or pass --workloads)")
+        res = _floor_report(rt, drafter, _floor_contexts(recs, args.slots), args)
+        plot_path = Path(args.out)
+        _write_floor(res, plot_path)
+        return 0
+    from ..models.loading import cache_root
+    from .treestudy import heldout_sequences
+
+    root = cache_root() / "tree-study"
+    have = sorted(root.glob(f"{Path(rt.model_dir).name}-*.jsonl")) if root.exists() else []
+    cache = have[0] if have else root / f"{Path(rt.model_dir).name}-fp32-128.jsonl"
+    workloads = [w for w in args.workloads.split(",") if w]
+    recs = heldout_sequences(rt, _workload_prompts(workloads), 128, cache)
+    out: dict = {}
+    for w in workloads:
+        print(f"## {w}")
+        res = _floor_report(rt, drafter, _floor_contexts([r for r in recs if r["workload"] == w][: args.contexts],
+                                                         args.slots), args)
+        out[w] = res
+        _write_floor(res, Path(args.out).with_name(f"{Path(args.out).stem}-{w}.png"), title=f"{w}: floor vs drafter")
+    if drafter is not None:
+        print("\nper workload, mean over slots: drafter's one-token rejection vs the order-0 floor (and the "
+              "autoregressive floor 'all')")
+        for w, res in out.items():
+            m = sum(res["measured"]) / len(res["measured"])
+            f0 = sum(res["order0"]) / len(res["order0"])
+            fa = sum(res["order_all"]) / len(res["order_all"])
+            print(f"  {w:18s} measured {m:.3f}  floor order0 {f0:.3f}  gap {m - f0:+.3f}  (all {fa:.3f})")
+    summary = Path(args.out).with_suffix(".json")
+    summary.write_text(json.dumps(out, indent=2))
+    print(f"wrote {summary}")
+    return 0
+
+
+def _workload_prompts(workloads: list[str], per_workload=None) -> list:
+    from ..bench.workloads import load
+
+    loads = load(workloads, per_workload=per_workload)
+    return [p for w in workloads for p in loads[w]]
+
+
+def _floor_contexts(recs: list[dict], slots: int) -> list[list[int]]:
+    rng = random.Random(0)
+    out = []
+    for r in recs:
+        cut = rng.randrange(0, max(1, len(r["response_ids"]) - slots))
+        out.append(r["prompt_ids"] + r["response_ids"][:cut])
+    return out
+
+
+def _write_floor(res: dict, png: Path, title=None) -> None:
+    from .floor import plot_floor
+
+    plot_floor(res, png, title)
+    png.with_suffix(".json").write_text(json.dumps(res, indent=2))
+    print(f"wrote {png} and {png.with_suffix('.json')}")
+
+
+def _floor_report(rt, drafter, contexts: list[list[int]], args) -> dict:
+    """``floors`` over ``contexts`` (with the drafter's served distributions when given); prints the table."""
     import torch
     from tqdm import tqdm
 
-    from ..runtime import Runtime
-    from .data import load_records
-    from .floor import EngineTarget, floors, plot_floor
+    from .floor import EngineTarget, floors
 
-    rt = Runtime(args.model, dtype="fp32", n_slots=4, max_seq_len=1024, quiet=True, block_drafter=False)
-    recs = load_records(Path(args.data), "heldout")[: args.contexts]
-    if not recs:
-        raise SystemExit(f"no held-out records in {args.data}")
-    rng = random.Random(0)
-    contexts = []
-    for r in recs:
-        cut = rng.randrange(0, max(1, len(r["response_ids"]) - args.slots))
-        contexts.append(r["prompt_ids"] + r["response_ids"][:cut])
     slots = args.slots
     drafts = None
-    if args.drafter:
+    if drafter is not None:
         from ..types import DraftContext
-        from .serve import BlockSelfDrafter
 
-        d = BlockSelfDrafter.from_checkpoint(rt.verifier, args.drafter)
-        keep = d.model.keep_ids
+        keep = drafter.model.keep_ids
         drafts = []
         for i, ctx in enumerate(contexts):
             sid = f"floor-pred-{i}"
             rt.verifier.prefill(sid, ctx[:-1])
-            lg = d.slot_logits(DraftContext(sid, ctx, len(ctx))).float()
+            lg = drafter.slot_logits(DraftContext(sid, ctx, len(ctx))).float()
             rt.verifier.release(sid)
             qs = []
             for k in range(lg.shape[0]):  # what the served drafter proposes from (serve.BlockSelfDrafter.propose)
@@ -393,7 +475,7 @@ def floor_main(args) -> int:
                 if args.temperature == 0:
                     q[int(keep[int(lg[k].argmax())])] = 1.0
                 else:
-                    vals, idx = torch.topk(lg[k] / args.temperature, d.top_k)
+                    vals, idx = torch.topk(lg[k] / args.temperature, drafter.top_k)
                     q[keep[idx]] = torch.softmax(vals.double(), -1)
                 qs.append(q)
             drafts.append(qs)
@@ -407,6 +489,7 @@ def floor_main(args) -> int:
         bar.close()
         target.close()
     res.update(temperature=args.temperature, top_k=args.top_k, model=args.model, drafter=args.drafter)
+
     def rng_(key: str, k: int) -> str:  # "a" where exact (or the bracket is closed), else "plug-in-upper"
         lo, hi = res[key][k], res[key + "_upper"][k]
         return f"{lo:.3f}" if abs(hi - lo) < 5e-4 else f"{lo:.3f}-{hi:.3f}"
@@ -426,7 +509,53 @@ def floor_main(args) -> int:
     print("one-token drafts: 1 - P(draft = target's sample); TV: drafts sampled from q under rejection sampling. "
           "a-b: Monte Carlo bracket (plug-in, biased low - cross-fitted, biased high); exact: share of contexts "
           "whose slot was enumerated exactly")
-    plot_floor(res, args.out)
-    Path(args.out).with_suffix(".json").write_text(json.dumps(res, indent=2))
-    print(f"wrote {args.out} and {Path(args.out).with_suffix('.json')}")
+    return res
+
+
+def tree_study_main(args) -> int:
+    """``treestudy``: held-out answers, drafts at every position, scorers and budgets compared."""
+    from ..models.loading import cache_root
+    from ..runtime import Runtime, block_drafter_path
+    from .serve import SCHEDULE_FILE, BlockSelfDrafter
+    from .treestudy import collect, evaluate, fit_scorers, forward_costs, heldout_sequences, plot, schedule_from, \
+        schedule_table, workload_table
+
+    ckpt = Path(args.drafter) if args.drafter else block_drafter_path(args.model)
+    if ckpt is None:
+        raise SystemExit(f"no block drafter checkpoint for {args.model}; pass --drafter DIR")
+    rt = Runtime(args.model, dtype=args.dtype, n_slots=2, max_seq_len=2048, quiet=True, block_drafter=False,
+                 specialist=None)
+    drafter = BlockSelfDrafter.from_checkpoint(rt.verifier, ckpt)
+    workloads = [w for w in args.workloads.split(",") if w]
+    cache = cache_root() / "tree-study" / f"{Path(rt.model_dir).name}-{args.dtype}-{args.max_new_tokens}.jsonl"
+    recs = heldout_sequences(rt, _workload_prompts(workloads, args.prompts), args.max_new_tokens, cache)
+    data = collect(rt, drafter, recs, args.width)
+    costs = forward_costs(rt)
+    c = data.draft_ms / costs["forward_ms"][0]
+    res = evaluate(data, c=c, beta=args.beta or 0.0, bins=args.entropy_bins,
+                   verify_cost=None if args.beta is not None else costs["verify_cost"])
+    res.update(model=args.model, drafter=str(ckpt), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+               width=args.width, forward_ms=costs["forward_ms"], prompts=len(recs))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = (f"# tree study: {args.model}, {ckpt}, {args.dtype}, {len(recs)} held-out prompts, {res['anchors']} "
+              f"rounds\n\nτ of greedy verification per node budget (cross-fitted scorers):\n\n{workload_table(res)}"
+              f"\n\nacceptance given parent accepted, per path class (non-top nodes on the path): "
+              f"{json.dumps(res['path_class_acceptance'])}\n\nτ (path scorer) by the target's entropy at the "
+              f"pending token:\n\n{schedule_table(res)}\n\nforward ms by drafted nodes (n + 1 scored tokens): "
+              f"{ {n: round(v, 2) for n, v in costs['forward_ms'].items()} }; draft {data.draft_ms:.2f} ms "
+              f"(c = {c:.3f} of a 1-token forward)\n")
+    (out / "report.md").write_text(report)
+    (out / "results.json").write_text(json.dumps(res, indent=2))
+    plot(res, out / "tree-study.png")
+    print(report)
+    print(f"wrote {out / 'report.md'}, {out / 'results.json'}, {out / 'tree-study.png'}")
+    if args.write_calibration:
+        blind, path = fit_scorers(data.anchors, res["n_slots"])
+        dest = Path(args.write_calibration) / "calibration.json"
+        dest.write_text(json.dumps({**blind.to_dict(), "path": path.to_dict()}))
+        sched = Path(args.write_calibration) / SCHEDULE_FILE
+        sched.write_text(json.dumps(schedule_from(data.anchors, path, bins=args.entropy_bins).to_dict(), indent=1))
+        print(f"wrote {dest} (prefix-blind and path-conditioned) and {sched} (entropy-switched tree budgets), "
+              f"fitted on all {res['anchors']} rounds")
     return 0

@@ -32,22 +32,34 @@ from typing import Optional
 import torch
 
 from ..drafters.base import DrafterBase
+from ..loop import TreeSchedule
 from ..seeding import draft_generator
 from ..types import DraftContext, FeatureRows, InvalidArgument, SessionLost, TokenTree
 from .incremental import ContextCache, FoldedDrafter
 from .model import BlockDrafter, load_block_drafter
-from .tree import Calibration, best_first_tree
+from .tree import Calibration, Scorer, best_first_tree, load_scorer
 
 
-def load_checkpoint(ckpt_dir, target_state: dict) -> tuple[BlockDrafter, Optional[Calibration]]:
-    """A block drafter checkpoint (config, weights, optional calibration.json) over the
-    target's embeddings, final norm and head (``target_state``: at least those tensors)."""
+def load_checkpoint(ckpt_dir, target_state: dict) -> tuple[BlockDrafter, Optional[Scorer]]:
+    """A block drafter checkpoint (config, weights, optional calibration.json: prefix-blind,
+    or with its path-conditioned scorer, which trees then use) over the target's
+    embeddings, final norm and head (``target_state``: at least those tensors)."""
     ckpt_dir = Path(ckpt_dir)
     model = load_block_drafter(ckpt_dir, target_state)
     cal = None
     if (ckpt_dir / "calibration.json").exists():
-        cal = Calibration.from_dict(json.loads((ckpt_dir / "calibration.json").read_text()))
+        cal = load_scorer(json.loads((ckpt_dir / "calibration.json").read_text()))
     return model, cal
+
+
+SCHEDULE_FILE = "tree_schedule.json"
+
+
+def load_schedule(ckpt_dir) -> Optional[TreeSchedule]:
+    """The checkpoint's entropy-switched tree budgets (``specmesh tree-study
+    --write-calibration``), or None when it has none."""
+    path = Path(ckpt_dir) / SCHEDULE_FILE if ckpt_dir is not None else None
+    return TreeSchedule.from_dict(json.loads(path.read_text())) if path is not None and path.exists() else None
 
 
 TARGET_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")  # what the block drafter uses of the target
@@ -80,7 +92,7 @@ class BlockProposer(DrafterBase):
     name = "block"
 
     def __init__(self, model: BlockDrafter, tree: bool = False, tree_width: int = 6,
-                 calibration: Optional[Calibration] = None, top_k: int = 8, amp: bool = True,
+                 calibration: Optional[Scorer] = None, top_k: int = 8, amp: bool = True,
                  folded: Optional[FoldedDrafter] = None):
         """``tree_width``: candidates per slot the best-first tree may branch into (6: on 12
         held-out chat prompts, tree budget 8, bf16, tau 2.50 vs 2.44 with 3; the extra
@@ -132,7 +144,7 @@ class BlockSelfDrafter(BlockProposer):
     """In the verifier (``self``): reads the verifier's kept features of the session's slot."""
 
     def __init__(self, verifier, model: BlockDrafter, tree: bool = False, tree_width: int = 6,
-                 calibration: Optional[Calibration] = None, top_k: int = 8, amp: bool = True,
+                 calibration: Optional[Scorer] = None, top_k: int = 8, amp: bool = True,
                  folded: Optional[FoldedDrafter] = None):
         """See ``BlockProposer``; ``verifier`` keeps the hidden states it reads."""
         super().__init__(model, tree, tree_width, calibration, top_k, amp, folded)
