@@ -282,8 +282,25 @@ class Strategies:
         self._self_until = 0.0
         self._feature_drafters: Optional[dict] = None  # drafter service's DrafterInfo.feature_drafters, by name
         self._feature_until = 0.0
+        self._tree_schedule = None  # (loaded,) the block drafter checkpoint's entropy-switched tree budgets
 
     # ------------------------------------------------------------ shared pieces
+    def tree_schedule(self):
+        """The block drafter checkpoint's ``tree_schedule.json`` (``loop.TreeSchedule``), read
+        once from where the verifiers and the drafter service find the checkpoint
+        (``runtime.block_drafter_path``: ``SPECMESH_BLOCK_DRAFTER`` or the bundled one); None
+        when it has none (the tree then drafts its full budget where that pays)."""
+        if self._tree_schedule is None:
+            from specmesh.blockdraft.serve import load_schedule
+            from specmesh.runtime import block_drafter_path
+
+            try:
+                self._tree_schedule = (load_schedule(block_drafter_path(self.parts.s.model)),)
+            except (OSError, ValueError, KeyError) as e:
+                log.warning("tree schedule not loaded: %s", e)
+                self._tree_schedule = (None,)
+        return self._tree_schedule[0]
+
     def think_format(self) -> ThinkFormat:
         if self._fmt is None:
             tok = self.parts.codec.tokenizer
@@ -480,7 +497,8 @@ class Strategies:
             # (block drafters: per-round cost, see AdaptiveBudget.for_drafter); the verifiers' cost per scored
             # token is learned across requests
             pol = TreeBudget.for_drafter(plan.drafter or plan.self_draft, plan.budget, costs=self.verify_costs,
-                                         alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS)
+                                         alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS,
+                                         schedule=self.tree_schedule())
             policies.append(pol)
             return pol
 

@@ -102,3 +102,27 @@ def test_schedule_from_anchors():
     s = schedule_from(anchors, Calibration(), budgets=(1, 3), bins=2)
     assert s.edges == [3.0]
     assert s.taus[0] == {1: 2.0, 3: 3.0}  # three nodes: 1, 3 under it, then 2 (0.3 > 0.216) and s.taus[1] == {1: 1.0, 3: 1.0}
+
+
+def test_router_policy_and_checkpoint_schedule(tmp_path, monkeypatch):
+    import json
+
+    from specmesh.blockdraft.serve import SCHEDULE_FILE, load_schedule
+    from specmesh.loop import TreeSchedule, VerifyCosts
+    from specmesh.strategies.adapt import TreeBudget
+
+    sched = TreeSchedule([1.0], [{2: 1.5, 4: 2.0}, {2: 1.2, 4: 1.25}])
+    assert load_schedule(tmp_path) is None
+    (tmp_path / SCHEDULE_FILE).write_text(json.dumps(sched.to_dict()))
+    assert load_schedule(tmp_path) == sched
+    pol = TreeBudget.for_drafter("block_tree", 8, costs=VerifyCosts(prior=0.0), schedule=load_schedule(tmp_path))
+    assert pol.next() == 4
+    pol.update(4, 0, entropy=3.0, draft_s=0.02, verify_s=0.1)
+    assert pol.next() == sched.budget(3.0, pol.cost, pol.beta, 8)
+
+    from specmesh.router.strategies import Collaborators, Strategies
+    from specmesh.serving.settings import ServeSettings
+
+    monkeypatch.setenv("SPECMESH_BLOCK_DRAFTER", str(tmp_path))
+    st = Strategies(Collaborators(ServeSettings(), None, None, None, 100))
+    assert st.tree_schedule() == sched
