@@ -39,8 +39,8 @@ def register(sub) -> None:
     p.add_argument("--feature-layers", default="2,14,27")
     p.add_argument("--n-keep", type=int, default=8192)
     p.add_argument("--context-window", type=int, default=256)
-    p.add_argument("--loss", default="ce", choices=["ce", "auf", "focal", "dpace", "chain", "combined"],
-                   help="ce: position-weighted CE; auf: CE up to the first failure; focal: first-error focal; "
+    p.add_argument("--loss", default="ce", choices=["plain", "ce", "auf", "focal", "dpace", "chain", "combined"],
+                   help="plain: CE, every slot alike; ce: position-weighted CE; auf: CE up to the first failure; focal: first-error focal; "
                         "dpace: CE weighted by reach probability; chain: -expected accepted length; "
                         "combined: ce + focal + chain")
     p.add_argument("--gamma", type=float, default=4.0,

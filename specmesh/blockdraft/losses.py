@@ -4,6 +4,7 @@ All take ``logits`` [A, K, N] (A blocks, K = B-1 drafted slots, N kept tokens) a
 ``targets`` [A, K] (index into the kept vocabulary, -100 = ignore: the target token
 is outside keep_ids or past the sequence end) and return a scalar.
 
+- ``plain_ce``: CE with every slot weighted alike (the baseline of the ablation).
 - ``position_weighted_ce``: CE with slot weights w_k = exp(-(k-1)/gamma) (k from 1):
   early slots matter most because a rejection there ends the round.
 - ``auf_ce`` (acceptance up to first failure): CE only on slots up to and including
@@ -44,6 +45,11 @@ def _ce(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 def _weighted_mean(per: torch.Tensor, w: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     w = w * valid
     return (per * w).sum() / w.sum().clamp_min(1e-8)
+
+
+def plain_ce(logits, targets):
+    valid = (targets != IGNORE).float()
+    return _weighted_mean(_ce(logits, targets), torch.ones_like(valid), valid)
 
 
 def position_weighted_ce(logits, targets, gamma: float = 4.0):
@@ -95,7 +101,7 @@ def combined(logits, targets, gamma: float = 4.0):
             + chain_loss(logits, targets))
 
 
-LOSSES = {"ce": position_weighted_ce, "auf": auf_ce, "focal": first_error_focal, "dpace": dpace_ce,
+LOSSES = {"plain": plain_ce, "ce": position_weighted_ce, "auf": auf_ce, "focal": first_error_focal, "dpace": dpace_ce,
           "chain": chain_loss, "combined": combined}
 LOSS_KWARGS = {"ce": ("gamma",), "combined": ("gamma",)}
 

@@ -239,12 +239,13 @@ def workload_table(res: dict) -> str:
 
 def schedule_table(res: dict) -> str:
     bud = res["budgets"]
-    lines = ["| entropy bin (edges of fold 0 / fold 1) | " + " | ".join(f"n={n}" for n in bud) + " |", "|---|" + "---|" * len(bud)]
+    lines = ["| entropy bin (edges of fold 0 / fold 1) | " + " | ".join(f"n={n}" for n in bud) + " |",
+             "|---|" + "---|" * len(bud)]
     e0, e1 = ([0.0] + e + [float("inf")] for e in res["entropy_edges"])
     for b in range(res["entropy_bins"]):
         row = res["tau_by_entropy_bin"][str(b)]
-        lines.append(f"| {b}: [{e0[b]:.2f}, {e0[b + 1]:.2f}) / [{e1[b]:.2f}, {e1[b + 1]:.2f}) nats | " + " | ".join(f"{row[str(n)]:.3f}" for n in bud)
-                     + " |")
+        lines.append(f"| {b}: [{e0[b]:.2f}, {e0[b + 1]:.2f}) / [{e1[b]:.2f}, {e1[b + 1]:.2f}) nats | "
+                     + " | ".join(f"{row[str(n)]:.3f}" for n in bud) + " |")
     pc = res["tokens_per_cost"]
     best_fixed = max(bud, key=lambda n: pc[str(n)])
     rc = res["cost_model"]["round_cost"]

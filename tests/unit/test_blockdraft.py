@@ -76,6 +76,7 @@ def test_losses_hand_computed():
     w = [1, math.exp(-1 / 2), math.exp(-2 / 2)]
     exp = sum(c * x for c, x in zip(ce, w)) / sum(w)
     assert abs(float(L.position_weighted_ce(logits, tgt, gamma=2.0)) - exp) < 1e-5
+    assert abs(float(L.plain_ce(logits, tgt)) - sum(ce) / 3) < 1e-5
     # slot 1 is the first predicted failure (argmax 1 != 0): AUF keeps slots 0 and 1
     assert abs(float(L.auf_ce(logits, tgt)) - (ce[0] + ce[1]) / 2) < 1e-5
     p = [math.exp(-c) for c in ce]

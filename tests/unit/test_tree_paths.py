@@ -101,7 +101,8 @@ def test_schedule_from_anchors():
     anchors = [_anchor([1, 3, 5], ent=0.5) for _ in range(3)] + [_anchor([9], ent=3.0) for _ in range(3)]
     s = schedule_from(anchors, Calibration(), budgets=(1, 3), bins=2)
     assert s.edges == [3.0]
-    assert s.taus[0] == {1: 2.0, 3: 3.0}  # three nodes: 1, 3 under it, then 2 (0.3 > 0.216) and s.taus[1] == {1: 1.0, 3: 1.0}
+    assert s.taus[0] == {1: 2.0, 3: 3.0}  # three nodes: 1, 3 under it, then 2 (0.3 > 0.216)
+    assert s.taus[1] == {1: 1.0, 3: 1.0}
 
 
 def test_router_policy_and_checkpoint_schedule(tmp_path, monkeypatch):
