@@ -34,11 +34,14 @@ def _done_ids(out_dir: Path) -> set[str]:
 
 
 def generate_shards(runtime, out_dir: Path, max_new_tokens: int = 160, shard_size: int = 32,
-                    limit: Optional[int] = None, quiet: bool = False) -> Path:
-    """Write the target's greedy responses for every prompt not done yet."""
+                    limit: Optional[int] = None, quiet: bool = False, only_split: Optional[str] = None) -> Path:
+    """Write the target's greedy responses for every prompt not done yet (``only_split``:
+    just the prompts of that split, "train" or "heldout")."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts = build_prompts()[:limit] if limit else build_prompts()
+    if only_split is not None:
+        prompts = [p for p in prompts if split(p["id"]) == only_split]
     done = _done_ids(out_dir)
     todo = [p for p in prompts if p["id"] not in done]
     n_shards = len(list(out_dir.glob("shard-*.jsonl")))
