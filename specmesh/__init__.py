@@ -12,6 +12,37 @@ import os as _os
 # Takes effect only if torch was not imported before specmesh.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+
+def _source_checkout_fallback() -> None:
+    """Not installed, run from a source checkout (a bare GPU machine: ``scripts/device-check``
+    there, the repository root on ``sys.path``): map the ``package-dir`` folders of
+    pyproject.toml (``specmesh.router`` is ``router/`` ...) with a finder placed last on
+    ``sys.meta_path``, so an installed mapping (editable or not) always wins."""
+    import sys
+
+    root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    folders = ("router", "drafter_service", "verifier_service", "kernels")
+    if not _os.path.isfile(_os.path.join(root, "pyproject.toml")) or any(
+            type(f).__name__ == "_SourceFolders" for f in sys.meta_path):
+        return
+    from importlib.util import spec_from_file_location
+
+    class _SourceFolders:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            pkg, _, sub = name.partition(".")
+            if pkg != "specmesh" or sub not in folders:
+                return None
+            d = _os.path.join(root, sub)
+            init = _os.path.join(d, "__init__.py")
+            return spec_from_file_location(name, init, submodule_search_locations=[d]) \
+                if _os.path.isfile(init) else None
+
+    sys.meta_path.append(_SourceFolders())
+
+
+_source_checkout_fallback()
+
 _LAZY = {"Client": "client", "AsyncClient": "client", "Result": "client"}
 
 

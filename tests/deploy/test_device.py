@@ -110,6 +110,34 @@ def test_device_check_without_cuda_says_so(capsys, tmp_path):
     assert "no CUDA device here" in capsys.readouterr().err
 
 
+def test_source_checkout_maps_the_package_folders_without_an_install():
+    """A bare GPU machine runs device-check from a copy of the repository, not installed:
+    with no site-packages at all (``-S``: no installed mapping), the repository root on
+    ``sys.path`` still finds ``specmesh.router`` ... in their package-dir folders."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    names = ("router", "drafter_service", "verifier_service", "kernels")
+    code = ("import importlib.util, json, sys, specmesh\n"
+            f"print(json.dumps([importlib.util.find_spec('specmesh.' + n).origin for n in {names!r}]))")
+    r = subprocess.run([sys.executable, "-S", "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [str(root / n / "__init__.py") for n in names]
+
+
+def test_gpu_scripts_parse():
+    import subprocess
+    from pathlib import Path
+
+    scripts = Path(__file__).resolve().parents[2] / "scripts"
+    for name in ("gpu-stage", "gpu-assemble", "device-check"):
+        r = subprocess.run(["bash", "-n", str(scripts / name)], capture_output=True, text=True)
+        assert r.returncode == 0, (name, r.stderr)
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama as a Hugging Face directory, with the real model's tokenizer files."""
