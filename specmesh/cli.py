@@ -16,6 +16,8 @@ owns it (imported lazily so ``specmesh --help`` stays fast):
   costs              the speculation cost model measured on this device (specmesh.bench.costs)
   quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD (specmesh.bench.quality)
   train-specialist   LoRA-tune a domain specialist of the target for divergence decoding (specmesh.specialist)
+  train-uno          train the mask-gated adapter: the target drafting for itself (specmesh.uno.cli)
+  uno-study          its layouts (fused / separate) and diffusion mode side by side (specmesh.uno.study)
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                           ("specmesh.blockdraft.cli", "register"), ("specmesh.observability.cli", "register"),
                           ("specmesh.bench.calibrate", "register"), ("specmesh.bench.strategies", "register"),
                           ("specmesh.bench.costs", "register"), ("specmesh.bench.quality", "register"),
-                          ("specmesh.specialist", "register")):
+                          ("specmesh.specialist", "register"), ("specmesh.uno.cli", "register"),
+                          ("specmesh.uno.study", "register")):
         try:
             getattr(importlib.import_module(mod), register)(sub)
         except ModuleNotFoundError as e:

@@ -50,7 +50,7 @@ from .engine import LlamaEngine, ScoreOutput, rms_norm, rope
 log = logging.getLogger("specmesh.cudagraph")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
-TOKEN_BUCKETS = (1, 2, 4, 8, 16)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # 32 / 64: trees, and uno rounds with their mask blocks
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> Optional[int]:
@@ -80,6 +80,7 @@ class _Step:
                 "wpos": torch.Size((B, T)),   # KV position each token writes
                 "slots": torch.Size((B,)),    # slot whose KV each row reads (scratch slot for padding rows)
                 "base": torch.Size((B,)),     # key length before the row's first scored token
+                "gate": torch.Size((B, T)),   # 1: the attached adapter applies to the token's row
                 "anc": torch.Size((B, T, T))}  # anc[b, i, j] = 1: token j is token i or its ancestor
 
 
@@ -110,25 +111,36 @@ class GraphedEngine(LlamaEngine):
         self.calls = {"graphed": 0, "eager": 0, "captures": 0}
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, items, rows, n_layers, extra) -> Optional[tuple[int, int, list]]:
-        """(B, T, [(slot, tokens, parents, base, rows)]) when the call fits a bucket and
-        is valid; None sends it to the eager engine."""
+    def attach_adapter(self, adapter) -> None:
+        """As ``LlamaEngine.attach_adapter``; the captured graphs are dropped (recaptured
+        with or without the adapter's terms on first use)."""
+        super().attach_adapter(adapter)
+        self._steps.clear()
+
+    def _plan(self, items, rows, n_layers, extra, gated=None) -> Optional[tuple[int, int, list]]:
+        """(B, T, [(slot, tokens, parents, base, rows, gated)]) when the call fits a bucket
+        and is valid; None sends it to the eager engine."""
         if not items or not 1 <= n_layers <= self.n_layers:
             return None
         extra = extra or [0] * len(items)
         rows = rows or [None] * len(items)
+        gated = gated or [None] * len(items)
         B = _bucket(len(items), self.batch_buckets)
-        if B is None or len(extra) != len(items) or len(rows) != len(items):
+        if B is None or len(extra) != len(items) or len(rows) != len(items) or len(gated) != len(items):
             return None
+        top = self.vocab_size + (self.adapter is not None)  # mask_id with an adapter
         segs, seen, t_max = [], set(), 0
-        for (slot, toks, par), ex, r in zip(items, extra, rows):
+        for (slot, toks, par), ex, r, g in zip(items, extra, rows, gated):
             toks, par = list(toks), list(par)
             n = len(toks)
             if not isinstance(slot, int) or not 0 <= slot < self.n_slots or slot in seen:
                 return None
             if n == 0 or len(par) != n or any(p < -1 or p >= i for i, p in enumerate(par)):
                 return None
-            if any(t < 0 or t >= self.vocab_size for t in toks):
+            if any(t < 0 or t >= top for t in toks):
+                return None
+            g = [i for i, t in enumerate(toks) if t == self.mask_id] if g is None else [int(i) for i in g]
+            if any(not 0 <= i < n for i in g) or (g and self.adapter is None):
                 return None
             base = self.lengths[slot] + ex
             if ex < 0 or base + n > self.max_seq_len:
@@ -138,7 +150,7 @@ class GraphedEngine(LlamaEngine):
                 return None
             seen.add(slot)
             t_max = max(t_max, n)
-            segs.append((slot, toks, par, base, sel))
+            segs.append((slot, toks, par, base, sel, g))
         T = _bucket(t_max, self.token_buckets)
         return None if T is None else (B, T, segs)
 
@@ -150,8 +162,9 @@ class GraphedEngine(LlamaEngine):
         wpos = torch.arange(T).expand(B, T).clone()
         slots = torch.full((B,), self.scratch, dtype=torch.long)
         base = torch.zeros(B, dtype=torch.long)
+        gate = torch.zeros(B, T, dtype=torch.long)
         anc = torch.eye(T, dtype=torch.long).expand(B, T, T).clone()  # padding tokens see themselves
-        for b, (slot, toks, par, bs, _) in enumerate(segs):
+        for b, (slot, toks, par, bs, _, g) in enumerate(segs):
             n = len(toks)
             depth, bits = [], []
             for i, p in enumerate(par):
@@ -163,7 +176,8 @@ class GraphedEngine(LlamaEngine):
             wpos[b, :n] += bs
             slots[b], base[b] = slot, bs
             anc[b, :n, :n] = (torch.tensor(bits)[:, None] >> torch.arange(n)) & 1
-        return torch.cat([t.reshape(-1) for t in (ids, pos, wslot, wpos, slots, base, anc)])
+            gate[b, g] = 1
+        return torch.cat([t.reshape(-1) for t in (ids, pos, wslot, wpos, slots, base, gate, anc)])
 
     # ------------------------------------------------------------------ the static forward
     def _forward(self, st: _Step) -> tuple[torch.Tensor, dict]:
@@ -179,12 +193,29 @@ class GraphedEngine(LlamaEngine):
         mask = torch.zeros(B, 1, T, S, dtype=ad, device=self.device).masked_fill_(~vis[:, None], float("-inf"))
         pos = st.pos.reshape(N)
         cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [N, 1, hd]
-        x = self.embed[st.ids.reshape(N)].float()  # [N, H] fp32 residual stream
+        ids = st.ids.reshape(N)
+        ad_ = self.adapter
+        if ad_ is None:
+            x = self.embed[ids].float()  # [N, H] fp32 residual stream
+            gate = None
+        else:  # mask rows read the adapter's MASK vector; gated rows get its low-rank terms (0/1 gate)
+            x = torch.where((ids == self.mask_id)[:, None], ad_.mask[None],
+                            self.embed[ids.clamp_max(self.vocab_size - 1)].float())
+            gate = st.gate.reshape(N, 1).to(ad)
+
+        def lin(layer, proj, h):
+            y = getattr(layer, proj)(h)
+            if gate is not None:
+                d = ad_.delta(li, proj, h)
+                if d is not None:
+                    y = y + gate * d.to(y.dtype)
+            return y
+
         hidden: dict[int, torch.Tensor] = {}
         for li in range(st.n_layers):
             L = self.layers[li]
             h = rms_norm(x, L.ln1, self.eps, ad)
-            qkv = L.qkv(h)  # [N, (nq + 2nk) * hd]
+            qkv = lin(L, "qkv", h)  # [N, (nq + 2nk) * hd]
             qk = rope(qkv[:, : (nq + nk) * hd].view(N, nq + nk, hd), cos, sin)  # [N, nq + nk, hd]
             q = qk[:, :nq].reshape(B, T, nq, hd).transpose(1, 2)  # [B, nq, T, hd]
             kc, vc = self.k_cache[li], self.v_cache[li]  # [n_slots + 1, nk, S, hd]
@@ -192,10 +223,9 @@ class GraphedEngine(LlamaEngine):
             vc[wslot, :, wpos] = qkv[:, (nq + nk) * hd:].view(N, nk, hd)
             ks, vs = kc.index_select(0, st.slots), vc.index_select(0, st.slots)  # [B, nk, S, hd]
             o = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask, enable_gqa=True)  # [B, nq, T, hd]
-            x = x + L.o(o.transpose(1, 2).reshape(N, nq * hd))
-            gu = L.gate_up(rms_norm(x, L.ln2, self.eps, ad))
-            g_, u_ = gu.chunk(2, -1)
-            x = x + L.down(F.silu(g_) * u_)
+            x = x + lin(L, "o", o.transpose(1, 2).reshape(N, nq * hd))
+            g_, u_ = lin(L, "gate_up", rms_norm(x, L.ln2, self.eps, ad)).chunk(2, -1)
+            x = x + lin(L, "down", F.silu(g_) * u_)
             if li in st.hidden_layers:
                 hidden[li] = x
         hn = rms_norm(x, self.norm, self.eps)  # [N, H] fp32
@@ -255,14 +285,16 @@ class GraphedEngine(LlamaEngine):
     @torch.inference_mode()
     def score_batch(self, items: Sequence[tuple[int, Sequence[int], Sequence[int]]],
                     rows: Optional[Sequence[Optional[Sequence[int]]]] = None, hidden_layers: Sequence[int] = (),
-                    n_layers: Optional[int] = None, extra: Optional[Sequence[int]] = None) -> list[ScoreOutput]:
+                    n_layers: Optional[int] = None, extra: Optional[Sequence[int]] = None,
+                    gated: Optional[Sequence[Optional[Sequence[int]]]] = None) -> list[ScoreOutput]:
         """``LlamaEngine.score_batch`` through a bucket's static forward (replayed graph
         on CUDA); calls that fit no bucket run eagerly."""
         nl = self.n_layers if n_layers is None else n_layers
-        plan = self._plan(items, rows, nl, extra)
+        plan = self._plan(items, rows, nl, extra, gated)
         if plan is None:
             self.calls["eager"] += 1
-            return super().score_batch(items, rows=rows, hidden_layers=hidden_layers, n_layers=n_layers, extra=extra)
+            return super().score_batch(items, rows=rows, hidden_layers=hidden_layers, n_layers=n_layers, extra=extra,
+                                       gated=gated)
         B, T, segs = plan
         hl = tuple(sorted(set(int(i) for i in hidden_layers if 0 <= int(i) < nl)))
         st = self._step(B, T, nl, hl)
@@ -278,7 +310,7 @@ class GraphedEngine(LlamaEngine):
         picked = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=self.device))
         kept = {li: h.view(B, T, -1)[: len(segs)].clone() for li, h in hidden.items()}  # [b, T, H]
         out, o = [], 0
-        for b, (slot, toks, par, base, sel) in enumerate(segs):
+        for b, (slot, toks, par, base, sel, _) in enumerate(segs):
             out.append(ScoreOutput(picked[o: o + len(sel)], {li: h[b, : len(toks)] for li, h in kept.items()}))
             o += len(sel)
         return out

@@ -42,6 +42,13 @@ kernel classes are measured facts about these CPU kernels, not guarantees:
 tests/unit/test_batch_invariance.py checks them where it runs. The invariant
 forward is CPU-only.
 
+Gated rows (``attach_adapter``): with a mask-gated adapter attached (``specmesh.uno``),
+a scored tree may hold ``mask_id`` tokens (input: the adapter's MASK vector) and
+``score_batch(..., gated=...)`` names the rows the adapter's low-rank terms apply
+to (default: the mask rows). Every other row is computed as without the adapter:
+the terms are added to the gated rows' projections alone, and a mask row is never
+an ancestor of a normal one in a draft tree.
+
 Works for Llama configs (GQA, RoPE with optional llama3 scaling left out, tied
 embeddings) and Qwen2-style q/k/v bias. Every tensor it makes lives on
 ``device``. Knows nothing about sessions, tokenizers, sampling or gRPC.
@@ -275,6 +282,18 @@ class LlamaEngine:
         self._k_buf = self._v_buf = None
         self._alloc_cache()
         self.lengths = [0] * n_slots
+        self.adapter = None  # a mask-gated adapter (attach_adapter)
+        self._gi: Optional[torch.Tensor] = None  # flat gated rows of the forward in progress
+        self._masked = False  # whether that forward holds mask tokens
+        self.mask_id = self.vocab_size  # the token id of a mask row (valid only with an adapter)
+
+    def attach_adapter(self, adapter) -> None:
+        """Serve gated rows with ``adapter`` (``specmesh.uno.adapter.GatedAdapter``: ``mask``
+        [H] float32, ``delta(layer, proj, x)``), moved to this engine's device; its low-rank
+        terms run in the activation dtype (bf16 for bf16/int8/int4). None detaches."""
+        if adapter is not None:
+            adapter.to(self.device, self.act_dtype)
+        self.adapter = adapter
 
     def _alloc_cache(self) -> None:
         """(Re)allocate the KV buffers, keeping their contents."""
@@ -423,23 +442,30 @@ class LlamaEngine:
         return out.logits[0]
 
     def score(self, slot: int, tokens: Sequence[int], parents: Sequence[int], rows: Optional[Sequence[int]] = None,
-              hidden_layers: Sequence[int] = (), n_layers: Optional[int] = None, extra: int = 0) -> ScoreOutput:
+              hidden_layers: Sequence[int] = (), n_layers: Optional[int] = None, extra: int = 0,
+              gated: Optional[Sequence[int]] = None) -> ScoreOutput:
         """Score one tree after the slot's committed tokens (see module docstring).
         rows: which nodes' logits to return (default all). n_layers: exit after the
         first n layers (layer-skip drafting). extra: number of scratch positions after
         the committed ones (an uncommitted chain written by earlier calls) that every
-        node also attends to; nodes then start at storage offset ``extra``."""
+        node also attends to; nodes then start at storage offset ``extra``. gated: the
+        nodes the attached adapter applies to (default: the ``mask_id`` nodes)."""
         return self.score_batch([(slot, tokens, parents)], rows=[rows], hidden_layers=hidden_layers,
-                                n_layers=n_layers, extra=[extra])[0]
+                                n_layers=n_layers, extra=[extra], gated=[gated])[0]
 
     @torch.inference_mode()
     def score_batch(self, items: Sequence[tuple[int, Sequence[int], Sequence[int]]],
                     rows: Optional[Sequence[Optional[Sequence[int]]]] = None, hidden_layers: Sequence[int] = (),
-                    n_layers: Optional[int] = None, extra: Optional[Sequence[int]] = None) -> list[ScoreOutput]:
-        """Score several slots' trees in one forward (batch-invariant tiles, or ragged)."""
+                    n_layers: Optional[int] = None, extra: Optional[Sequence[int]] = None,
+                    gated: Optional[Sequence[Optional[Sequence[int]]]] = None) -> list[ScoreOutput]:
+        """Score several slots' trees in one forward (batch-invariant tiles, or ragged).
+        ``gated``: per item, the nodes the attached adapter applies to (None: its mask
+        nodes, token ``mask_id``)."""
         n_layers = self.n_layers if n_layers is None else n_layers
         rows = rows or [None] * len(items)
         extra = extra or [0] * len(items)
+        gated = gated or [None] * len(items)
+        gflat: list[int] = []
         segs = []  # (slot, start in flat, n, base = committed + extra, parents)
         toks: list[int] = []
         pos: list[int] = []
@@ -453,12 +479,19 @@ class LlamaEngine:
             for i, p in enumerate(par):
                 if p < -1 or p >= i:
                     raise InvalidArgument("parents", f"node {i} has parent {p}")
+            top = self.vocab_size + (self.adapter is not None)  # mask_id = vocab_size with an adapter
             for x in t:
-                if x < 0 or x >= self.vocab_size:
+                if x < 0 or x >= top:
                     raise InvalidArgument("tokens", f"token id {x} outside [0, {self.vocab_size})")
             base = self.lengths[slot] + ex
             if base + n > self.max_seq_len:
                 raise ResourceExhausted(f"sequence of {base + n} tokens exceeds max_seq_len={self.max_seq_len}")
+            gi = gated[len(segs)]
+            if gi is None:
+                gi = [i for i, x in enumerate(t) if x == self.mask_id]
+            elif any(not 0 <= int(i) < n for i in gi) or (gi and self.adapter is None):
+                raise InvalidArgument("gated", "gated rows need an attached adapter and node indices in range")
+            gflat += [len(toks) + int(i) for i in gi]
             segs.append((slot, len(toks), n, base, par))
             toks += t
             pos += [base + d for d in trees.depths(par)]
@@ -467,13 +500,50 @@ class LlamaEngine:
         ids = torch.tensor(toks, dtype=torch.long, device=self.device)
         posi = torch.tensor(pos, dtype=torch.long, device=self.device)
         sel = torch.tensor([i for sl in sels for i in sl], dtype=torch.long, device=self.device)
+        self._gi = torch.tensor(sorted(set(gflat)), dtype=torch.long, device=self.device) if gflat else None
+        self._masked = self.adapter is not None and self.mask_id in toks
         forward = self._forward_invariant if self.batch_invariant else self._forward_ragged
-        logits, hidden = forward(segs, ids, posi, sel, n_layers, hidden_layers)
+        try:
+            logits, hidden = forward(segs, ids, posi, sel, n_layers, hidden_layers)
+        finally:
+            self._gi = None
         results, o = [], 0
         for (slot, s, n, base, par), sl in zip(segs, sels):
             results.append(ScoreOutput(logits[o: o + len(sl)], {k: v[s: s + n] for k, v in hidden.items()}))
             o += len(sl)
         return results
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """[N] ids -> [N, H] fp32 residual stream; ``mask_id`` rows get the adapter's MASK vector."""
+        if not self._masked:
+            return self.embed[ids].float()
+        is_mask = ids == self.mask_id
+        x = self.embed[ids.clamp_max(self.vocab_size - 1)].float()
+        return torch.where(is_mask[:, None], self.adapter.mask[None], x)
+
+    def _gate(self, y: torch.Tensor, li: int, proj: str, h: torch.Tensor) -> torch.Tensor:
+        """y (= proj(h), a fresh tensor) plus the adapter's low-rank term on the gated rows
+        (in the batch-invariant forward on row tiles like every matmul, so a gated row's
+        bits do not depend on how many others are gated with it)."""
+        gi = self._gi
+        if gi is None:
+            return y
+        x = h.index_select(0, gi)
+        if not self.batch_invariant:
+            d = self.adapter.delta(li, proj, x)
+        else:
+            n = x.shape[0]
+            m = self._padded_rows(n)
+            if m > n:
+                x = torch.cat([x, x[-1:].expand(m - n, -1)])
+            t, _ = self._split(m, *self.row_tiles)
+            parts, a = [], 0
+            for k in range(t):
+                r = m // t + (k < m % t)
+                parts.append(self.adapter.delta(li, proj, x[a: a + r]))
+                a += r
+            d = None if parts[0] is None else torch.cat(parts)[:n]
+        return y if d is None else y.index_add_(0, gi, d.to(y.dtype))
 
     def _forward_ragged(self, segs, ids, posi, sel, n_layers, hidden_layers):
         """One matmul over all rows, one SDPA per sequence (not batch-invariant)."""
@@ -492,14 +562,14 @@ class LlamaEngine:
             masks.append(mask)
         cos = self.cos[posi][:, None]  # [N, 1, hd]
         sin = self.sin[posi][:, None]
-        x = self.embed[ids].float()  # [N, H] residual stream, fp32 in every dtype mode
+        x = self._embed(ids)  # [N, H] residual stream, fp32 in every dtype mode
         ad = self.act_dtype
         hidden: dict[int, torch.Tensor] = {}
         nq, nk, hd = self.n_heads, self.n_kv, self.head_dim
         for li in range(n_layers):
             L = self.layers[li]
             h = rms_norm(x, L.ln1, self.eps, ad)
-            qkv = L.qkv(h)  # [N, (nq + 2nk) * hd]
+            qkv = self._gate(L.qkv(h), li, "qkv", h)  # [N, (nq + 2nk) * hd]
             qk = rope(qkv[:, : (nq + nk) * hd].view(-1, nq + nk, hd), cos, sin)  # [N, nq + nk, hd]
             q = qk[:, :nq].transpose(0, 1)  # [nq, N, hd]
             k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
@@ -514,11 +584,12 @@ class LlamaEngine:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True)
                 outs.append(o[0])  # [nq, n, hd]
             a = outs[0] if len(outs) == 1 else torch.cat(outs, 1)
-            x = x + L.o(a.transpose(0, 1).reshape(-1, nq * hd))
+            a = a.transpose(0, 1).reshape(-1, nq * hd)
+            x = x + self._gate(L.o(a), li, "o", a)
             h = rms_norm(x, L.ln2, self.eps, ad)
-            gu = L.gate_up(h)
-            g_, u_ = gu.chunk(2, -1)
-            x = x + L.down(F.silu(g_) * u_)
+            g_, u_ = self._gate(L.gate_up(h), li, "gate_up", h).chunk(2, -1)
+            m = F.silu(g_) * u_
+            x = x + self._gate(L.down(m), li, "down", m)
             if li in hidden_layers:
                 hidden[li] = x.float()
         # one head matmul for the chosen rows of every segment (reading the head's
@@ -619,14 +690,15 @@ class LlamaEngine:
             and plan[0][5][0].t * plan[0][5][0].R == N  # one call covers every row in order
         cos = self.cos[posi][:, None]  # [N, 1, hd]
         sin = self.sin[posi][:, None]
-        x = self.embed[ids].float()  # [N, H] residual stream, fp32 in every dtype mode
+        x = self._embed(ids)  # [N, H] residual stream, fp32 in every dtype mode
         ad, eps = self.act_dtype, self.eps
         hidden: dict[int, torch.Tensor] = {}
         nq, nk, hd = self.n_heads, self.n_kv, self.head_dim
         g = nq // nk
         for li in range(n_layers):
             L = self.layers[li]
-            qkv = self._mm(L.qkv, rms_norm(x, L.ln1, eps, ad))  # [N, (nq + 2nk) * hd]
+            h = rms_norm(x, L.ln1, eps, ad)
+            qkv = self._gate(self._mm(L.qkv, h), li, "qkv", h)  # [N, (nq + 2nk) * hd]
             qk = rope(qkv[:, : (nq + nk) * hd].view(N, nq + nk, hd), cos, sin)  # [N, nq + nk, hd]
             q = qk[:, :nq]  # [N, nq, hd]
             k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
@@ -670,9 +742,12 @@ class LlamaEngine:
                     e0, e1 = restore
                     kc[:, base + e0: base + e1] = k[:, s + e0: s + e1]
                     vc[:, base + e0: base + e1] = v[:, s + e0: s + e1]
-            x = x + self._mm(L.o, a.reshape(N, nq * hd))
-            g_, u_ = self._mm(L.gate_up, rms_norm(x, L.ln2, eps, ad)).chunk(2, -1)
-            x = x + self._mm(L.down, F.silu(g_) * u_)
+            a = a.reshape(N, nq * hd)
+            x = x + self._gate(self._mm(L.o, a), li, "o", a)
+            h = rms_norm(x, L.ln2, eps, ad)
+            g_, u_ = self._gate(self._mm(L.gate_up, h), li, "gate_up", h).chunk(2, -1)
+            m = F.silu(g_) * u_
+            x = x + self._gate(self._mm(L.down, m), li, "down", m)
             if li in hidden_layers:
                 hidden[li] = x[:N0]
 

@@ -313,7 +313,7 @@ class _Generation:
     def draft(self, rs: int) -> _Round:
         """Ask the policy for a size and the drafter (or the verifier's self drafter) for a draft."""
         rnd = _Round()
-        if self.first and not self.o.draft_first:
+        if self.first and not self.o.draft_first and self.o.self_draft not in registry.FUSED:
             return rnd
         want = max(0, min(self.policy.next(), self.o.max_new_tokens - self.n_new - 1))
         if want > 0 and self.o.self_draft is not None:

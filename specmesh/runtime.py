@@ -42,6 +42,18 @@ BUNDLED_BLOCK_DRAFTERS = {"smollm2-135m-instruct": Path(__file__).resolve().pare
                           / "smollm2-block-drafter"}
 
 
+# The mask-gated adapter (specmesh.uno) committed with the project; SPECMESH_UNO overrides, "" disables.
+BUNDLED_UNO = {"smollm2-135m-instruct": Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-uno"}
+
+
+def uno_path(model: str) -> Optional[Path]:
+    env = os.environ.get("SPECMESH_UNO")
+    if env is not None:
+        return Path(env) if env else None
+    p = BUNDLED_UNO.get(model.lower())
+    return p if p is not None and (p / "adapter.safetensors").exists() else None
+
+
 def block_drafter_path(model: str) -> Optional[Path]:
     env = os.environ.get("SPECMESH_BLOCK_DRAFTER")
     if env is not None:
@@ -109,12 +121,15 @@ def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: i
 class Runtime:
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048,
                  draft_model: Optional[str] = None, layerskip_exit: Optional[int] = None, quiet: bool = False,
-                 block_drafter: bool = True, device="cpu", cuda_graphs=True, specialist: Optional[str] = "code"):
+                 block_drafter: bool = True, device="cpu", cuda_graphs=True, specialist: Optional[str] = "code",
+                 uno: bool = True):
         """``device``: auto | cpu | cuda | cuda:N. ``cuda_graphs``: on CUDA, the engines
         are ``GraphedEngine`` (False: the eager engine; "always": on the CPU too, see
         ``make_engine``). ``specialist``: the domain of the divergence-decoding specialist
         offered as the ``specialist`` self drafter when its adapter exists
-        (``specmesh.specialist.adapter_dir``; built on first use; None: none)."""
+        (``specmesh.specialist.adapter_dir``; built on first use; None: none). ``uno``: attach
+        the mask-gated adapter's self drafters (``uno``, ``uno_tree``, ``uno_separate``) when
+        one exists for the model (``uno_path``)."""
         self.device = resolve_device(device)
         self.cuda_graphs = cuda_graphs if cuda_graphs == "always" else self.device.type == "cuda" and bool(cuda_graphs)
         self.model_dir = resolve_model(model, quiet=quiet)
@@ -149,6 +164,15 @@ class Runtime:
             self.verifier.self_drafters["block_tree"] = BlockSelfDrafter(
                 self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration,
                 folded=self.block_drafter.folded)
+        self.uno = None
+        up = self.uno_path = uno_path(model) if uno else None
+        if up is not None:  # the target drafting for itself: its mask-gated adapter
+            from .uno.serve import UnoDrafter
+
+            self.uno = UnoDrafter.from_checkpoint(self.verifier, up)
+            self.verifier.self_drafters["uno"] = self.uno
+            self.verifier.self_drafters["uno_tree"] = self.uno.twin(tree=True)
+            self.verifier.self_drafters["uno_separate"] = self.uno.twin(layout="separate")
         self.codec = TextCodec(self.tokenizer, self.engine.vocab_size)
         self.stop_ids = self.codec.stop_ids
         self.specialist = None

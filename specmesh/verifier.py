@@ -9,7 +9,10 @@ with the prompt as ``append_tokens`` and an empty tree. All input is validated
 before any state changes. A request naming ``feature_layers`` gets the hidden
 features of the positions it committed (kept per slot, ``enable_features``; a
 rejected draft's positions are never kept) as bf16 bytes, for a block drafter
-that runs elsewhere.
+that runs elsewhere. A *fused* self drafter (``uno``: ``fused``, ``block``,
+``mask_blocks``, ``absorb``) gets blocks of mask rows hung on the draft in the same
+forward, after every node where acceptance may stop, and the last hidden states of
+the block after the node where it stopped: the next round's draft.
 
 The ``Verifier`` protocol is what the draft–verify loop calls; gRPC adapters
 implement the same protocol. This module knows nothing about gRPC, tokenizers or
@@ -255,12 +258,16 @@ class EngineVerifier:
                 wanted = {i for _, r, _ in ready for i in r.feature_layers}
                 if not wanted <= set(self.feature_layers) or (wanted and self.features is None):
                     self.enable_features(wanted)  # first request for these layers: keep them from now on
-                items, meta = [], []
+                items, meta, fused = [], [], []  # fused: per item, stop node -> its mask block's rows
                 for i, r, slot in ready:
                     t0 = time.perf_counter()
                     self.engine.truncate(slot, r.keep_len)
                     append, tree, draft_ms = list(r.append_tokens), r.tree, 0.0
-                    if r.self_draft is not None and r.self_draft.budget > 0:
+                    sd = self.self_drafters.get(r.self_draft.method) if r.self_draft is not None else None
+                    # a fused drafter's first round: nothing to draft from yet; the prefill forward
+                    # itself carries the block after the last prompt token (``_mask_blocks``)
+                    fused_first = getattr(sd, "fused", False) and r.keep_len == 0
+                    if r.self_draft is not None and r.self_draft.budget > 0 and not fused_first:
                         if len(append) > 1:
                             self._append(slot, append[:-1])
                             append = append[-1:]
@@ -271,15 +278,17 @@ class EngineVerifier:
                     toks = append + tree.tokens
                     pars = trees.after_chain(a, tree.parents)
                     rows = [a - 1] + [a + j for j in range(len(tree))]
+                    blocks = self._mask_blocks(r, slot, toks, pars, a, tree)
                     items.append((slot, toks, pars))
                     meta.append((i, r, slot, a, tree, rows, draft_ms))
+                    fused.append(blocks)
                 if items:
                     t1 = time.perf_counter()
                     cd = any(m[1].sampling.acceptance == "contrastive" for m in meta)
                     exit_h = self.contrastive_exit() - 1 if cd else None  # the amateur reads layer E-1's output
-                    scored = self.engine.score_batch(
-                        items, rows=[m[5] for m in meta],
-                        hidden_layers=self.feature_layers if not cd else sorted({*self.feature_layers, exit_h}))
+                    last = self.engine.n_layers - 1  # fused drafting keeps its mask rows' last hidden states
+                    hl = {*self.feature_layers} | ({exit_h} if cd else set()) | ({last} if any(fused) else set())
+                    scored = self.engine.score_batch(items, rows=[m[5] for m in meta], hidden_layers=sorted(hl))
                     self.forwards += 1
                     amateurs = [self.engine.head_logits(so.hidden[exit_h][m[5]])
                                 if m[1].sampling.acceptance == "contrastive" else None
@@ -289,11 +298,15 @@ class EngineVerifier:
                     decided = acc.accept_batch([so.logits for so in scored], [m[4] for m in meta],
                                                [m[1].sampling for m in meta], [m[1].round_seed for m in meta],
                                                amateurs=amateurs, specialists=specialists)
-                    for (i, r, slot, a, tree, rows, draft_ms), so, res in zip(meta, scored, decided):
+                    for (i, r, slot, a, tree, rows, draft_ms), so, res, blocks in zip(meta, scored, decided, fused):
                         start = self.engine.length(slot)
                         kept = list(range(a)) + [a + j for j in res.path]
                         self.engine.commit(slot, kept)
                         self._store_features(slot, start, so.hidden, kept)
+                        if blocks:  # the block after the stop node drafts the next round
+                            blk = blocks.get(res.path[-1] if res.path else -1)
+                            self.self_drafters[r.self_draft.method].absorb(
+                                r.session_id, None if blk is None else so.hidden[last][blk], self.engine.length(slot))
                         ent = 0.0
                         if r.want_entropy:
                             ent = float(acc.entropy(torch.softmax(so.logits[:1].float(), -1))[0])
@@ -308,6 +321,25 @@ class EngineVerifier:
                 for _, r, _ in ready:
                     self.pool.busy.discard(r.session_id)
         return out
+
+    def _mask_blocks(self, req: VerifyRequest, slot: int, toks: list, pars: list, a: int, tree) -> dict:
+        """A fused self drafter's (``uno``) mask blocks, appended to this forward's tokens:
+        a chain of ``block`` mask nodes after each stop node it names (-1: the pending
+        token). Returns stop node -> the blocks' node indices ({}: not a fused drafter)."""
+        d = self.self_drafters.get(req.self_draft.method) if req.self_draft is not None else None
+        if d is None or not getattr(d, "fused", False):
+            return {}
+        room = self.engine.max_seq_len - self.engine.length(slot) - a
+        blocks = {}
+        for stop in d.mask_blocks(tree, room):
+            p, blk = (a - 1 if stop < 0 else a + stop), []
+            for _ in range(d.block):
+                toks.append(self.engine.mask_id)
+                pars.append(p)
+                p = len(toks) - 1
+                blk.append(p)
+            blocks[stop] = blk
+        return blocks
 
     def _specialist_rows(self, req: VerifyRequest, tree) -> Optional[torch.Tensor]:
         """Divergence requests: the specialist's logits at the positions of the chain it

@@ -22,6 +22,7 @@ folder (the repository root is on ``sys.path`` through pyproject's ``pythonpath`
   ``samples``, ``total``, ``check_metrics_agree``;
 - exact distributions: the 6-token models ``SMALL_TARGET`` / ``SMALL_DRAFT``,
   ``small_target_engine``, ``small_block_model`` (a block drafter trained on it),
+  ``small_uno_adapter`` (a mask-gated adapter trained on it; ``train_tiny_uno``),
   ``exact_joint`` and ``chi2``.
 """
 
@@ -102,7 +103,7 @@ def random_llama(seed: int, scale: float, vocab: int, layers: int = 2, hidden: i
                   "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
         sd.update({f"{p}{k}.weight": r(*shape) for k, shape in shapes.items()})
         sd.update({f"{p}{k}.weight": torch.ones(hidden) for k in ("input_layernorm", "post_attention_layernorm")})
-    cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "num_attention_heads": heads,
+    cfg = {"num_hidden_layers": layers, "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
            "num_key_value_heads": kv, "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     return cfg, sd
 
@@ -643,6 +644,34 @@ def small_block_model():
     train(model, prepare(eng, records, cfg.feature_layers, quiet=True), steps=80, lr=3e-3, batch=4,
           anchors_per_seq=8, quiet=True)
     return model.eval()
+
+
+def train_tiny_uno(config: dict, state_dict: dict, records: list[dict], block: int = 3, steps: int = 60,
+                   rank: int = 8, readout: int = 32, seed: int = 5):
+    """A mask-gated adapter (specmesh.uno) trained for a few seconds on ``records``
+    (``prompt_ids`` + ``response_ids``: the target's own outputs)."""
+    from specmesh.uno.adapter import new_adapter
+    from specmesh.uno.trainer import FrozenTarget, sequences, train
+
+    tgt = FrozenTarget(config, state_dict, max_len=256)
+    ad = new_adapter(config, rank=rank, readout=readout, block=block, embed=tgt.embed, seed=seed)
+    train(tgt, ad, sequences(records), steps=steps, M=block, seqs_per_step=4, anchors_per_seq=8, lr=3e-3,
+          quiet=True, seed=seed)
+    return ad
+
+
+@functools.cache
+def small_uno_adapter():
+    """A mask-gated adapter for ``SMALL_TARGET`` trained on the target's own samples."""
+    from specmesh.loop import generate_tokens
+
+    records = []
+    for s in range(24):
+        prompt = SMALL_PROMPT[s % 4:]
+        out, _ = generate_tokens(None, EngineVerifier(small_target_engine(1)), prompt,
+                                 sampling=SamplingParams(temperature=1.0, seed=700 + s), max_new_tokens=12)
+        records.append({"prompt_ids": prompt, "response_ids": out})
+    return train_tiny_uno(*SMALL_TARGET, records, block=3, steps=60, rank=4, readout=16)
 
 
 def exact_joint(prompt: Sequence[int], slots: Sequence[Optional[int]], sampling: SamplingParams) -> dict:

@@ -85,6 +85,38 @@ def target_head_state(model: str) -> dict:
     return out
 
 
+def draft_from_slots(logits: torch.Tensor, ctx: DraftContext, budget: int, keep: Optional[torch.Tensor] = None,
+                     tree: bool = False, tree_width: int = 6, calibration: Optional[Scorer] = None,
+                     top_k: int = 8, gen: Optional[torch.Generator] = None) -> TokenTree:
+    """A draft from per-slot logits [K, N] of a block drafter (slot k: the k-th token after
+    the pending one; column n is token ``keep[n]``, or n without ``keep``). Tree: the
+    best-first tree of ``budget`` nodes over each slot's ``tree_width`` likeliest tokens
+    (``calibration`` scores them; deterministic, one-hot). Chain: greedy, the argmax per
+    slot; sampling, one draw per slot from its temperature-scaled top-``top_k``
+    renormalised distribution, that q attached (fresh randomness every round:
+    ``seeding.draft_generator``, or ``gen`` when the caller drew from it already)."""
+    s = ctx.sampling
+    name = (lambda i: int(keep[i])) if keep is not None else int
+    if tree:
+        top = torch.topk(torch.softmax(logits.float(), -1), min(tree_width, logits.shape[-1]), -1)
+        ids = keep[top.indices] if keep is not None else top.indices
+        cands = [list(zip(i, p)) for i, p in zip(ids.tolist(), top.values.tolist())]
+        return best_first_tree(cands, budget, calibration or Calibration())
+    k_max = min(budget, logits.shape[0])
+    if s.greedy:
+        return TokenTree.chain([name(i) for i in logits[:k_max].argmax(-1)])
+    gen = gen if gen is not None else draft_generator(ctx)  # fresh every round (keyed by the committed length)
+    toks, qids, qps = [], [], []
+    for k in range(k_max):
+        vals, idx = torch.topk(logits[k].float().cpu() / s.temperature, min(top_k, logits.shape[-1]))
+        q = torch.softmax(vals.double(), -1)
+        j = int(torch.multinomial(q, 1, generator=gen)[0])
+        toks.append(name(idx[j]))
+        qids.append([name(i) for i in idx])
+        qps.append((q / q.sum()).tolist())
+    return TokenTree.chain(toks, q_ids=qids, q_probs=qps)
+
+
 class BlockProposer(DrafterBase):
     """What both variants share: the model (bf16 with ``amp``), its folded serving
     weights, the calibration and the step from slot logits to a draft."""
@@ -119,25 +151,8 @@ class BlockProposer(DrafterBase):
         return self.draft_from(logits, ctx, budget)
 
     def draft_from(self, logits: torch.Tensor, ctx: DraftContext, budget: int) -> TokenTree:
-        keep = self.model.keep_ids
-        s = ctx.sampling
-        if self.tree:
-            top = torch.topk(torch.softmax(logits, -1), self.tree_width, -1)
-            cands = [list(zip(ids, ps)) for ids, ps in zip(keep[top.indices].tolist(), top.values.tolist())]
-            return best_first_tree(cands, budget, self.calibration)
-        k_max = min(budget, logits.shape[0])
-        if s.greedy:
-            return TokenTree.chain([int(keep[i]) for i in logits[:k_max].argmax(-1)])
-        gen = draft_generator(ctx)  # fresh every round (keyed by the committed length)
-        toks, qids, qps = [], [], []
-        for k in range(k_max):
-            vals, idx = torch.topk(logits[k].float().cpu() / s.temperature, min(self.top_k, logits.shape[-1]))
-            q = torch.softmax(vals.double(), -1)
-            j = int(torch.multinomial(q, 1, generator=gen)[0])
-            toks.append(int(keep[idx[j]]))
-            qids.append([int(keep[i]) for i in idx])
-            qps.append((q / q.sum()).tolist())
-        return TokenTree.chain(toks, q_ids=qids, q_probs=qps)
+        return draft_from_slots(logits, ctx, budget, self.model.keep_ids, self.tree, self.tree_width,
+                                self.calibration, self.top_k)
 
 
 class BlockSelfDrafter(BlockProposer):

@@ -17,6 +17,9 @@ Traits:
 - ``shape``: ``chain`` or ``tree``.
 - ``selectable``: a user may name it in a request (``cache`` is the proactive and
   SSR strategies' own drafter, chosen by the strategy).
+- ``fused``: the draft of a round comes out of the previous round's verify forward
+  (``uno``: the verifier hangs mask blocks on it), so the loop drafts from the
+  first round on: the prefill's forward already computes the first draft.
 - ``needs_features``: it conditions on the target's hidden states. In the verifier
   (``where="verifier"``) it reads them there; as an ``external`` drafter the
   router asks the verifier for them with every verify (``feature_layers``), keeps
@@ -47,6 +50,7 @@ class DrafterSpec:
     summary: str
     selectable: bool = True
     needs_features: bool = False
+    fused: bool = False  # drafts from the previous verify forward (the loop drafts from the first round)
 
 
 SPECS: tuple[DrafterSpec, ...] = (
@@ -65,6 +69,14 @@ SPECS: tuple[DrafterSpec, ...] = (
                 "the trained block drafter on the target's hidden states: a chain in one pass", needs_features=True),
     DrafterSpec("block_tree", "verifier", "round", "tree",
                 "the trained block drafter: a calibrated best-first tree in one pass", needs_features=True),
+    DrafterSpec("uno", "verifier", "round", "chain",
+                "the target drafting for itself through its mask-gated adapter: each verify forward also "
+                "computes the next round's block (one forward a round)", fused=True),
+    DrafterSpec("uno_tree", "verifier", "round", "tree",
+                "the mask-gated adapter's block as a calibrated best-first tree (one forward a round)", fused=True),
+    DrafterSpec("uno_separate", "verifier", "round", "chain",
+                "the mask-gated adapter in a draft pass of its own before the verify pass (two forwards a "
+                "round: the PEFT-BD layout, for comparison)"),
     DrafterSpec("block", "external", "round", "chain",
                 "the trained block drafter on the drafter service, fed the target's hidden states over the wire: "
                 "a chain in one pass", needs_features=True),
@@ -75,12 +87,14 @@ SPECS: tuple[DrafterSpec, ...] = (
 
 
 def names(where: Optional[str] = None, cost: Optional[str] = None, shape: Optional[str] = None,
-          selectable: Optional[bool] = None, needs_features: Optional[bool] = None) -> tuple[str, ...]:
+          selectable: Optional[bool] = None, needs_features: Optional[bool] = None,
+          fused: Optional[bool] = None) -> tuple[str, ...]:
     """Registered drafter names with the given traits, in registration order (each name once)."""
     out = (s.name for s in SPECS
            if (where is None or s.where == where) and (cost is None or s.cost == cost)
            and (shape is None or s.shape == shape) and (selectable is None or s.selectable == selectable)
-           and (needs_features is None or s.needs_features == needs_features))
+           and (needs_features is None or s.needs_features == needs_features)
+           and (fused is None or s.fused == fused))
     return tuple(dict.fromkeys(out))
 
 
@@ -102,3 +116,4 @@ PER_ROUND = names(cost="round")  # one pass per block: draft cost per round, not
 PER_ROUND_TREES = names(cost="round", shape="tree")  # of those, the best-first trees
 EXTERNAL_FEATURES = names(where="external", needs_features=True)  # external drafters fed hidden states by the router
 CONTEXT_ONLY = names(where="external", needs_features=False)  # external drafters that read tokens alone
+FUSED = names(fused=True)  # self drafters whose draft comes out of the previous verify forward

@@ -5,7 +5,9 @@
   with new inputs, and the KV the replays wrote;
 - the block drafter's serving pass on the GPU equals its CPU pass;
 - greedy speculative decoding equals plain decoding on the real model on the GPU
-  (fp32, TF32 off, CUDA graphs) for prompt lookup, layer-skip and the block tree.
+  (fp32, TF32 off, CUDA graphs) for prompt lookup, layer-skip, the block tree and the
+  mask-gated adapter's fused rounds (``uno``, ``uno_tree``: their mask rows in the graphs);
+- the gated rows in captured graphs equal the eager engine's.
 """
 
 from __future__ import annotations
@@ -77,6 +79,30 @@ def test_graphed_engine_captured_equals_eager():
     assert graphed.calls["captures"] >= 5 and graphed.calls["graphed"] > graphed.calls["eager"]
 
 
+def test_graphed_engine_gated_rows_captured_equal_eager():
+    from specmesh.cudagraph import GraphedEngine
+    from specmesh.engine import LlamaEngine
+    from specmesh.uno.adapter import new_adapter
+
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    ad = new_adapter(cfg, rank=4, readout=8, block=3)
+    g = torch.Generator().manual_seed(3)
+    for d in ad.B:
+        for p in d:
+            d[p] = torch.randn(d[p].shape, generator=g) * 0.2
+    eager = LlamaEngine(cfg, sd, n_slots=2, max_seq_len=128, device="cuda")
+    graphed = GraphedEngine(cfg, sd, n_slots=2, max_seq_len=128, device="cuda")
+    for e in (eager, graphed):
+        e.attach_adapter(ad)
+        e.prefill(0, list(range(5, 12)))
+    m = eager.mask_id
+    for r in range(3):  # replayed with new inputs
+        toks, par = [20 + r, 21, 22] + [m] * 9, [-1, 0, 1, 0, 3, 4, 1, 6, 7, 2, 9, 10]
+        _same([eager.score(0, toks, par)], [graphed.score(0, toks, par)])
+    assert graphed.calls["captures"] >= 1 and graphed.calls["graphed"] >= 3
+
+
 def test_block_drafter_pass_on_cuda_equals_cpu():
     from specmesh.blockdraft.incremental import FoldedDrafter
     from specmesh.blockdraft.model import BlockDrafter, BlockDrafterConfig
@@ -105,7 +131,7 @@ def gpu_runtime():
     return Runtime("smollm2-135m-instruct", dtype="fp32", n_slots=2, max_seq_len=1024, quiet=True, device="cuda")
 
 
-@pytest.mark.parametrize("drafter", ["prompt_lookup", "layerskip", "block_tree"])
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "layerskip", "block_tree", "uno", "uno_tree"])
 def test_greedy_speculation_identical_on_gpu(gpu_runtime, drafter):
     from specmesh.cudagraph import GraphedEngine
     from specmesh.demo import PROMPTS
@@ -113,7 +139,7 @@ def test_greedy_speculation_identical_on_gpu(gpu_runtime, drafter):
 
     rt = gpu_runtime
     assert isinstance(rt.engine, GraphedEngine) and rt.engine.k_cache.is_cuda
-    if drafter in ("layerskip", "block_tree") and drafter not in rt.verifier.self_drafters:
+    if drafter != "prompt_lookup" and drafter not in rt.verifier.self_drafters:
         pytest.skip(f"no {drafter} drafter in this runtime")
     for _, prompt in PROMPTS[:2]:
         ids = rt.encode(prompt)

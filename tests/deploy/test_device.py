@@ -297,3 +297,35 @@ def test_graphed_engine_bf16_and_the_verifier():
     assert outs[0][0] == outs[1][0]
     torch.testing.assert_close(outs[1][1].float(), outs[0][1].float(), atol=0.15, rtol=0.02)  # ~1 bf16 ulp
     assert vs[1].engine.calls["graphed"] > 0
+
+
+def test_graphed_engine_serves_gated_rows_like_the_eager_engine():
+    """The mask-gated adapter (specmesh.uno) in the static forward: mask rows read the MASK
+    vector, gated rows get the low-rank terms through a 0/1 gate, normal rows are the
+    target's; the same numbers as the eager engine, in a bucket (no eager fallback)."""
+    from specmesh.uno.adapter import new_adapter
+
+    eager, static = _pair()
+    cfg = eager.config
+    ad = new_adapter(cfg, rank=4, readout=8, block=3)
+    g = torch.Generator().manual_seed(3)
+    for d in ad.B:
+        for p in d:
+            d[p] = torch.randn(d[p].shape, generator=g) * 0.2
+    ad.mask = torch.randn(ad.mask.shape, generator=g)
+    for e in (eager, static):
+        e.attach_adapter(ad)
+        e.prefill(0, list(range(5, 12)))
+    m = eager.mask_id
+    # pending + 2 drafts + a block of 3 masks after the pending token and after each draft
+    toks = [20, 21, 22] + [m] * 9
+    par = [-1, 0, 1, 0, 3, 4, 1, 6, 7, 2, 9, 10]
+    before = static.calls["graphed"]
+    a, b = (e.score(0, toks, par, hidden_layers=[e.n_layers - 1]) for e in (eager, static))
+    _same([a], [b], hidden=[eager.n_layers - 1])
+    assert static.calls["graphed"] == before + 1  # 12 tokens: bucket 16, not the eager engine
+    # gated rows holding real tokens (the diffusion mode) too
+    a, b = (e.score(0, [20, m, 23, m], [-1, 0, 1, 2], gated=[1, 2, 3]) for e in (eager, static))
+    _same([a], [b])
+    static.attach_adapter(None)
+    assert not static._steps  # graphs dropped with the adapter: recaptured without its terms

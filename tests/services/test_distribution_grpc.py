@@ -6,7 +6,8 @@ servers, the tiny 6-token model of ``tests/support.py`` that
 of drafting — an external drafter that samples (draft LM, sparse q on the wire),
 the trained block drafter on the drafter service (the target's hidden features
 sent through the router with every round: chain with sparse q, and its tree),
-an in-verifier self drafter (layer-skip), the conversation cache (proactive) and
+in-verifier self drafters (layer-skip; the mask-gated adapter's fused rounds, chain
+and tree), the conversation cache (proactive) and
 ``auto`` — each run for thousands of seeds and compared with the exact joint
 distribution of plain sampling by a chi-square test. Deterministic seeds.
 """
@@ -27,6 +28,7 @@ from specmesh.serving import convert
 from specmesh.serving.settings import load_settings
 from specmesh.strategies.proactive import cache_id
 from specmesh.types import SamplingParams
+from specmesh.uno.serve import UnoDrafter
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2
 from specmesh.verifier import EngineVerifier
 from tests.support import SMALL_DRAFT as DRAFT
@@ -34,7 +36,7 @@ from tests.support import SMALL_N_NEW as N_NEW
 from tests.support import SMALL_PROMPT as PROMPT
 from tests.support import SMALL_TARGET as TARGET
 from tests.support import SMALL_V as V
-from tests.support import LocalStack, chi2, exact_joint, small_block_model
+from tests.support import LocalStack, chi2, exact_joint, small_block_model, small_uno_adapter
 
 pytestmark = pytest.mark.slow  # thousands of requests through three servers
 N = 2000
@@ -81,6 +83,8 @@ class Services(LocalStack):
         def counting_verifier():
             v = CountingVerifier(LlamaEngine(*TARGET, n_slots=8, max_seq_len=64))
             v.self_drafters["layerskip"] = LayerSkipDrafter(v, exit_layer=1, top_k=V)
+            v.self_drafters["uno"] = UnoDrafter(v, small_uno_adapter(), top_k=V)  # fused: one forward a round
+            v.self_drafters["uno_tree"] = v.self_drafters["uno"].twin(tree=True)
             return v
 
         block = {}
@@ -127,6 +131,8 @@ CASES = [  # (strategy, drafter, sampling)
     ("auto", "", SamplingParams(temperature=1.0)),
     ("external", "block", SamplingParams(temperature=1.0)),  # hidden features over the wire, sparse q back
     ("external", "block_tree", SamplingParams(temperature=0.7, top_k=3)),
+    ("self", "uno", SamplingParams(temperature=1.0)),  # the next draft from the last verify forward's masks
+    ("self", "uno_tree", SamplingParams(temperature=1.3, top_p=0.8)),
 ]
 
 

@@ -31,7 +31,7 @@ from tests.support import SMALL_DRAFT as DRAFT
 from tests.support import SMALL_N_NEW as N_NEW
 from tests.support import SMALL_PROMPT as PROMPT
 from tests.support import SMALL_V as V
-from tests.support import chi2, exact_joint, small_block_model
+from tests.support import chi2, exact_joint, small_block_model, small_uno_adapter
 from tests.support import small_target_engine as target_engine
 
 pytestmark = pytest.mark.slow  # thousands of generations per case (minutes on 2 cores); CI runs them
@@ -112,6 +112,12 @@ def make_case(name: str) -> tuple:
     if name in ("block", "block_tree"):
         ver.self_drafters[name] = _block(ver, tree=name == "block_tree")
         return ver, None, name, 3
+    if name in ("uno", "uno_tree", "uno_separate"):
+        from specmesh.uno.serve import UnoDrafter
+
+        ver.self_drafters[name] = UnoDrafter(ver, small_uno_adapter(), tree=name == "uno_tree",
+                                             layout="separate" if name == "uno_separate" else "fused", top_k=V)
+        return ver, None, name, 3
     if name == "proactive":  # a cache holding anticipated continuations (sampled with other seeds)
         cache = CacheDrafter()
         texts = []
@@ -126,7 +132,8 @@ def make_case(name: str) -> tuple:
 
 CASES = [("prompt_lookup", "t1"), ("suffix", "t07_k3"), ("adaptive_lookup", "t13_p08"), ("draft_lm", "t1"),
          ("draft_lm", "t07_k3"), ("layerskip", "t1"), ("layerskip", "t13_p08"), ("block", "t1"),
-         ("block_tree", "t07_k3"), ("proactive", "t1")]
+         ("block_tree", "t07_k3"), ("proactive", "t1"), ("uno", "t1"), ("uno_separate", "t07_k3"),
+         ("uno_tree", "t13_p08")]
 N_SAMPLES = 3000
 
 

@@ -41,14 +41,15 @@ LAYERS = [
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.cudagraph", "specmesh.device",
                   "specmesh.models", "specmesh.specialist"]),
     ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive"]),
-    ("above the loop", ["specmesh.blockdraft", "specmesh.strategies"]),
+    ("above the loop", ["specmesh.blockdraft", "specmesh.strategies", "specmesh.uno"]),
     ("in-process assembly", ["specmesh.runtime"]),
     ("observability", ["specmesh.observability"]),
     ("gRPC layer", ["specmesh.serving", "specmesh.client"]),
     ("services", ["specmesh.router", "specmesh.drafter_service", "specmesh.verifier_service"]),
     ("entry points", ["specmesh.cli", "specmesh.demo", "specmesh.serving.cli", "specmesh.serving.stack",
                       "specmesh.deploy", "specmesh.bench", "specmesh.blockdraft.cli", "specmesh.observability.cli",
-                      "specmesh.kernels.bench", "specmesh.kernels.compile_check"]),
+                      "specmesh.kernels.bench", "specmesh.kernels.compile_check", "specmesh.uno.cli",
+                      "specmesh.uno.study"]),
 ]
 ROOT_PACKAGE_LAYER = "gRPC layer"  # ``specmesh`` itself: it re-exports the SDK (lazily)
 # (importer, imported): an entry point inside a lower module

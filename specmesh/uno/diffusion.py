@@ -1,0 +1,323 @@
+"""The target's diffusion mode (block-wise iterative unmasking through the gated adapter)
+and speculation over its unmasking trajectory.
+
+**The decoder** (``Unmasking``, greedy, deterministic). Text grows in blocks of B
+positions. A block's state is which positions are filled; every forward scores the
+pending token (the last finalised one) and the block's positions L..L+B-2, each
+row predicting the next position's token (the adapter's row convention). A row
+holds its position's token if filled, else the MASK vector; rows at or after the
+first unfilled position are gated (adapter on: their context holds a mask), rows
+before it are the plain target. One *step* fills the ``per_step`` unfilled
+positions with the highest top probability (ties: leftmost) with their argmax
+tokens; a block takes ceil(B / per_step) steps. Attention inside a block is
+block-causal (the engine's chain mask), which is what the adapter was trained on
+(``trainer``: the diffusion form of its training blocks). A finished block's
+tokens are committed as plain rows in the next block's first forward (their KV is
+then the target's own). Plain unmasking costs one target forward a step.
+
+**Trajectory speculation** (``speculate=``): the steps after the next one are
+guessed, every guessed state is scored in the same forward (the states form a
+tree: they share their rows up to the first position where they differ, each
+node at its position, the engine's ancestor mask keeping every state's context
+its own: the "reference tokens at copied positions" of SimSD), and the true rule
+is replayed on the exact outputs: the next guessed step is kept while it equals
+the decision the rule takes from the state before it. So a forward decides one
+step plus every correct guess, and the output is exactly plain unmasking's (in
+the batch-invariant engine bit for bit; in fp32's ragged forward up to ties at
+1e-6). Guessers:
+
+- ``self`` (self-speculation, as in SSD for dLLMs): the dLLM's own outputs at the
+  last exact state, ranked by confidence, are the next steps;
+- ``draft``: an autoregressive drafter's tokens for the block (any ``Drafter``,
+  e.g. prompt lookup over the context, or the target's own greedy continuation)
+  at the positions the confidence ranking picks;
+- ``both``: the two as sibling branches of the state tree.
+
+**Draft-and-refine** (``Unmasking.refine``): the whole block drafted in parallel
+by the gated rows, then refined by the plain target: each forward feeds the
+current draft as plain rows (their predictions, teacher-forced on the draft, are
+the refined draft; Jacobi iteration) and tops the block up with mask rows; the
+draft's prefix that equals the target's own predictions is committed with the
+target's token after it. Its fixed point is the target's greedy decoding, so the
+output is exactly plain autoregressive greedy decoding's, at one forward per
+committed prefix instead of one per token.
+
+Knows nothing about sessions, sampling or gRPC; runs on one engine slot.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+Fill = tuple[tuple[int, int], ...]  # one step: ((block offset, token), ...), offsets ascending
+
+
+@dataclass
+class DiffusionStats:
+    forwards: int = 0
+    steps: int = 0
+    blocks: int = 0
+    new_tokens: int = 0
+    guessed_steps: int = 0  # steps decided by a verified guess (speculation)
+    rows: int = 0  # rows scored in all forwards
+    seconds: float = 0.0
+    steps_per_forward: list[int] = field(default_factory=list)
+
+    @property
+    def forwards_per_block(self) -> float:
+        return self.forwards / self.blocks if self.blocks else 0.0
+
+    def to_dict(self) -> dict:
+        return {"forwards": self.forwards, "steps": self.steps, "blocks": self.blocks, "new_tokens": self.new_tokens,
+                "guessed_steps": self.guessed_steps, "rows": self.rows, "seconds": round(self.seconds, 3),
+                "forwards_per_block": round(self.forwards_per_block, 3),
+                "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0}
+
+
+def decide(probs: dict[int, torch.Tensor], per_step: int) -> Fill:
+    """The rule: the ``per_step`` unfilled offsets whose prediction has the highest top
+    probability (ties: the leftmost) get their argmax. ``probs``: offset -> [V]
+    distribution (float64 comparisons)."""
+    top = sorted(((-float(p.max()), k, int(p.argmax())) for k, p in probs.items()))[:per_step]
+    return tuple(sorted((k, t) for _, k, t in top))
+
+
+def ranked(probs: dict[int, torch.Tensor]) -> list[tuple[int, int]]:
+    """(offset, argmax) of every unfilled offset, most confident first (the rule's order)."""
+    return [(k, t) for _, k, t in sorted((-float(p.max()), k, int(p.argmax())) for k, p in probs.items())]
+
+
+class _Trie:
+    """States of one block as a token tree after the appended chain: node inputs, parents,
+    gating; ``path(state)`` gives the node of each of its rows."""
+
+    def __init__(self, engine, base_nodes: int):
+        self.eng = engine
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.gated: list[int] = []
+        self.base = base_nodes  # nodes before the trie (the appended chain; its last is the pending token)
+        self._index: dict[tuple, int] = {}
+
+    def add(self, fills: Sequence[Optional[int]]) -> list[int]:
+        """Nodes of the rows at offsets 0..B-2 of a state (inputs ``fills[:-1]``); node -1
+        of the result's parent is the pending token."""
+        nodes, parent, key, seen_mask = [], self.base - 1, (), False
+        for k in range(len(fills) - 1):
+            f = fills[k]
+            seen_mask = seen_mask or f is None
+            key = key + (-1 if f is None else f,)
+            n = self._index.get(key)
+            if n is None:
+                n = self.base + len(self.tokens)
+                self.tokens.append(self.eng.mask_id if f is None else f)
+                self.parents.append(parent)
+                if seen_mask:
+                    self.gated.append(n)
+                self._index[key] = n
+            nodes.append(n)
+            parent = n
+        return nodes
+
+
+class Unmasking:
+    """Block-wise iterative unmasking on an engine with a gated adapter attached."""
+
+    def __init__(self, engine, block: int = 5, per_step: int = 1, slot: int = 0):
+        if engine.adapter is None:
+            raise ValueError("the diffusion mode needs the engine's gated adapter (engine.attach_adapter)")
+        if block < 2 or not 1 <= per_step <= block:
+            raise ValueError(f"block must be >= 2 and per_step in [1, block], got {block}, {per_step}")
+        trained = getattr(engine.adapter.cfg, "block", block - 1)
+        if block - 1 > trained:
+            raise ValueError(f"block {block} needs {block - 1} gated rows; the adapter was trained for {trained}")
+        self.eng, self.B, self.k, self.slot = engine, block, per_step, slot
+        self._p0: Optional[torch.Tensor] = None  # the block's offset-0 prediction (the pending token's row)
+
+    # ------------------------------------------------------------ one forward
+    def _forward(self, append: list[int], states: list[list[Optional[int]]], st: DiffusionStats):
+        """Score ``append`` (committed from now on; its last token is the pending one) and
+        every state of the block in one forward. Returns, per state, offset -> [V] probs of
+        its unfilled offsets."""
+        eng = self.eng
+        trie = _Trie(eng, len(append))
+        paths = [trie.add(s) for s in states]
+        toks = list(append) + trie.tokens
+        par = list(range(-1, len(append) - 1)) + trie.parents
+        want: list[tuple[int, int, int]] = []  # (state, offset, node whose row predicts it)
+        for i, (s, nodes) in enumerate(zip(states, paths)):
+            for k, f in enumerate(s):
+                if f is None and not (k == 0 and not append):  # offset 0: the pending row, scored once
+                    want.append((i, k, len(append) - 1 if k == 0 else nodes[k - 1]))
+        rows = sorted({n for _, _, n in want})
+        if not rows and not append:  # only offset 0 is open: its prediction is known, no forward needed
+            return [{0: self._p0} if s[0] is None else {} for s in states]
+        out = eng.score(self.slot, toks, par, rows=rows or [len(toks) - 1], gated=trie.gated)
+        eng.commit(self.slot, range(len(append)))
+        st.forwards += 1
+        st.rows += len(toks)
+        probs = torch.softmax(out.logits.double(), -1)
+        at = {n: j for j, n in enumerate(rows)}
+        res: list[dict[int, torch.Tensor]] = [dict() for _ in states]
+        for i, k, n in want:
+            res[i][k] = probs[at[n]]
+        if append:  # the pending token's row (plain target): offset 0's prediction for the whole block
+            self._p0 = probs[at[len(append) - 1]] if states[0][0] is None else None
+        elif self._p0 is not None:
+            for i, s in enumerate(states):
+                if s[0] is None:
+                    res[i][0] = self._p0
+        return res
+
+    # ------------------------------------------------------------ decoding
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 speculate: Optional[str] = None, depth: int = 4,
+                 drafter: Optional[Callable[[list[int], int], list[int]]] = None) -> tuple[list[int], DiffusionStats]:
+        """New tokens and stats. ``speculate``: None (plain unmasking), ``self``, ``draft``
+        or ``both`` (module docstring); ``depth``: guessed steps per forward; ``drafter``:
+        (committed tokens, n) -> n proposed tokens for the block (``draft`` / ``both``)."""
+        if speculate not in (None, "self", "draft", "both"):
+            raise ValueError(f"speculate must be None, 'self', 'draft' or 'both', got {speculate!r}")
+        if speculate in ("draft", "both") and drafter is None:
+            raise ValueError(f"speculate={speculate!r} needs a drafter")
+        eng, B = self.eng, self.B
+        st = DiffusionStats()
+        t0 = time.perf_counter()
+        tokens = list(prompt_ids)
+        eng.reset(self.slot)
+        if len(tokens) > 1:
+            eng.prefill(self.slot, tokens[:-1])
+        append = [tokens[-1]]
+        out: list[int] = []
+        stops = set(stop_ids)
+        try:
+            while len(out) < max_new_tokens:
+                if eng.length(self.slot) + len(append) + B * (depth + 1) >= eng.max_seq_len:
+                    break
+                block = self._block(tokens, append, st, speculate, depth, drafter)
+                st.blocks += 1
+                append = list(block)  # committed in the next block's first forward (its last: the pending token)
+                tokens += block
+                cut = next((i for i, t in enumerate(block) if t in stops), None)
+                out += block if cut is None else block[:cut]
+                if cut is not None:
+                    break
+        finally:
+            eng.reset(self.slot)
+        out = out[:max_new_tokens]
+        st.new_tokens = len(out)
+        st.seconds = time.perf_counter() - t0
+        return out, st
+
+    def refine(self, prompt_ids: Sequence[int], max_new_tokens: int,
+               stop_ids: Sequence[int] = ()) -> tuple[list[int], DiffusionStats]:
+        """Draft-and-refine (module docstring): the target's greedy output; ``blocks`` in
+        the stats counts B-token blocks of output, ``steps`` the committed prefixes."""
+        eng, B = self.eng, self.B
+        st = DiffusionStats()
+        t0 = time.perf_counter()
+        eng.reset(self.slot)
+        tokens = list(prompt_ids)
+        if len(tokens) > 1:
+            eng.prefill(self.slot, tokens[:-1])
+        out: list[int] = []
+        draft: list[int] = []
+        stops = set(stop_ids)
+        try:
+            while len(out) < max_new_tokens and eng.length(self.slot) + B + 1 < eng.max_seq_len:
+                n_mask = B - 1 - len(draft)
+                toks = [tokens[-1]] + draft + [eng.mask_id] * n_mask
+                res = eng.score(self.slot, toks, list(range(-1, len(toks) - 1)), rows=list(range(B)))
+                st.forwards += 1
+                st.rows += len(toks)
+                pred = [int(x) for x in res.logits.argmax(-1)]  # pred[j]: the row before offset j
+                c = 0
+                while c < len(draft) and draft[c] == pred[c]:
+                    c += 1
+                eng.commit(self.slot, range(1 + c))  # the pending token and the draft's verified prefix
+                new = draft[:c] + [pred[c]]
+                st.steps += 1
+                st.steps_per_forward.append(len(new))
+                tokens += new
+                cut = next((i for i, t in enumerate(new) if t in stops), None)
+                out += new if cut is None else new[:cut]
+                if cut is not None:
+                    break
+                draft = pred[c + 1:]  # the refined tail: the next forward's draft
+        finally:
+            eng.reset(self.slot)
+        out = out[:max_new_tokens]
+        st.new_tokens = len(out)
+        st.blocks = -(-len(out) // B)
+        st.seconds = time.perf_counter() - t0
+        return out, st
+
+    def _block(self, tokens, append, st, speculate, depth, drafter) -> list[int]:
+        B, k = self.B, self.k
+        fills: list[Optional[int]] = [None] * B
+        probs = self._forward(append, [fills], st)[0]
+        append = []
+        guess_tokens = drafter(list(tokens), B) if speculate in ("draft", "both") else None
+        while True:
+            step = decide(probs, k)  # exact: from the outputs of the exact state
+            for o, t in step:
+                fills[o] = t
+            st.steps += 1
+            if all(f is not None for f in fills):
+                st.steps_per_forward.append(1)
+                return [int(f) for f in fills]
+            if speculate is None:
+                probs = self._forward(append, [list(fills)], st)[0]
+                st.steps_per_forward.append(1)
+                continue
+            # guessed states after this one, from the same (last exact) outputs
+            branches = self._guesses(probs, fills, step, speculate, depth, guess_tokens)
+            states = [list(fills)] + [s for br in branches for s in br]
+            outs = self._forward(append, states, st)
+            probs, n_ok = outs[0], 1
+            for br_i, br in enumerate(branches):  # follow the first branch whose guesses hold
+                o = 1 + sum(len(b) for b in branches[:br_i])
+                cur, p, ok = list(fills), outs[0], 0
+                for j, s in enumerate(br):
+                    nxt = decide(p, k)
+                    want = tuple((q, t) for q, t in enumerate(s) if t is not None and cur[q] is None)
+                    if nxt != want:
+                        break
+                    cur, p, ok = s, outs[o + j], ok + 1
+                    if all(f is not None for f in cur):
+                        break
+                if ok:
+                    fills[:] = cur
+                    probs = p
+                    n_ok += ok
+                    st.steps += ok
+                    st.guessed_steps += ok
+                    break
+            st.steps_per_forward.append(n_ok)
+            if all(f is not None for f in fills):
+                return [int(f) for f in fills]
+
+    def _guesses(self, probs, fills, step, speculate, depth, guess_tokens) -> list[list[list[Optional[int]]]]:
+        """Branches of guessed states after ``fills`` (``step`` just applied): each a list
+        of up to ``depth`` successive states."""
+        done = {o for o, _ in step}
+        order = [(o, t) for o, t in ranked(probs) if o not in done]  # the last exact outputs' ranking
+        out = []
+        for kind in (("self", "draft") if speculate == "both" else (speculate,)):
+            cur, br = list(fills), []
+            seq = order if kind == "self" else [(o, int(guess_tokens[o])) for o, _ in order if o < len(guess_tokens)]
+            for j in range(depth):
+                chunk = seq[j * self.k:(j + 1) * self.k]
+                if not chunk:
+                    break
+                cur = list(cur)
+                for o, t in chunk:
+                    cur[o] = t
+                br.append(cur)
+            if br and br not in out:
+                out.append(br)
+        return out
