@@ -32,6 +32,9 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
                    help="auto | cpu | cuda | cuda:N (auto: CUDA when torch.cuda.is_available(), else cpu)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on CUDA, run the eager engine instead of replaying CUDA graphs")
+    p.add_argument("--invariant-graphs", dest="cuda_graphs", action="store_const", const="invariant",
+                   help="on CUDA, the batch-invariant graphs: one bucket shape for every forward (prompts in "
+                        "chunks), so bf16 greedy speculation equals plain decoding")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

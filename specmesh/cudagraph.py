@@ -30,6 +30,20 @@ unchanged) that gives the forward both:
   ``capture=False`` (the default off CUDA) the same static forward runs eagerly: that is
   how the CPU tests check padding, bucketing and masking against the eager engine.
 
+- Batch invariance (``invariant=True``): every forward runs as the same one bucket (all
+  slots x ``invariant_tokens``), and a longer chain (a prompt) as consecutive chunks of
+  that size, each seeing the earlier chunks' KV. A row then meets the same kernels with
+  the same shapes whether it is scored alone, as row j of a chain or of a prompt chunk,
+  as a tree node or beside other sessions, and it sees the same keys (the mask is built
+  from its position and ancestry), so its logits, hidden states and KV do not depend on
+  what else is scored: greedy speculation equals plain decoding in bf16 too. The
+  assumption is that a GPU kernel's result for a row depends only on the shapes and that
+  row's inputs (true of GEMMs without split-K over rows and of per-query attention); it
+  is checked where it runs (``tests/deploy/test_cuda.py``), not guaranteed. The cost: every
+  forward computes the whole bucket (on a GPU, where a step is bound by launches and
+  memory, a 64-token forward costs about what a 1-token one does), and prefill takes one
+  forward per chunk.
+
 What it does not know or do: it has not been measured on a GPU yet (``specmesh
 device-check`` does that); attention reads all ``max_seq_len`` keys of a slot
 (fine at 2048, a paged or split-K decode kernel would scale better); logits are
@@ -88,9 +102,12 @@ class GraphedEngine(LlamaEngine):
     def __init__(self, config: dict, state_dict: dict, dtype: str = "fp32", n_slots: int = 4,
                  max_seq_len: int = 2048, device="cpu", capture: Optional[bool] = None,
                  batch_buckets: Sequence[int] = BATCH_BUCKETS, token_buckets: Sequence[int] = TOKEN_BUCKETS,
-                 warmup_iters: int = 2):
+                 warmup_iters: int = 2, invariant: bool = False, invariant_tokens: int = 64):
         """``capture``: record CUDA graphs (default: when the device is CUDA). Batch
-        buckets beyond the first one that holds every slot are never needed and dropped."""
+        buckets beyond the first one that holds every slot are never needed and dropped.
+        ``invariant``: the batch-invariant mode (module docstring): one bucket, every slot
+        x ``invariant_tokens`` tokens, for every forward, longer chains (prefill) in
+        chunks of that size."""
         super().__init__(config, state_dict, dtype=dtype, n_slots=n_slots + 1, max_seq_len=max_seq_len,
                          device=device)
         self.n_slots = n_slots  # the last KV slot is the padding's scratch
@@ -103,6 +120,11 @@ class GraphedEngine(LlamaEngine):
         top = _bucket(n_slots, bb) or bb[-1]
         self.batch_buckets = tuple(b for b in bb if b <= top)
         self.token_buckets = tuple(sorted(set(int(t) for t in token_buckets if 0 < int(t) <= max_seq_len)))
+        self.invariant = bool(invariant)
+        if self.invariant:  # one shape for every forward: a row meets the same kernels whatever else is scored
+            if not 0 < invariant_tokens <= max_seq_len:
+                raise ValueError(f"invariant_tokens must be in [1, max_seq_len], got {invariant_tokens}")
+            self.batch_buckets, self.token_buckets = (max(self.batch_buckets),), (int(invariant_tokens),)
         self.warmup_iters = warmup_iters
         self.cos, self.sin = self.cos.to(self.device), self.sin.to(self.device)  # [T, hd] tables on the device
         self._keys = torch.arange(max_seq_len, device=self.device)  # [S] key positions
@@ -282,6 +304,51 @@ class GraphedEngine(LlamaEngine):
                     self._step(B, T, self.n_layers, hl)
         return len(self._steps)
 
+    def _invariant_split(self, items, rows, hidden_layers, n_layers, extra, gated) -> list[ScoreOutput]:
+        """Invariant mode, a call with items longer than the bucket: the short items in one
+        bucket forward, each long chain in chunks of the bucket's size (each chunk sees the
+        earlier ones' scratch KV through ``extra``: every token sees the keys it would in
+        one forward and writes its KV where it would). A long item that is not a chain
+        goes to the eager engine (not invariant; counted in ``calls['eager']``)."""
+        T = self.token_buckets[0]
+        n = len(items)
+        rows, extra, gated = rows or [None] * n, extra or [0] * n, gated or [None] * n
+        out: list = [None] * n
+        short = [i for i, (_, t, _) in enumerate(items) if len(t) <= T]
+        if short:
+            res = self.score_batch([items[i] for i in short], rows=[rows[i] for i in short],
+                                   hidden_layers=hidden_layers, n_layers=n_layers, extra=[extra[i] for i in short],
+                                   gated=[gated[i] for i in short])
+            for i, r in zip(short, res):
+                out[i] = r
+        for i in (i for i in range(n) if out[i] is None):
+            slot, toks, par = items[i]
+            toks, par = list(toks), list(par)
+            if par != list(range(-1, len(toks) - 1)):
+                self.calls["eager"] += 1
+                out[i] = LlamaEngine.score_batch(self, [items[i]], rows=[rows[i]], hidden_layers=hidden_layers,
+                                                 n_layers=n_layers, extra=[extra[i]], gated=[gated[i]])[0]
+                continue
+            want = list(range(len(toks))) if rows[i] is None else [int(j) for j in rows[i]]
+            g = set(j for j, t in enumerate(toks) if t == self.mask_id) if gated[i] is None else set(gated[i])
+            logits, hid, got = [], {}, []
+            for a in range(0, len(toks), T):
+                b = min(a + T, len(toks))
+                sel = [j for j in want if a <= j < b]
+                r = self.score_batch([(slot, toks[a:b], list(range(-1, b - a - 1)))],
+                                     rows=[[j - a for j in sel] or [b - a - 1]], hidden_layers=hidden_layers,
+                                     n_layers=n_layers, extra=[extra[i] + a], gated=[[j - a for j in g if a <= j < b]])[0]
+                if sel:
+                    logits.append(r.logits)
+                    got += sel
+                for li, h in r.hidden.items():
+                    hid.setdefault(li, []).append(h)
+            lg = torch.cat(logits) if logits else torch.empty(0, self.vocab_size, device=self.device)
+            if got != want:  # the rows in the order asked for
+                lg = lg[torch.tensor([got.index(j) for j in want], dtype=torch.long, device=self.device)]
+            out[i] = ScoreOutput(lg, {li: torch.cat(hs) for li, hs in hid.items()})
+        return out
+
     @torch.inference_mode()
     def score_batch(self, items: Sequence[tuple[int, Sequence[int], Sequence[int]]],
                     rows: Optional[Sequence[Optional[Sequence[int]]]] = None, hidden_layers: Sequence[int] = (),
@@ -290,6 +357,8 @@ class GraphedEngine(LlamaEngine):
         """``LlamaEngine.score_batch`` through a bucket's static forward (replayed graph
         on CUDA); calls that fit no bucket run eagerly."""
         nl = self.n_layers if n_layers is None else n_layers
+        if self.invariant and any(len(t) > self.token_buckets[0] for _, t, _ in items):
+            return self._invariant_split(items, rows, hidden_layers, n_layers, extra, gated)
         plan = self._plan(items, rows, nl, extra, gated)
         if plan is None:
             self.calls["eager"] += 1

@@ -108,14 +108,18 @@ def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: i
                 cuda_graphs=True, quiet: bool = False) -> LlamaEngine:
     """A serving engine on ``device`` (resolved here): ``GraphedEngine`` on CUDA unless
     ``cuda_graphs`` is False (``"always"``: on any device; the CPU runs its static
-    forward without capture, for tests), else the eager ``LlamaEngine``."""
+    forward without capture, for tests; ``"invariant"``: on CUDA, its batch-invariant
+    mode, one bucket shape for every forward, so bf16 greedy speculation equals plain
+    decoding; on a CPU the eager engine, batch-invariant there by default in bf16),
+    else the eager ``LlamaEngine``."""
     dev = resolve_device(device)
-    cls = LlamaEngine
+    cls, kw = LlamaEngine, {}
     if cuda_graphs == "always" or (dev.type == "cuda" and cuda_graphs):
         from .cudagraph import GraphedEngine
 
-        cls = GraphedEngine
-    return cls.from_pretrained(path, dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len, quiet=quiet, device=dev)
+        cls, kw = GraphedEngine, ({"invariant": True} if cuda_graphs == "invariant" else {})
+    return cls.from_pretrained(path, dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len, quiet=quiet, device=dev,
+                               **kw)
 
 
 class Runtime:
@@ -131,7 +135,8 @@ class Runtime:
         the mask-gated adapter's self drafters (``uno``, ``uno_tree``, ``uno_separate``) when
         one exists for the model (``uno_path``)."""
         self.device = resolve_device(device)
-        self.cuda_graphs = cuda_graphs if cuda_graphs == "always" else self.device.type == "cuda" and bool(cuda_graphs)
+        self.cuda_graphs = (cuda_graphs if cuda_graphs == "always" else
+                            self.device.type == "cuda" and (cuda_graphs if cuda_graphs == "invariant" else bool(cuda_graphs)))
         self.model_dir = resolve_model(model, quiet=quiet)
         self.model_name = model
         self.tokenizer = load_tokenizer(self.model_dir)

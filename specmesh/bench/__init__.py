@@ -40,6 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (ours and the HF peers)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="on CUDA, run our eager engine instead of replaying CUDA graphs")
+    p.add_argument("--invariant-graphs", dest="cuda_graphs", action="store_const", const="invariant",
+                   help="on CUDA, the batch-invariant graphs (one bucket shape, prompts in chunks: bf16 identity)")
     p.add_argument("--hf-dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the HF peers")
     p.add_argument("--workloads", default="", help="comma list of workloads (default: all in --workloads-dir)")
     p.add_argument("--workloads-dir", default=None, help="directory of *.jsonl workloads (default: bench/workloads)")

@@ -7,7 +7,8 @@ On a machine where ``torch.cuda.is_available()``:
    ``GraphedEngine`` (CUDA graphs) and on the eager ``LlamaEngine``;
 3. a short benchmark, same prompts for every system, order rotating per prompt, bf16,
    greedy, ``--max-new-tokens`` (128): our plain decoding and ``self:block_tree`` on
-   both engines, Hugging Face ``generate`` eager and with ``cache_implementation=
+   both engines, ``self:uno`` / ``self:uno_tree`` (the mask-gated adapter's fused rounds)
+   on the graphed one, Hugging Face ``generate`` eager and with ``cache_implementation=
    "static"`` + ``torch.compile`` (``hf_static_compile``), on a few ``open_writing`` and
    ``chat_multiturn`` bench prompts;
 4. with the time left, the services side by side (``specmesh bench-strategies
@@ -137,8 +138,10 @@ def build_systems(rts: dict, hf_models, budget: int, log) -> tuple[list, dict]:
     from .systems import make_ours
 
     systems, skipped = [], {}
-    for tag, rt in rts.items():
-        for name in ("ours_ar", "ours_block_tree"):
+    for i, (tag, rt) in enumerate(rts.items()):
+        # the mask-gated adapter's fused rounds on the first (graphed) engine only: where extra
+        # scored rows are nearly free, a round that verifies and drafts in one forward pays most
+        for name in ("ours_ar", "ours_block_tree") + (("ours_uno", "ours_uno_tree") if i == 0 else ()):
             try:
                 s = make_ours(name, rt, budget, rt.dtype, adaptive=True)
             except Exception as e:  # noqa: BLE001 - e.g. no block drafter checkpoint for this model
@@ -302,8 +305,17 @@ def _bench_phase(args, device, deadline: float, result: dict, log) -> int:
         result["notes"].append(f"GraphedEngine: {n} buckets prepared before timing")
     prompt = next(iter(encoded.values()))[0][1]
     result["forwards"] = []
-    for rt in (g, rts["eager"]):  # fewer repetitions on the CPU (--allow-cpu checks the script)
-        result["forwards"] += time_forwards(rt.engine, prompt, device, reps=20 if device.type == "cuda" else 5)
+    reps = 20 if device.type == "cuda" else 5  # fewer repetitions on the CPU (--allow-cpu checks the script)
+    for rt in (g, rts["eager"]):
+        result["forwards"] += time_forwards(rt.engine, prompt, device, reps=reps)
+    if device.type == "cuda":  # the batch-invariant graphs: every forward one bucket (4 slots x 64 tokens)
+        from ..cudagraph import GraphedEngine
+
+        inv = GraphedEngine.from_pretrained(str(g.model_dir), dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True,
+                                            device=device, invariant=True)
+        for r in time_forwards(inv, prompt, device, reps=reps):
+            result["forwards"].append(dict(r, engine="GraphedEngine (invariant)"))
+        del inv
     log("device-check: forwards " + json.dumps(result["forwards"]))
     if time.monotonic() > deadline - 30:
         result["notes"].append("benchmark skipped: out of time")

@@ -11,6 +11,12 @@ draft–verify loop (``specmesh.loop``) over an in-process ``Runtime``:
   ours_layerskip      self-speculation inside the verifier (first E layers)
   ours_block          the trained block drafter inside the verifier (chain)
   ours_block_tree     the same drafter, best-first calibrated tree
+  ours_uno            the target drafting for itself (mask-gated adapter, one forward a round)
+  ours_uno_tree       the same, its block as a calibrated tree
+  ours_uno_separate   the same adapter in a draft pass of its own (two forwards a round)
+
+The ``uno`` systems are in no default group (``uno`` names them; ``specmesh uno-study``
+measures them in detail).
 
 A ``_fp32`` / ``_bf16`` / ``_int8`` / ``_int4`` suffix runs the same system on an engine of
 that dtype (default: the run's ``--dtype``); its reference AR is ``ours_ar`` with
@@ -31,6 +37,7 @@ from ..loop import AdaptiveBudget, generate_tokens
 from ..types import GenerationStats, InvalidArgument
 
 OURS_STRATEGIES = ("ar", "prompt_lookup", "suffix", "draft_lm", "layerskip", "block", "block_tree")
+OURS_EXTRA = ("uno", "uno_tree", "uno_separate")  # valid names, in no default group
 SELF_STRATEGIES = registry.SELF  # drafted inside the verifier
 HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
 HF_EXTRA_SYSTEMS = ("hf_static_compile",)  # known, but in no group: it compiles (minutes on a CPU)
@@ -42,6 +49,7 @@ GROUPS = {
     "ours": tuple(f"ours_{s}" for s in OURS_STRATEGIES),
     "hf": HF_SYSTEMS,
     "llamacpp": LLAMACPP_SYSTEMS,
+    "uno": tuple(f"ours_{s}" for s in ("ar",) + OURS_EXTRA),
 }
 
 
@@ -79,8 +87,9 @@ def parse_ours(name: str, default_dtype: str) -> tuple[str, str, str]:
         if rest.endswith("_" + dt):
             rest, suffix = rest[: -len(dt) - 1], "_" + dt
             break
-    if rest not in OURS_STRATEGIES:
-        raise InvalidArgument("systems", f"unknown system {name!r}; ours_* strategies: {list(OURS_STRATEGIES)}")
+    if rest not in OURS_STRATEGIES + OURS_EXTRA:
+        raise InvalidArgument("systems", f"unknown system {name!r}; ours_* strategies: "
+                                         f"{list(OURS_STRATEGIES + OURS_EXTRA)}")
     return rest, (suffix[1:] if suffix else default_dtype), suffix
 
 
@@ -116,7 +125,8 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
     if strategy in SELF_STRATEGIES:
         if strategy not in runtime.verifier.self_drafters:
             raise InvalidArgument("systems", f"{name}: no {strategy!r} drafter in this verifier (the block "
-                                             "drafter needs a checkpoint for this model; see `specmesh train-drafter`)")
+                                             "drafter and the uno adapter need a checkpoint for this model; see "
+                                             "`specmesh train-drafter`, `specmesh train-uno`)")
         self_draft = strategy
     elif strategy != "ar":
         drafter = runtime.drafter(strategy)  # one instance for the whole run (suffix keeps its global tree)

@@ -40,7 +40,8 @@ _FLAGS = [
     ("--model", "model", str, "model alias or local HF directory (verifier, router tokenizer)"),
     ("--dtype", "dtype", str, "fp32 | bf16 | int8 | int4 (verifier; default bf16)"),
     ("--device", "device", str, "verifier and draft LM: auto | cpu | cuda | cuda:N (default auto)"),
-    ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false"),
+    ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false | "
+     "invariant (one bucket shape for every forward: bf16 greedy identity)"),
     ("--n-slots", "n_slots", int, "KV slots of the verifier"),
     ("--max-seq-len", "max_seq_len", int, "longest sequence per slot"),
     ("--drafter-address", "drafter_address", str, "router: drafter host:port ('none' = no drafter)"),

@@ -19,7 +19,7 @@ import contextvars
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, YamlConfigSettingsSource
@@ -55,7 +55,9 @@ class ServeSettings(BaseSettings):
     draft_model: Optional[str] = Field(None, description="draft LM directory for draft_lm (default: derived)")
     device: str = Field("auto", description="verifier and draft LM: auto | cpu | cuda | cuda:N (auto: CUDA when "
                         "torch.cuda.is_available()); whether it exists is checked when a service starts")
-    cuda_graphs: bool = Field(True, description="on CUDA, replay CUDA graphs for small forwards (GraphedEngine)")
+    cuda_graphs: Union[bool, Literal["invariant"]] = Field(
+        True, description="on CUDA, replay CUDA graphs for small forwards (GraphedEngine); 'invariant': one bucket "
+        "shape for every forward (prompts in chunks), so bf16 greedy speculation equals plain decoding")
 
     # ---- limits
     max_prompt_tokens: int = Field(1536, ge=1)

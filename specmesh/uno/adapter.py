@@ -174,10 +174,27 @@ class GatedAdapter:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         self.cfg.save(out / "config.json")
-        # the low-rank matrices in bf16 (what the bf16 engine runs; half the file), the rest fp32
-        save_file({k: v.detach().to(torch.bfloat16 if k.startswith("layers.") else torch.float32).contiguous().cpu()
+        # the matrices in bf16 (what the bf16 engine runs; half the file), the vectors fp32
+        save_file({k: v.detach().to(torch.bfloat16 if v.dim() == 2 else torch.float32).contiguous().cpu()
                    for k, v in self.state_dict().items()}, str(out / "adapter.safetensors"),
                   metadata={"format": "specmesh-uno"})
+
+    def truncated(self, rank: int) -> "GatedAdapter":
+        """The same adapter at a lower rank: each low-rank product A @ B replaced by its best
+        rank-``rank`` approximation (truncated SVD; the scale alpha / r is kept, so the
+        product is what is approximated). The MASK vector and the readout are unchanged."""
+        if rank >= self.cfg.rank:
+            return self
+        cfg = AdapterConfig(**{**self.cfg.__dict__, "rank": rank, "alpha": self.scale * rank})
+        t = {k: v.float() for k, v in self.state_dict().items() if not k.startswith("layers.")}
+        for li in range(self.cfg.n_layers):
+            for p in self.cfg.projs:
+                w = self.A[li][p].float() @ self.B[li][p].float()  # [in, out]
+                u, s, vh = torch.linalg.svd(w, full_matrices=False)
+                r = s[:rank].sqrt()
+                t[f"layers.{li}.{p}.A"] = u[:, :rank] * r
+                t[f"layers.{li}.{p}.B"] = r[:, None] * vh[:rank]
+        return GatedAdapter(cfg, t, device=self.device, dtype=self.dtype)
         return out
 
     @classmethod

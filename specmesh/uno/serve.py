@@ -54,10 +54,14 @@ class UnoDrafter(DrafterBase):
 
     def __init__(self, verifier, adapter: GatedAdapter, tree: bool = False, layout: str = "fused",
                  block: Optional[int] = None, tree_width: int = 4, top_k: int = 8,
-                 calibration: Optional[Calibration] = None, max_sessions: int = 256):
+                 calibration: Optional[Calibration] = None, max_sessions: int = 256,
+                 max_blocks: Optional[int] = None):
         """``block``: masks per block (default: ``SERVE_BLOCK``, at most what the adapter was
         trained for; the blocks are block-causal, so fewer is the same function of the
-        first rows). ``tree_width``: candidates per slot the tree may branch into."""
+        first rows). ``tree_width``: candidates per slot the tree may branch into.
+        ``max_blocks``: mask blocks a fused round carries at most (None: after every stop
+        node; fewer trades the next round's draft pass, where acceptance stopped without
+        one, for scored rows: worth it where rows cost, as on a CPU)."""
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.verifier = verifier
@@ -74,6 +78,7 @@ class UnoDrafter(DrafterBase):
         self.top_k = top_k
         self.calibration = calibration or Calibration()
         self.max_sessions = max_sessions
+        self.max_blocks = max_blocks
         self._kept: "OrderedDict[str, tuple[int, torch.Tensor]]" = OrderedDict()  # sid -> (KV length, h [M, H])
         self.rounds = {"drafted": 0, "kept": 0, "missed": 0, "separate": 0}  # drafted: from a kept block
 
@@ -94,16 +99,19 @@ class UnoDrafter(DrafterBase):
         """Another shape or layout over the same adapter and verifier."""
         return UnoDrafter(self.verifier, self.adapter, tree=tree, layout=layout or self.layout, block=self.block,
                           tree_width=self.tree_width, top_k=self.top_k, calibration=self.calibration,
-                          max_sessions=self.max_sessions)
+                          max_sessions=self.max_sessions, max_blocks=self.max_blocks)
 
     # ------------------------------------------------------------ the fused layout (the verifier calls these)
     def mask_blocks(self, tree: TokenTree, room: int) -> list[int]:
         """The nodes to hang a block of ``self.block`` masks after (-1: the pending token),
         given the draft of this round and ``room`` scratch positions left in the slot:
-        every place acceptance may stop, while they fit."""
-        stops = [-1] + list(range(len(tree)))
+        every place acceptance may stop, shallowest first (the likeliest stops: a node is
+        only reached through its parent), at most ``max_blocks`` and while they fit. A
+        round that stops where no block hangs drafts the next one with a draft pass."""
+        depth = tree.depths() if len(tree) else []
+        stops = [-1] + sorted(range(len(tree)), key=lambda i: (depth[i], i))
         fit = max(0, room - len(tree)) // self.block
-        return stops[:fit]
+        return stops[:min(fit, self.max_blocks if self.max_blocks is not None else fit)]
 
     def absorb(self, session_id: str, hidden: Optional[torch.Tensor], kv_len: int) -> None:
         """After acceptance: the last hidden states [M, H] of the block after the stop node

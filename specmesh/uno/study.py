@@ -42,6 +42,8 @@ def register(sub) -> None:
     p.add_argument("--systems", default=",".join(SERVING))
     p.add_argument("--budget", type=int, default=8, help="maximum draft nodes a round (adaptive below it)")
     p.add_argument("--block", type=int, default=None, help="masks per block served (default: the drafter's)")
+    p.add_argument("--max-blocks", type=int, default=None,
+                   help="mask blocks a fused round carries at most (default: after every stop node)")
     p.add_argument("--diffusion-block", type=int, default=5, help="positions per diffusion block")
     p.add_argument("--per-step", type=int, default=1, help="positions unmasked per diffusion step")
     p.add_argument("--depth", type=int, default=4, help="guessed steps per speculative forward")
@@ -154,7 +156,8 @@ def render(res: dict) -> str:
     a = res["args"]
     lines = [f"# uno-study ({a['dtype']}, {a['device']}, {a['workloads']}, {a['prompts']} prompts each, "
              f"{a['max_new_tokens']} tokens, greedy)", "",
-             f"adapter: `{res['adapter']}`; masks per served block: {res['block']}", "",
+             f"adapter: `{res['adapter']}`; masks per served block: {res['block']}; mask blocks per fused round: "
+             f"{a.get('max_blocks') or 'after every stop node'}", "",
              "| system | tok/s | vs plain | τ (tokens/round) | target forwards / token | ms / round (draft + verify) "
              "| identical to plain |", "|---|---|---|---|---|---|---|"]
     for s, r in res["serving"].items():
@@ -216,9 +219,10 @@ def main(args) -> int:
                  specialist=None)
     if rt.uno is None:
         raise SystemExit("no mask-gated adapter for this model: `specmesh train-uno` or --adapter DIR")
-    if args.block:
-        for name in ("uno", "uno_tree", "uno_separate"):
+    for name in ("uno", "uno_tree", "uno_separate"):
+        if args.block:
             rt.verifier.self_drafters[name].block = args.block
+        rt.verifier.self_drafters[name].max_blocks = args.max_blocks
     systems = [s for s in args.systems.split(",") if s and (s == "ar" or s in rt.verifier.self_drafters)]
     if "ar" not in systems:
         systems.insert(0, "ar")

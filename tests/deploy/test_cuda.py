@@ -7,7 +7,9 @@
 - greedy speculative decoding equals plain decoding on the real model on the GPU
   (fp32, TF32 off, CUDA graphs) for prompt lookup, layer-skip, the block tree and the
   mask-gated adapter's fused rounds (``uno``, ``uno_tree``: their mask rows in the graphs);
-- the gated rows in captured graphs equal the eager engine's.
+- the gated rows in captured graphs equal the eager engine's;
+- the batch-invariant graphs (``cuda_graphs="invariant"``): rows bitwise independent of the
+  call on this GPU, and bf16 greedy speculation equal to bf16 plain decoding.
 """
 
 from __future__ import annotations
@@ -152,3 +154,60 @@ def test_greedy_speculation_identical_on_gpu(gpu_runtime, drafter):
         out, stats = generate_tokens(d, rt.verifier, ids, max_new_tokens=64, stop_ids=rt.stop_ids, **kw)
         assert out == plain, (drafter, prompt[:40])
     assert rt.engine.calls["graphed"] > 0
+
+
+@pytest.fixture(scope="module")
+def gpu_runtime_bf16_invariant():
+    from specmesh.runtime import Runtime
+
+    return Runtime("smollm2-135m-instruct", dtype="bf16", n_slots=2, max_seq_len=1024, quiet=True, device="cuda",
+                   cuda_graphs="invariant")
+
+
+def test_invariant_graphs_rows_do_not_depend_on_the_call():
+    """The batch-invariant mode's premise on this GPU: with one bucket shape, a row's logits
+    are bitwise the same alone, in a chain, in a prompt chunk and beside another session."""
+    from specmesh.cudagraph import GraphedEngine
+
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    a = GraphedEngine(cfg, sd, dtype="bf16", n_slots=2, max_seq_len=128, device="cuda", invariant=True,
+                      invariant_tokens=16)
+    b = GraphedEngine(cfg, sd, dtype="bf16", n_slots=2, max_seq_len=128, device="cuda", invariant=True,
+                      invariant_tokens=16)
+    prompt = [(7 * i + 3) % 96 for i in range(37)]
+    a.prefill(0, prompt)
+    for t in prompt:
+        b.score(0, [t], [-1])
+        b.commit(0, [0])
+    assert torch.equal(a.k_cache[:, 0, :, :37], b.k_cache[:, 0, :, :37])
+    chain = [40, 41, 42, 43, 44]
+    whole = a.score(0, chain, list(range(-1, 4)))
+    b.prefill(1, [9, 9, 9])
+    for j, t in enumerate(chain):
+        r = b.score_batch([(0, [t], [-1]), (1, [5], [-1])])[0]
+        assert torch.equal(r.logits[0], whole.logits[j]), j
+        b.commit(0, [0])
+    assert a.calls["eager"] == 0 and a.calls["captures"] >= 1
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "block_tree", "uno"])
+def test_bf16_greedy_speculation_identical_with_invariant_graphs(gpu_runtime_bf16_invariant, drafter):
+    from specmesh.demo import PROMPTS
+    from specmesh.loop import AdaptiveBudget, generate_tokens
+
+    rt = gpu_runtime_bf16_invariant
+    assert rt.engine.invariant
+    if drafter != "prompt_lookup" and drafter not in rt.verifier.self_drafters:
+        pytest.skip(f"no {drafter} drafter in this runtime")
+    for _, prompt in PROMPTS:
+        ids = rt.encode(prompt)
+        plain, _ = generate_tokens(None, rt.verifier, ids, max_new_tokens=64, stop_ids=rt.stop_ids)
+        kw = {"budget": AdaptiveBudget(8)}
+        d = None
+        if drafter in rt.verifier.self_drafters:
+            kw["self_draft"] = drafter
+        else:
+            d = rt.drafter(drafter)
+        out, _ = generate_tokens(d, rt.verifier, ids, max_new_tokens=64, stop_ids=rt.stop_ids, **kw)
+        assert out == plain, (drafter, prompt[:40])

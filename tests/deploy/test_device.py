@@ -99,6 +99,10 @@ def test_cli_device_flags_parse():
     assert (cfg.device, cfg.cuda_graphs, cfg.hf_dtype) == ("cuda:1", True, "bf16")
     s = settings_from_args(ap.parse_args(["serve", "verifier", "--device", "cpu", "--cuda-graphs", "false"]))
     assert s.device == "cpu" and s.cuda_graphs is False
+    s = settings_from_args(ap.parse_args(["serve", "verifier", "--cuda-graphs", "invariant"]))
+    assert s.cuda_graphs == "invariant"
+    assert ap.parse_args(["demo", "--invariant-graphs"]).cuda_graphs == "invariant"
+    assert config_from_args(ap.parse_args(["bench", "--invariant-graphs"])).cuda_graphs == "invariant"
     assert ap.parse_args(["device-check", "--out", "x"]).out == "x"
 
 
@@ -329,3 +333,41 @@ def test_graphed_engine_serves_gated_rows_like_the_eager_engine():
     _same([a], [b])
     static.attach_adapter(None)
     assert not static._steps  # graphs dropped with the adapter: recaptured without its terms
+
+
+def test_graphed_engine_invariant_mode_rows_do_not_depend_on_the_call():
+    """``GraphedEngine(invariant=True)``: one bucket shape for every forward and prompts in
+    chunks of it, so a row's logits, hidden states and KV are bitwise the same scored
+    alone, in a chain, in a prompt chunk or beside another session (bf16, the static
+    forward run without capture on the CPU); greedy speculation then equals plain
+    decoding through the verifier."""
+    from specmesh.drafters.prompt_lookup import PromptLookupDrafter
+    from specmesh.loop import generate_tokens
+    from specmesh.verifier import EngineVerifier
+
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    mk = lambda: GraphedEngine(cfg, sd, dtype="bf16", n_slots=2, max_seq_len=96, capture=False,  # noqa: E731
+                               invariant=True, invariant_tokens=8)
+    a, b = mk(), mk()
+    assert a.batch_buckets == (2,) and a.token_buckets == (8,)
+    prompt = [(7 * i + 3) % 96 for i in range(21)]  # 21 tokens: chunks of 8, 8, 5
+    a.prefill(0, prompt)
+    for t in prompt:  # one token a forward
+        b.score(0, [t], [-1])
+        b.commit(0, [0])
+    assert torch.equal(a.k_cache[:, 0, :, :21], b.k_cache[:, 0, :, :21])
+    assert torch.equal(a.v_cache[:, 0, :, :21], b.v_cache[:, 0, :, :21])
+    chain = [40, 41, 42, 43, 44]
+    whole = a.score(0, chain, list(range(-1, 4)), hidden_layers=[1])
+    b.prefill(1, [9, 9, 9])
+    for j, t in enumerate(chain):  # alone, beside another session
+        r = b.score_batch([(0, [t], [-1]), (1, [5], [-1])], hidden_layers=[1])[0]
+        assert torch.equal(r.logits[0], whole.logits[j]) and torch.equal(r.hidden[1][0], whole.hidden[1][j])
+        b.commit(0, [0])
+    assert a.calls["eager"] == 0 and b.calls["eager"] == 0
+    ver = EngineVerifier(mk())
+    rep = [3, 9, 11, 20, 4, 8] * 3
+    plain, _ = generate_tokens(None, ver, rep, max_new_tokens=24)
+    spec, st = generate_tokens(PromptLookupDrafter(), ver, rep, max_new_tokens=24, budget=6)
+    assert spec == plain and st.drafted_tokens > 0
