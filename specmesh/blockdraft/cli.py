@@ -63,6 +63,9 @@ def register(sub) -> None:
     p.add_argument("--max-minutes", type=float, default=None, help="stop training at this wall-clock budget")
     p.add_argument("--init", default=None, help="start from this checkpoint")
     p.add_argument("--expand-block", type=int, default=None, help="DBloom: continue --init at a larger block")
+    p.add_argument("--emphasize-new", type=float, default=1.0,
+                   help="with --expand-block: add this weight x the loss of the new slots alone (DBloom's emphasis; "
+                        "0 = none)")
     p.add_argument("--compare-losses", default=None, help="e.g. ce,auf,dpace: train each briefly, print held-out tau")
     p.add_argument("--eval-only", action="store_true",
                    help="no training: evaluate --init on the held-out data, calibrate its trees, write --out")
@@ -357,7 +360,7 @@ def _train_and_save(args, model, train_ex, held_ex, curriculum, t0: float) -> in
             curve = train(model, train_ex, args.steps, loss=args.loss, lr=args.lr, batch=args.batch,
                           anchors_per_seq=args.anchors, gamma=args.gamma, seed=args.seed,
                           curriculum_from=curriculum, log=lambda s: logf.write(s + "\n"), amp=args.amp,
-                          max_minutes=args.max_minutes)
+                          max_minutes=args.max_minutes, emphasis=args.emphasize_new if curriculum is not None else 0.0)
     ev = evaluate(model, held_ex, amp=args.amp)
     _report(ev, "held-out")
     ev["by_kind"] = evaluate_by_kind(model, held_ex, amp=args.amp)

@@ -105,9 +105,11 @@ def _anchors(ex: Example, n: int, rng: random.Random) -> list[int]:
 def train(model: BlockDrafter, examples: list[Example], steps: int, loss: str = "ce", lr: float = 1e-3,
           batch: int = 4, anchors_per_seq: int = 16, gamma: float = 4.0, seed: int = 0,
           curriculum_from: Optional[int] = None, log=None, quiet: bool = False, amp: bool = False,
-          max_minutes: Optional[float] = None) -> list[float]:
+          max_minutes: Optional[float] = None, emphasis: float = 0.0) -> list[float]:
     """Optimise ``loss`` for ``steps`` steps; returns the loss curve. ``curriculum_from``:
-    slots >= this index (0-based drafted slot) are phased in linearly over the first half.
+    slots >= this index (0-based drafted slot) are phased in linearly over the first half;
+    ``emphasis`` (DBloom: the new slots of an expanded block emphasised) adds that weight
+    times the loss of those slots alone.
     ``amp``: bf16 autocast (fp32 master weights; AMX/AVX-512 CPUs run its matmuls ~4x
     faster). ``max_minutes``: stop early at this wall-clock budget (the schedule still
     assumes ``steps``)."""
@@ -138,7 +140,11 @@ def train(model: BlockDrafter, examples: list[Example], steps: int, loss: str = 
                 frac = min(1.0, step / max(1, steps // 2))
                 drop = torch.rand(tgt.shape[0], generator=None) >= frac
                 tgt[:, curriculum_from:][drop] = IGNORE
-            val = fn(logits, tgt, **loss_kwargs(loss, gamma=gamma)) / batch
+            val = fn(logits, tgt, **loss_kwargs(loss, gamma=gamma))
+            if emphasis and curriculum_from is not None and bool((tgt[:, curriculum_from:] != IGNORE).any()):
+                val = val + emphasis * fn(logits[:, curriculum_from:], tgt[:, curriculum_from:],
+                                          **loss_kwargs(loss, gamma=gamma))
+            val = val / batch
             val.backward()
             total += float(val.detach())
         torch.nn.utils.clip_grad_norm_(params, 1.0)

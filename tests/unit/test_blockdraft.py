@@ -169,6 +169,19 @@ def test_training_learns_a_copy_task_and_expands(fuse_last, amp):
     big = expand_block(d, 5, model.state_dict())
     assert big.cfg.block == 5 and big(torch.tensor([11]), torch.randn(4, 128),
                                       BlockDrafter.block_mask([4], 5, 4)).shape == (1, 4, 96)
+    # DBloom: the new slots (2, 3) phased in and emphasised; their loss falls
+    from specmesh.blockdraft.losses import plain_ce
+    from specmesh.blockdraft.train import block_batch
+
+    def new_ce(m):
+        with torch.no_grad():
+            lg, tg = block_batch(m, seqs[0], [5, 9, 13])
+            return float(plain_ce(lg[:, 2:], tg[:, 2:]))
+
+    before_new = new_ce(big)
+    train(big, seqs, steps=40, loss="ce", lr=3e-3, batch=4, anchors_per_seq=8, quiet=True, amp=amp,
+          curriculum_from=2, emphasis=2.0)
+    assert new_ce(big) < before_new
 
 
 def test_training_features_are_cached_next_to_the_data(tmp_path):
