@@ -31,10 +31,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specmesh.bench import workloads as wl  # noqa: E402
+from specmesh.drafters import registry  # noqa: E402
 from specmesh.loop import AdaptiveBudget, VerifyCosts, generate_tokens  # noqa: E402
 from specmesh.runtime import Runtime  # noqa: E402
 
-SELF = ("block", "block_tree", "layerskip")
+SELF = registry.SELF  # in-verifier drafters (block, block_tree, layerskip, uno, ...)
 
 
 def encode(rt: Runtime, p) -> list[int]:

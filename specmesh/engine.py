@@ -82,13 +82,19 @@ INT4_GROUP = 32
 # to a multiple of KEY_BLOCK. Matmuls: bf16 (oneDNN, AMX) gives a row the same bits
 # for every M in [2, 32] (other ones for M = 1 in small shapes and for M > 32); int8
 # (``_weight_int8pack_mm``) for every M; fp32 (MKL) differs between M = 1, 2-3 and
-# 4+, so exactly 8. SDPA (flash, CPU): bf16 any 2-32 query rows (one query block; a
-# block of one row runs another path) over keys padded to 64; fp32 exactly 12 rows
-# over keys padded to 512 (its key block).
+# 4+, so exactly 8 (the matmul classes are probed again on the machine that builds the
+# engine: ``probe_tiles``). SDPA (flash, CPU): one fixed tile of 12 query rows (see
+# ATTN_ROWS) over keys padded to 64 (bf16, int8, int4) or 512 (fp32, its key block).
 # int4 (``_weight_int4pack_mm_for_cpu``, bf16 activations) gives a row the same bits for
 # every M too (measured for 1..300 rows on the engine's shapes).
+# Attention: one fixed tile of 12 query rows in every dtype. A range was measured to hold
+# on one CPU (bf16 2-32 rows) but not on another (an AVX2-only CPU whose bf16 SDPA gave
+# a query other bits in a tile of 3 rows than in one of 9, for some inputs and not for
+# others): a fixed shape meets one kernel everywhere, and costs nothing measurable
+# (attention is a small part of a step). The matmul classes are measured on the machine
+# itself when an engine is built (``probe_tiles``).
 ROW_TILES = {"fp32": (8, 8), "bf16": (2, 32), "int8": (1, 0), "int4": (1, 0)}
-ATTN_ROWS = {"fp32": (12, 12), "bf16": (2, 32), "int8": (2, 32), "int4": (2, 32)}
+ATTN_ROWS = {"fp32": (12, 12), "bf16": (12, 12), "int8": (12, 12), "int4": (12, 12)}
 KEY_BLOCK = {"fp32": 512, "bf16": 64, "int8": 64, "int4": 64}
 
 
@@ -108,6 +114,50 @@ def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tenso
     return q, scale, lo
 
 
+_PROBED: dict = {}
+
+
+def _class_of(fn, n_max: int) -> tuple[int, int]:
+    """(lo, hi): the widest row counts [lo, hi] (lo 1 or 2) over which ``fn`` (rows ->
+    rows) gives a row the same bits whatever the count, as far as ``n_max``: hi = 0 when
+    every count up to ``n_max`` agrees and lo is 1 (one class: any count)."""
+    ref = fn(2)
+
+    def same(m: int) -> bool:
+        y = fn(m)
+        return torch.equal(y[0], ref[0]) and (m < 2 or torch.equal(y[1], ref[1]))
+
+    hi = 2
+    while hi < n_max and same(hi + 1):
+        hi += 1
+    lo = 1 if same(1) else 2
+    return (lo, 0) if lo == 1 and hi == n_max else (lo, hi)
+
+
+def probe_tiles(engine, row_default: tuple[int, int]) -> tuple[int, int]:
+    """The matmul row tiles of the batch-invariant forward measured on this machine, for
+    this engine's shapes and dtype (every Linear of layer 0 and the head; cached per
+    process): the widest row counts (from 1 or 2 up, within ``row_default``) over which
+    each of those kernels gives a row the same bits, at worst one fixed size (a fixed
+    shape meets one kernel). ``ROW_TILES`` were measured on one CPU; another CPU's
+    kernels may split differently, so the engine checks before it trusts them."""
+    L = engine.layers[0]
+    lins = [L.qkv, L.o, L.gate_up, L.down, engine.head]
+    key = (engine.dtype_name, tuple((lin.w.shape, lin.mode) for lin in lins), torch.get_num_threads(),
+           torch.__version__, str(engine.device), row_default)
+    if key not in _PROBED:
+        gen = torch.Generator().manual_seed(1234)
+        n_max = row_default[1] or 64
+        cls = []
+        for lin in lins:
+            x = torch.randn(n_max + 1, lin.in_features, generator=gen).to(engine.act_dtype).to(engine.device)
+            cls.append(_class_of(lambda m, lin=lin, x=x: lin(x[:m]), n_max))
+        lo = max([row_default[0]] + [c[0] for c in cls])
+        his = [c[1] for c in cls if c[1]]
+        _PROBED[key] = (lo, max(lo, min(his))) if his else (lo, row_default[1])
+    return _PROBED[key]
+
+
 class Linear:
     """y = x @ W.T (+ b). int8 mode: per-output-channel symmetric weight-only quantisation
     run by ``aten._weight_int8pack_mm`` with bf16 activations. int4 mode: group-wise
@@ -122,7 +172,7 @@ class Linear:
         if mode == "int4" and (w.device.type != "cpu" or not int4_supported(*w.shape, group)):
             mode = "int8"
         self.mode = mode
-        self.out_features = w.shape[0]
+        self.out_features, self.in_features = w.shape
         self.group = group
         self.q4 = None
         if mode == "int8":
@@ -263,12 +313,16 @@ class LlamaEngine:
         for name, (lo, hi) in (("row_tiles", self.row_tiles), ("attn_rows", self.attn_rows)):
             if lo < 1 or hi < 0 or (hi and hi < lo) or (name == "attn_rows" and not hi):
                 raise InvalidArgument(name, f"(min, max) rows per call, 1 <= min <= max, got {(lo, hi)}")
-        g = self.n_heads // self.n_kv  # query heads per KV head: tokens per attention tile
-        lo = -(-self.attn_rows[0] // g)
-        self.attn_tiles = (lo, max(lo, self.attn_rows[1] // g))
         if self.key_block < 1:
             raise InvalidArgument("key_block", "must be positive")
         self._load(state_dict)
+        # the matmul kernel classes, measured on this machine for these shapes unless given
+        self.tiles_probed = self.batch_invariant and row_tiles is None
+        if self.tiles_probed:
+            self.row_tiles = probe_tiles(self, self.row_tiles)
+        g = self.n_heads // self.n_kv  # query heads per KV head: tokens per attention tile
+        lo = -(-self.attn_rows[0] // g)
+        self.attn_tiles = (lo, max(lo, self.attn_rows[1] // g))
         rope = config.get("rope_parameters") or {}
         theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
         inv = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))

@@ -5,6 +5,7 @@ per-token model drafters, draft_lm and layerskip, on the first 3)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from specmesh.loop import generate_tokens
 from specmesh.types import SamplingParams
@@ -82,6 +83,37 @@ def test_trained_block_drafter_through_self_is_identical(runtime, references, me
     assert drafted > 0
 
 
+@pytest.mark.parametrize("method", ["uno", "uno_tree", "uno_separate"])
+def test_mask_gated_adapter_through_self_is_identical(runtime, references, method):
+    """The committed mask-gated adapter (checkpoints/smollm2-uno): the target drafting for
+    itself, its next draft out of the last verify forward (fused) or a draft pass."""
+    assert method in runtime.verifier.self_drafters, "the bundled uno adapter was not attached"
+    d = runtime.verifier.self_drafters[method]
+    drafted, kept0 = 0, d.rounds["kept"]
+    for ids, ref in references[:2 if method != "uno_separate" else 1]:  # CI time: 5 generations in all
+        out, st = generate_tokens(None, runtime.verifier, ids, max_new_tokens=N, stop_ids=runtime.stop_ids,
+                                  budget=8, self_draft=method)
+        assert out == ref
+        drafted += st.drafted_tokens
+    assert drafted > 0
+    if d.fused:
+        assert d.rounds["kept"] > kept0  # the blocks of the verify forwards were used
+
+
+def test_diffusion_mode_speculation_and_refinement_on_the_real_model(runtime, references):
+    """Trajectory speculation returns plain unmasking's tokens; draft-and-refine returns
+    plain greedy decoding's (the references)."""
+    from specmesh.uno.diffusion import Unmasking
+
+    dec = Unmasking(runtime.engine, block=5, slot=runtime.engine.n_slots - 1)
+    for ids, ref in references[:2]:
+        plain, ps = dec.generate(ids, 24, stop_ids=runtime.stop_ids)
+        spec, ss = dec.generate(ids, 24, stop_ids=runtime.stop_ids, speculate="self", depth=3)
+        assert spec == plain and ss.forwards <= ps.forwards
+        out, _ = dec.refine(ids, 24, stop_ids=runtime.stop_ids)
+        assert out == ref[:24]
+
+
 def test_demo_command_runs_every_default_drafter_identically(capsys):
     """`make demo` = `specmesh demo`: every default drafter on the built-in prompts gives
     plain decoding's tokens (fp32), and the table is printed."""
@@ -116,3 +148,25 @@ def test_int4_speculation_equals_int4_plain_decoding():
                 out, st = generate_tokens(None, rt.verifier, ids, max_new_tokens=N, stop_ids=rt.stop_ids,
                                           budget=6, self_draft=method)
                 assert out == ref and st.drafted_tokens > 0, f"{method} diverged from int4 plain decoding"
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_rows_bitwise_invariant_on_this_machine(dtype):
+    """The batch-invariant engine on the real model's shapes, on the machine the tests run
+    on: a row of a chain has the same bits as the same token scored alone (at every layer
+    and in its logits). Kernel classes differ between CPUs (an AVX2-only CPU broke the
+    old attention tiles, unseen on the tiny models): this is the check that would say so."""
+    from specmesh.engine import LlamaEngine
+
+    e = LlamaEngine.from_pretrained("smollm2-135m-instruct", dtype=dtype, n_slots=2, max_seq_len=512, quiet=True)
+    prompt = list(range(300, 361))
+    e.prefill(0, prompt)
+    e.prefill(1, prompt)
+    chain = [1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008]
+    layers = list(range(e.n_layers))
+    whole = e.score(0, chain, list(range(-1, len(chain) - 1)), hidden_layers=layers)
+    for j, t in enumerate(chain):
+        r = e.score(1, [t], [-1], hidden_layers=layers)
+        e.commit(1, [0])
+        assert torch.equal(r.logits[0], whole.logits[j]), (dtype, j)
+        assert all(torch.equal(r.hidden[li][0], whole.hidden[li][j]) for li in layers), (dtype, j)

@@ -131,8 +131,7 @@ CASES = [  # (strategy, drafter, sampling)
     ("auto", "", SamplingParams(temperature=1.0)),
     ("external", "block", SamplingParams(temperature=1.0)),  # hidden features over the wire, sparse q back
     ("external", "block_tree", SamplingParams(temperature=0.7, top_k=3)),
-    ("self", "uno", SamplingParams(temperature=1.0)),  # the next draft from the last verify forward's masks
-    ("self", "uno_tree", SamplingParams(temperature=1.3, top_p=0.8)),
+    ("self", "uno_tree", SamplingParams(temperature=1.3, top_p=0.8)),  # drafts from the last forward's masks
 ]
 
 

@@ -132,8 +132,7 @@ def make_case(name: str) -> tuple:
 
 CASES = [("prompt_lookup", "t1"), ("suffix", "t07_k3"), ("adaptive_lookup", "t13_p08"), ("draft_lm", "t1"),
          ("draft_lm", "t07_k3"), ("layerskip", "t1"), ("layerskip", "t13_p08"), ("block", "t1"),
-         ("block_tree", "t07_k3"), ("proactive", "t1"), ("uno", "t1"), ("uno_separate", "t07_k3"),
-         ("uno_tree", "t13_p08")]
+         ("block_tree", "t07_k3"), ("proactive", "t1"), ("uno", "t1"), ("uno_separate", "t07_k3")]
 N_SAMPLES = 3000
 
 
