@@ -33,8 +33,11 @@ inside one kernel class (``row_tiles`` = (min, max) rows; padding rows where a c
 has fewer), and attention as SDPA over query tiles whose row count (a KV head's
 query heads folded into the rows, ``attn_rows``) stays inside one kernel class,
 against keys padded to a multiple of ``key_block`` aligned at key 0 (the padding
-masked), so a query always meets the same kernels and its keys at the same
-indices. A tree is attended one root-to-leaf path at a time, the path's keys
+masked): a query's keys are padded to the block of its own last key, so a chain that
+crosses a block boundary is attended in one call per block (SDPA's bits for a query
+depend on the padded key length: on an AVX2 CPU a query seeing 200 keys got other
+bits with 320 padded keys than with 256). A query always meets the same kernels and
+its keys at the same indices. A tree is attended one root-to-leaf path at a time, the path's keys
 written in chain order after the committed ones (the tree layout is restored for
 ``commit``). ``batch_invariant=False`` is the ragged forward (one matmul over all
 rows, one SDPA per sequence), kept for comparison (``set_batch_invariant``). The
@@ -84,7 +87,8 @@ INT4_GROUP = 32
 # (``_weight_int8pack_mm``) for every M; fp32 (MKL) differs between M = 1, 2-3 and
 # 4+, so exactly 8 (the matmul classes are probed again on the machine that builds the
 # engine: ``probe_tiles``). SDPA (flash, CPU): one fixed tile of 12 query rows (see
-# ATTN_ROWS) over keys padded to 64 (bf16, int8, int4) or 512 (fp32, its key block).
+# ATTN_ROWS) over keys padded to 64 (bf16, int8, int4) or 512 (fp32, its key block),
+# each query padded to the block of its own last key (one call per block).
 # int4 (``_weight_int4pack_mm_for_cpu``, bf16 activations) gives a row the same bits for
 # every M too (measured for 1..300 rows on the engine's shapes).
 # Attention: one fixed tile of 12 query rows in every dtype. A range was measured to hold
@@ -257,6 +261,7 @@ class _Attn:
     """One SDPA call of the batch-invariant forward: ``t`` tiles of ``R`` tokens (rows of
     one root-to-leaf path of a segment, or of a chain) against its slot's keys [0, Lp)."""
     write: Optional[tuple[int, object]]  # (depth e, flat rows: slice or index) to write at base + e first
+    q0: int  # the flat row of the call's first query
     q_rows: Optional[torch.Tensor]  # [t * R] flat query rows (the last repeated as padding); None: a slice
     out_rows: torch.Tensor  # [n] flat rows of the first n outputs
     n: int
@@ -689,11 +694,12 @@ class LlamaEngine:
         at [base, base + len) first (only from where the previous path differs;
         ``restore`` = (e0, e1): put the tree layout back there afterwards, for
         ``commit``). Each call's queries are t tiles of R tokens (``attn_tiles``, from
-        ``attn_rows``), its keys [0, Lp) with Lp the path's end rounded up to
-        ``key_block``; a token at depth e sees keys [0, base + e]. Padding query rows
-        repeat the last row's mask; they are the forward's padding rows (rows
-        n_real..n_rows, after the last segment) where those follow a chain, else
-        copies of its last row."""
+        ``attn_rows``), its keys [0, Lp) with Lp its tokens' last key rounded up to
+        ``key_block`` (a path's tokens are split into one call per key block); a token
+        at depth e sees keys [0, base + e]. Padding query rows repeat the last row's
+        mask; in a chain they are the rows after the call's (the chain's next ones or
+        the forward's padding rows) where there are enough, else copies of its last
+        row."""
         B, dev = self.key_block, self.device
         g = self.n_heads // self.n_kv
         plan = []
@@ -711,23 +717,35 @@ class LlamaEngine:
                     write = (e0, rows)
                     cur[e0: len(path)] = w
                 depth = {node: e for e, node in enumerate(path)}
-                Lp = -(-(base + len(path)) // B) * B
-                m = len(new)
-                t, R = self._split(m, *self.attn_tiles)
-                vis = [base + depth[i] + 1 for i in new]  # keys each token sees
-                vis += [vis[-1]] * (t * R - m)
-                vis = [v for v in vis for _ in range(g)]  # rows: (token, query head of the KV head)
-                mask = torch.zeros(t * R * g, Lp, dtype=self.act_dtype, device=dev)
-                mask.masked_fill_(torch.arange(Lp, device=dev)[None] >= torch.tensor(vis, device=dev)[:, None],
-                                  float("-inf"))
-                if chain and (t * R == m or (s + n == n_real and s + t * R <= n_rows)):
-                    q_rows = None  # the slice [s, s + t * R): the chain, then padding rows
-                else:
-                    q_rows = torch.tensor([s + i for i in new] + [s + new[-1]] * (t * R - m), dtype=torch.long,
-                                          device=dev)
-                calls.append(_Attn(write=write, q_rows=q_rows,
-                                   out_rows=torch.tensor([s + i for i in new], dtype=torch.long, device=dev),
-                                   n=m, t=t, R=R, Lp=Lp, mask=mask.view(t, 1, R * g, Lp)))
+                # one call per key bucket: a query's keys are padded to the bucket of its
+                # own last key (what it gets alone), never to the end of a longer chain —
+                # SDPA's bits for a query depend on the key length (module docstring)
+                groups: list[list[int]] = []
+                for i in new:
+                    b = -(-(base + depth[i] + 1) // B)
+                    if groups and -(-(base + depth[groups[-1][0]] + 1) // B) == b:
+                        groups[-1].append(i)
+                    else:
+                        groups.append([i])
+                for gi, grp in enumerate(groups):
+                    Lp = -(-(base + depth[grp[-1]] + 1) // B) * B
+                    m = len(grp)
+                    t, R = self._split(m, *self.attn_tiles)
+                    vis = [base + depth[i] + 1 for i in grp]  # keys each token sees
+                    vis += [vis[-1]] * (t * R - m)
+                    vis = [v for v in vis for _ in range(g)]  # rows: (token, query head of the KV head)
+                    mask = torch.zeros(t * R * g, Lp, dtype=self.act_dtype, device=dev)
+                    mask.masked_fill_(torch.arange(Lp, device=dev)[None] >= torch.tensor(vis, device=dev)[:, None],
+                                      float("-inf"))
+                    q0 = s + grp[0]
+                    if chain and q0 + t * R <= n_rows:
+                        q_rows = None  # the slice [q0, q0 + t * R): the group, then the rows after it
+                    else:
+                        q_rows = torch.tensor([s + i for i in grp] + [s + grp[-1]] * (t * R - m), dtype=torch.long,
+                                              device=dev)
+                    calls.append(_Attn(write=write if gi == 0 else None, q0=q0, q_rows=q_rows,
+                                       out_rows=torch.tensor([s + i for i in grp], dtype=torch.long, device=dev),
+                                       n=m, t=t, R=R, Lp=Lp, mask=mask.view(t, 1, R * g, Lp)))
             moved = [e for e in range(n) if cur[e] != e]
             plan.append((slot, s, n, base, (moved[0], moved[-1] + 1) if moved else None, calls))
         return plan
@@ -773,7 +791,7 @@ class LlamaEngine:
                         kw = k[:, rows]
                         kc[:, base + e0: base + e0 + kw.shape[1]] = kw
                         vc[:, base + e0: base + e0 + kw.shape[1]] = v[:, rows]
-                    qt = (q if whole else q[s: s + c.t * c.R]) if c.q_rows is None else q[c.q_rows]
+                    qt = (q if whole else q[c.q0: c.q0 + c.t * c.R]) if c.q_rows is None else q[c.q_rows]
                     if c.R == 1:  # one token per tile: [t, 1, nk, g, hd] is already [t, nk, g, hd] in memory
                         qt = qt.view(c.t, nk, g, hd)
                     else:  # [t, nk, R * g, hd]: a KV head's query heads folded into its rows
@@ -789,7 +807,7 @@ class LlamaEngine:
                     if whole:
                         a = o
                     elif c.q_rows is None:
-                        a[s: s + c.n] = o.reshape(c.t * c.R, nq, hd)[: c.n]
+                        a[c.q0: c.q0 + c.n] = o.reshape(c.t * c.R, nq, hd)[: c.n]
                     else:
                         a[c.out_rows] = o.reshape(c.t * c.R, nq, hd)[: c.n]
                 if restore is not None:  # the tree layout, for commit

@@ -136,6 +136,33 @@ def test_first_token_of_a_sequence(dtype):
         1, [5], [-1]).logits[0])
 
 
+def test_each_query_meets_the_key_length_it_gets_alone():
+    """SDPA's bits for a query depend on the padded key length (an AVX2 CPU: 256 vs 320
+    keys), so the invariant forward pads each query to the key block of its own last key:
+    a chain or tree that crosses a block boundary is attended in one call per block, and
+    every call's key length is what each of its rows gets when scored alone."""
+    eng = _engine("bf16")
+    B = eng.key_block
+    for base, par in [(B - 3, _chain(9)), (2 * B - 1, _chain(3)), (B - 2, [-1, 0, 0, 1, 2, 3, 4]),
+                      (5, _chain(2 * B + 3))]:
+        plan = eng._attn_plan([(0, 0, len(par), base, par)], len(par), len(par))
+        calls = plan[0][5]
+        seen = []
+        for c in calls:
+            rows = c.out_rows.tolist()
+            seen += rows
+            depth = {r: 0 for r in rows}
+            for r in rows:  # a node's depth: its ancestors' count
+                p, d = par[r], 0
+                while p >= 0:
+                    p, d = par[p], d + 1
+                depth[r] = d
+            assert {-(-(base + depth[r] + 1) // B) * B for r in rows} == {c.Lp}, (base, par, rows, c.Lp)
+        assert sorted(seen) == list(range(len(par)))
+    # crossing: a chain from key B - 3 over 9 tokens is two calls (keys B and 2B)
+    assert [c.Lp for c in eng._attn_plan([(0, 0, 9, B - 3, _chain(9))], 9, 9)[0][5]] == [B, 2 * B]
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
 def test_ragged_forward_is_not_invariant(dtype):
     """The engine before (one matmul over all rows, one SDPA per sequence) differs: what
