@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", default="prompt_lookup,suffix,draft_lm,layerskip,block,block_tree",
-                   help="external drafters and in-verifier ones (layerskip, block, block_tree)")
+                   help="external drafters and in-verifier ones (layerskip, block, block_tree; uno, uno_tree, "
+                        "uno_separate: the mask-gated adapter)")
     p.add_argument("--budget", type=int, default=8, help="draft tokens per round")
     p.add_argument("--fixed-budget", action="store_true", help="always draft --budget tokens (default: adaptive)")
     p.add_argument("--show-text", action="store_true")

@@ -31,7 +31,21 @@ the batch-invariant engine bit for bit; in fp32's ragged forward up to ties at
 - ``draft``: an autoregressive drafter's tokens for the block (any ``Drafter``,
   e.g. prompt lookup over the context, or the target's own greedy continuation)
   at the positions the confidence ranking picks;
-- ``both``: the two as sibling branches of the state tree.
+- ``both``: the two as sibling branches of the state tree;
+- ``tree``: a best-first tree of ``budget`` guessed states: a child fills one more
+  offset with one of its top tokens under the last exact outputs, scored by the
+  product of those probabilities (the conditioning on a new fill often moves a
+  position's argmax to a runner-up, or the rule to another offset: a chain of
+  guesses misses those). ``width`` adds the ranking's runners-up as branches to
+  ``self``.
+
+Of the branches that hold, the longest is kept (all are the rule's own trajectory).
+**Lookahead** (``lookahead=True``): after every complete guessed state the forward
+also scores the next block's first forward (the block's tokens as plain rows, then
+the next block's mask rows); when the rule's trajectory reaches that state, its
+tokens are committed from those rows (the tree nodes' KV, bitwise a chain's in the
+batch-invariant engine) and the next block starts from those outputs, saving the
+forward that would otherwise only commit the block and open the next.
 
 **Draft-and-refine** (``Unmasking.refine``): the whole block drafted in parallel
 by the gated rows, then refined by the plain target: each forward feeds the
@@ -54,6 +68,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 Fill = tuple[tuple[int, int], ...]  # one step: ((block offset, token), ...), offsets ascending
+TREE_TOKENS = 3  # candidate tokens per offset of the ``tree`` guesser
 
 
 @dataclass
@@ -63,6 +78,7 @@ class DiffusionStats:
     blocks: int = 0
     new_tokens: int = 0
     guessed_steps: int = 0  # steps decided by a verified guess (speculation)
+    lookahead_blocks: int = 0  # blocks whose first forward a verified complete guess had already run
     rows: int = 0  # rows scored in all forwards
     seconds: float = 0.0
     steps_per_forward: list[int] = field(default_factory=list)
@@ -73,7 +89,7 @@ class DiffusionStats:
 
     def to_dict(self) -> dict:
         return {"forwards": self.forwards, "steps": self.steps, "blocks": self.blocks, "new_tokens": self.new_tokens,
-                "guessed_steps": self.guessed_steps, "rows": self.rows, "seconds": round(self.seconds, 3),
+                "guessed_steps": self.guessed_steps, "lookahead_blocks": self.lookahead_blocks, "rows": self.rows, "seconds": round(self.seconds, 3),
                 "forwards_per_block": round(self.forwards_per_block, 3),
                 "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0}
 
@@ -123,11 +139,31 @@ class _Trie:
             parent = n
         return nodes
 
+    def extend(self, fills: Sequence[int]) -> tuple[list[int], list[int]]:
+        """A complete state with the next block's first forward hung after it: (the nodes
+        of its B tokens as plain rows, root to leaf; the next block's B - 1 mask rows)."""
+        nodes = self.add(fills)
+        parent = nodes[-1] if nodes else self.base - 1
+        chain = []
+        for j, tok in enumerate([fills[-1]] + [self.eng.mask_id] * (len(fills) - 1)):
+            key = tuple(fills) + (-2,) * j
+            n = self._index.get(key)
+            if n is None:
+                n = self.base + len(self.tokens)
+                self.tokens.append(int(tok))
+                self.parents.append(parent)
+                if j:
+                    self.gated.append(n)
+                self._index[key] = n
+            chain.append(n)
+            parent = n
+        return nodes + chain[:1], chain[1:]
+
 
 class Unmasking:
     """Block-wise iterative unmasking on an engine with a gated adapter attached."""
 
-    def __init__(self, engine, block: int = 5, per_step: int = 1, slot: int = 0):
+    def __init__(self, engine, block: int = 5, per_step: int = 1, slot: int = 0, lookahead: bool = True):
         if engine.adapter is None:
             raise ValueError("the diffusion mode needs the engine's gated adapter (engine.attach_adapter)")
         if block < 2 or not 1 <= per_step <= block:
@@ -137,15 +173,22 @@ class Unmasking:
             raise ValueError(f"block {block} needs {block - 1} gated rows; the adapter was trained for {trained}")
         self.eng, self.B, self.k, self.slot = engine, block, per_step, slot
         self._p0: Optional[torch.Tensor] = None  # the block's offset-0 prediction (the pending token's row)
+        self.lookahead = lookahead  # score the next block's first forward after complete guessed states
+        self._ahead: dict = {}
 
     # ------------------------------------------------------------ one forward
-    def _forward(self, append: list[int], states: list[list[Optional[int]]], st: DiffusionStats):
+    def _forward(self, append: list[int], states: list[list[Optional[int]]], st: DiffusionStats,
+                 lookahead: Sequence[int] = ()):
         """Score ``append`` (committed from now on; its last token is the pending one) and
         every state of the block in one forward. Returns, per state, offset -> [V] probs of
-        its unfilled offsets."""
+        its unfilled offsets. ``lookahead``: complete states after which the next block's
+        first forward is scored too (``self._ahead``: state -> (its B nodes after the
+        committed ones, to commit; the next block's offset -> probs))."""
         eng = self.eng
+        self._ahead = {}
         trie = _Trie(eng, len(append))
         paths = [trie.add(s) for s in states]
+        ahead = {i: trie.extend(states[i]) for i in lookahead}
         toks = list(append) + trie.tokens
         par = list(range(-1, len(append) - 1)) + trie.parents
         want: list[tuple[int, int, int]] = []  # (state, offset, node whose row predicts it)
@@ -153,7 +196,8 @@ class Unmasking:
             for k, f in enumerate(s):
                 if f is None and not (k == 0 and not append):  # offset 0: the pending row, scored once
                     want.append((i, k, len(append) - 1 if k == 0 else nodes[k - 1]))
-        rows = sorted({n for _, _, n in want})
+        extra = sorted({n for path, masks in ahead.values() for n in [path[-1]] + masks})
+        rows = sorted({n for _, _, n in want} | set(extra))
         if not rows and not append:  # only offset 0 is open: its prediction is known, no forward needed
             return [{0: self._p0} if s[0] is None else {} for s in states]
         out = eng.score(self.slot, toks, par, rows=rows or [len(toks) - 1], gated=trie.gated)
@@ -165,6 +209,9 @@ class Unmasking:
         res: list[dict[int, torch.Tensor]] = [dict() for _ in states]
         for i, k, n in want:
             res[i][k] = probs[at[n]]
+        self._ahead = {i: ([n - len(append) for n in path],
+                           {j: probs[at[n]] for j, n in enumerate([path[-1]] + masks)})
+                       for i, (path, masks) in ahead.items()}
         if append:  # the pending token's row (plain target): offset 0's prediction for the whole block
             self._p0 = probs[at[len(append) - 1]] if states[0][0] is None else None
         elif self._p0 is not None:
@@ -176,14 +223,24 @@ class Unmasking:
     # ------------------------------------------------------------ decoding
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
                  speculate: Optional[str] = None, depth: int = 4,
-                 drafter: Optional[Callable[[list[int], int], list[int]]] = None) -> tuple[list[int], DiffusionStats]:
-        """New tokens and stats. ``speculate``: None (plain unmasking), ``self``, ``draft``
-        or ``both`` (module docstring); ``depth``: guessed steps per forward; ``drafter``:
-        (committed tokens, n) -> n proposed tokens for the block (``draft`` / ``both``)."""
-        if speculate not in (None, "self", "draft", "both"):
-            raise ValueError(f"speculate must be None, 'self', 'draft' or 'both', got {speculate!r}")
+                 drafter: Optional[Callable[[list[int], int], list[int]]] = None,
+                 width: int = 1, budget: int = 16) -> tuple[list[int], DiffusionStats]:
+        """New tokens and stats. ``speculate``: None (plain unmasking), ``self``, ``draft``,
+        ``both`` or ``tree`` (module docstring); ``depth``: guessed steps per forward;
+        ``drafter``: (committed tokens, n) -> n proposed tokens for the block (``draft`` /
+        ``both``); ``width``: self-guessed branches per forward (the ranking, then each of
+        its ``width - 1`` runners-up as the next step); ``budget``: guessed states per
+        forward of the ``tree`` guesser."""
+        if speculate not in (None, "self", "draft", "both", "tree"):
+            raise ValueError(f"speculate must be None, 'self', 'draft', 'both' or 'tree', got {speculate!r}")
+        if speculate == "tree" and self.k != 1:
+            raise ValueError("the tree guesser unmasks one position a step (per_step=1)")
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
         if speculate in ("draft", "both") and drafter is None:
             raise ValueError(f"speculate={speculate!r} needs a drafter")
+        if width < 1 or depth < 1:
+            raise ValueError(f"width and depth must be >= 1, got {width}, {depth}")
         eng, B = self.eng, self.B
         st = DiffusionStats()
         t0 = time.perf_counter()
@@ -194,13 +251,18 @@ class Unmasking:
         append = [tokens[-1]]
         out: list[int] = []
         stops = set(stop_ids)
+        guessed = 0 if speculate is None else budget if speculate == "tree" else \
+            depth * (width + (speculate == "both"))  # at most this many guessed states a forward
+        guessed *= 2 if self.lookahead else 1  # a complete one carries the next block's B rows
+        carried = None
         try:
             while len(out) < max_new_tokens:
-                if eng.length(self.slot) + len(append) + B * (depth + 1) >= eng.max_seq_len:
+                if eng.length(self.slot) + len(append) + B * (guessed + 1) >= eng.max_seq_len:
                     break
-                block = self._block(tokens, append, st, speculate, depth, drafter)
+                block, carried = self._block(tokens, append, st, speculate, depth, drafter, width, budget, carried)
                 st.blocks += 1
-                append = list(block)  # committed in the next block's first forward (its last: the pending token)
+                # committed in the next block's first forward (its last: the pending token), or already
+                append = [] if carried is not None else list(block)
                 tokens += block
                 cut = next((i for i, t in enumerate(block) if t in stops), None)
                 out += block if cut is None else block[:cut]
@@ -256,10 +318,13 @@ class Unmasking:
         st.seconds = time.perf_counter() - t0
         return out, st
 
-    def _block(self, tokens, append, st, speculate, depth, drafter) -> list[int]:
+    def _block(self, tokens, append, st, speculate, depth, drafter, width=1, budget=16,
+               carried=None) -> tuple[list[int], Optional[dict]]:
+        """One block: (its tokens, the next block's first outputs where a verified guess
+        completed it and the lookahead scored them; then its tokens are committed)."""
         B, k = self.B, self.k
         fills: list[Optional[int]] = [None] * B
-        probs = self._forward(append, [fills], st)[0]
+        probs = carried if carried is not None else self._forward(append, [fills], st)[0]
         append = []
         guess_tokens = drafter(list(tokens), B) if speculate in ("draft", "both") else None
         while True:
@@ -269,17 +334,23 @@ class Unmasking:
             st.steps += 1
             if all(f is not None for f in fills):
                 st.steps_per_forward.append(1)
-                return [int(f) for f in fills]
+                return [int(f) for f in fills], None
             if speculate is None:
                 probs = self._forward(append, [list(fills)], st)[0]
                 st.steps_per_forward.append(1)
                 continue
             # guessed states after this one, from the same (last exact) outputs
-            branches = self._guesses(probs, fills, step, speculate, depth, guess_tokens)
+            if speculate == "tree":
+                branches = self._tree(probs, fills, step, depth, budget)
+            else:
+                branches = self._guesses(probs, fills, step, speculate, depth, guess_tokens, width)
             states = [list(fills)] + [s for br in branches for s in br]
-            outs = self._forward(append, states, st)
+            complete = [i for i, s in enumerate(states) if i and all(f is not None for f in s)] \
+                if self.lookahead else []
+            outs = self._forward(append, states, st, lookahead=complete)
             probs, n_ok = outs[0], 1
-            for br_i, br in enumerate(branches):  # follow the first branch whose guesses hold
+            best = (0, None, None, None)  # (steps, state, outputs, index) of the branch whose guesses hold longest
+            for br_i, br in enumerate(branches):  # every branch that holds is the rule's own trajectory
                 o = 1 + sum(len(b) for b in branches[:br_i])
                 cur, p, ok = list(fills), outs[0], 0
                 for j, s in enumerate(br):
@@ -287,29 +358,47 @@ class Unmasking:
                     want = tuple((q, t) for q, t in enumerate(s) if t is not None and cur[q] is None)
                     if nxt != want:
                         break
-                    cur, p, ok = s, outs[o + j], ok + 1
+                    cur, p, ok, at = s, outs[o + j], ok + 1, o + j
                     if all(f is not None for f in cur):
                         break
-                if ok:
-                    fills[:] = cur
-                    probs = p
-                    n_ok += ok
-                    st.steps += ok
-                    st.guessed_steps += ok
-                    break
+                if ok > best[0]:
+                    best = (ok, cur, p, at)
+            if best[0]:
+                ok, cur, p, at = best
+                fills[:] = cur
+                probs = p
+                n_ok += ok
+                st.steps += ok
+                st.guessed_steps += ok
             st.steps_per_forward.append(n_ok)
             if all(f is not None for f in fills):
-                return [int(f) for f in fills]
+                if best[0] and best[3] in self._ahead:  # the next block's first forward is done
+                    path, nxt = self._ahead[best[3]]
+                    self.eng.commit(self.slot, path)
+                    self._p0 = nxt[0]
+                    st.lookahead_blocks += 1
+                    return [int(f) for f in fills], nxt
+                return [int(f) for f in fills], None
 
-    def _guesses(self, probs, fills, step, speculate, depth, guess_tokens) -> list[list[list[Optional[int]]]]:
+    def _guesses(self, probs, fills, step, speculate, depth, guess_tokens,
+                 width: int = 1) -> list[list[list[Optional[int]]]]:
         """Branches of guessed states after ``fills`` (``step`` just applied): each a list
-        of up to ``depth`` successive states."""
+        of up to ``depth`` successive states; ``width`` > 1 adds a branch for each of the
+        ``width - 1`` runners-up of the self ranking as the next step."""
         done = {o for o, _ in step}
         order = [(o, t) for o, t in ranked(probs) if o not in done]  # the last exact outputs' ranking
-        out = []
+        k = self.k
+        seqs = []
         for kind in (("self", "draft") if speculate == "both" else (speculate,)):
-            cur, br = list(fills), []
             seq = order if kind == "self" else [(o, int(guess_tokens[o])) for o, _ in order if o < len(guess_tokens)]
+            seqs.append(seq)
+            for a in range(1, width if kind == "self" else 1):  # the next step's runners-up, each a branch
+                if k - 1 + a < len(seq):
+                    alt = seq[k - 1 + a]
+                    seqs.append(seq[: k - 1] + [alt] + [x for x in seq[k - 1:] if x != alt])
+        out = []
+        for seq in seqs:
+            cur, br = list(fills), []
             for j in range(depth):
                 chunk = seq[j * self.k:(j + 1) * self.k]
                 if not chunk:
@@ -320,4 +409,47 @@ class Unmasking:
                 br.append(cur)
             if br and br not in out:
                 out.append(br)
+        return out
+
+    def _tree(self, probs, fills, step, depth, budget) -> list[list[list[Optional[int]]]]:
+        """Branches (root-to-leaf chains) of a best-first tree of ``budget`` guessed states
+        after ``fills``: a child fills one more unfilled offset o with token t, scored by
+        the parent's score x p(t at o) under the last exact outputs (the candidates: every
+        offset's top ``TREE_TOKENS`` tokens), at most ``depth`` steps deep. Catches the
+        step after this one when the conditioning moved the argmax to a runner-up token
+        or the rule to another offset."""
+        import heapq
+
+        done = {o for o, _ in step}
+        cand = []
+        for o, p in probs.items():
+            if o in done:
+                continue
+            v, ix = torch.topk(p, min(TREE_TOKENS, p.numel()))
+            cand += [(float(a), o, int(t)) for a, t in zip(v.tolist(), ix.tolist())]
+        cand.sort(key=lambda c: (-c[0], c[1], c[2]))
+        heap = [(-a, n, (o, t), ()) for n, (a, o, t) in enumerate(cand)]  # (-score, tie, fill, ancestors)
+        heapq.heapify(heap)
+        tie, chosen, children = len(heap), [], {}
+        while heap and len(chosen) < budget:
+            neg, _, fill, anc = heapq.heappop(heap)
+            node = anc + (fill,)
+            chosen.append(node)
+            children.setdefault(anc, []).append(node)
+            if len(node) < depth:
+                used = {o for o, _ in node}
+                for a, o, t in cand:
+                    if o not in used:
+                        heapq.heappush(heap, (neg * a, tie, (o, t), node))
+                        tie += 1
+        out = []
+        for node in chosen:
+            if node in children:
+                continue  # not a leaf
+            br, cur = [], list(fills)
+            for o, t in node:
+                cur = list(cur)
+                cur[o] = t
+                br.append(cur)
+            out.append(br)
         return out

@@ -11,8 +11,11 @@ decoding's.
 
 Part 2, the diffusion mode (``diffusion.Unmasking``): plain iterative unmasking vs
 trajectory speculation (``self``, ``draft`` with prompt lookup as the AR drafter,
-``both``): target forwards per block, steps per forward, tokens/s, and identity
-with plain unmasking; and draft-and-refine, whose output is the target's plain
+``both``, and the best-first ``tree`` of guessed states; each with the lookahead
+that scores the next block's first forward after a complete guessed block unless
+``--no-lookahead``): target forwards per block, steps per forward, rows per forward
+(what a wider forward costs where rows are not free), tokens/s, and identity with
+plain unmasking; and draft-and-refine, whose output is the target's plain
 greedy decoding (identity checked against it; plain decoding costs one forward per
 token, B per block).
 
@@ -47,6 +50,10 @@ def register(sub) -> None:
     p.add_argument("--diffusion-block", type=int, default=5, help="positions per diffusion block")
     p.add_argument("--per-step", type=int, default=1, help="positions unmasked per diffusion step")
     p.add_argument("--depth", type=int, default=4, help="guessed steps per speculative forward")
+    p.add_argument("--tree-budget", type=int, default=32, help="guessed states per forward of the tree guesser")
+    p.add_argument("--tree-depth", type=int, default=None, help="tree guesser's depth (default: the block)")
+    p.add_argument("--no-lookahead", action="store_true",
+                   help="do not score the next block's first forward after complete guessed blocks")
     p.add_argument("--diffusion-tokens", type=int, default=64, help="new tokens per prompt in the diffusion part")
     p.add_argument("--skip-diffusion", action="store_true")
     p.add_argument("--out", default="uno-study")
@@ -110,21 +117,25 @@ def _diffusion(rt, prompts, args) -> dict:
     def lookup(tokens, n):  # an AR drafter for the "draft" guesser: prompt lookup over the context
         return pl.propose(DraftContext("diffusion", tokens, 0, SamplingParams()), n).tokens
 
-    dec = Unmasking(rt.engine, block=args.diffusion_block, per_step=args.per_step, slot=rt.engine.n_slots - 1)
+    dec = Unmasking(rt.engine, block=args.diffusion_block, per_step=args.per_step, slot=rt.engine.n_slots - 1,
+                    lookahead=not args.no_lookahead)
     from ..loop import generate_tokens
 
-    modes = [None, "self", "draft", "both"]
+    modes = [None, "self", "draft", "both"] + (["tree"] if args.per_step == 1 else [])
     rows = {str(m): {"forwards": 0, "steps": 0, "blocks": 0, "tokens": 0, "seconds": 0.0, "identical": 0,
-                     "prompts": 0, "guessed": 0} for m in modes + ["refine"]}
+                     "prompts": 0, "guessed": 0, "rows": 0, "lookahead": 0} for m in modes + ["refine"]}
+    tree_depth = args.tree_depth or args.diffusion_block
     for i, p in enumerate(prompts):
         ids = rt.encode(p.prompt, p.messages)
         outs = {}
         for m in modes[i % len(modes):] + modes[: i % len(modes)]:
-            out, st = dec.generate(ids, args.diffusion_tokens, stop_ids=rt.stop_ids, speculate=m, depth=args.depth,
+            out, st = dec.generate(ids, args.diffusion_tokens, stop_ids=rt.stop_ids, speculate=m,
+                                   depth=tree_depth if m == "tree" else args.depth, budget=args.tree_budget,
                                    drafter=lookup)
             r = rows[str(m)]
             for k, v in (("forwards", st.forwards), ("steps", st.steps), ("blocks", st.blocks),
-                         ("tokens", st.new_tokens), ("seconds", st.seconds), ("guessed", st.guessed_steps)):
+                         ("tokens", st.new_tokens), ("seconds", st.seconds), ("guessed", st.guessed_steps),
+                         ("rows", st.rows), ("lookahead", st.lookahead_blocks)):
                 r[k] += v
             r["prompts"] += 1
             outs[str(m)] = out
@@ -135,7 +146,7 @@ def _diffusion(rt, prompts, args) -> dict:
         ar, _ = generate_tokens(None, rt.verifier, ids, max_new_tokens=args.diffusion_tokens, stop_ids=rt.stop_ids)
         r = rows["refine"]
         for k, v in (("forwards", st.forwards), ("steps", st.steps), ("blocks", st.blocks), ("tokens", st.new_tokens),
-                     ("seconds", st.seconds)):
+                     ("seconds", st.seconds), ("rows", st.rows)):
             r[k] += v
         r["prompts"] += 1
         r["identical"] += int(out == ar)
@@ -146,6 +157,7 @@ def _diffusion(rt, prompts, args) -> dict:
     for r in rows.values():
         r["forwards_per_block"] = r["forwards"] / max(r["blocks"], 1)
         r["steps_per_forward"] = r["steps"] / max(r["forwards"], 1)
+        r["rows_per_forward"] = r["rows"] / max(r["forwards"], 1)
         r["tokens_per_s"] = r["tokens"] / max(r["seconds"], 1e-9)
         r["forward_reduction"] = plain["forwards_per_block"] / max(r["forwards_per_block"], 1e-9)
     rows["plain"] = rows.pop("None")
@@ -166,14 +178,19 @@ def render(res: dict) -> str:
                      f"{r['verify_ms_per_round']:.1f}) | {r['identical']}/{r['prompts']} |")
     if res.get("diffusion"):
         lines += ["", f"## Diffusion mode (block {a['diffusion_block']}, {a['per_step']} position(s) a step, "
-                  f"{a['diffusion_tokens']} tokens, depth {a['depth']})", "",
-                  "| decoder | target forwards / block | steps / forward | forward reduction | tok/s | identical |",
-                  "|---|---|---|---|---|---|"]
+                  f"{a['diffusion_tokens']} tokens, depth {a['depth']}; tree: {a.get('tree_budget')} states, depth "
+                  f"{a.get('tree_depth') or a['diffusion_block']}; lookahead "
+                  f"{'off' if a.get('no_lookahead') else 'on'})", "",
+                  "| decoder | target forwards / block | steps / forward | forward reduction | rows / forward "
+                  "| blocks by lookahead | tok/s | identical |",
+                  "|---|---|---|---|---|---|---|---|"]
         for m, r in res["diffusion"].items():
             name = {"plain": "plain unmasking", "refine": "draft-and-refine (identical = to AR greedy; plain AR: "
                     f"{a['diffusion_block']} forwards / block)"}.get(m, f"trajectory speculation: {m}")
             lines.append(f"| {name} | {r['forwards_per_block']:.2f} | {r['steps_per_forward']:.2f} | "
-                         f"{r['forward_reduction']:.2f}x | {r['tokens_per_s']:.1f} | {r['identical']}/{r['prompts']} |")
+                         f"{r['forward_reduction']:.2f}x | {r.get('rows_per_forward', 0):.1f} | "
+                         f"{r.get('lookahead', 0)}/{r['blocks']} | {r['tokens_per_s']:.1f} | "
+                         f"{r['identical']}/{r['prompts']} |")
     return "\n".join(lines) + "\n"
 
 

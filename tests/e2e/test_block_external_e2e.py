@@ -19,7 +19,7 @@ PROMPTS = [
     "Explain in two sentences why the sky is blue.",
     "Give me three tips for learning to cook.",
 ]
-N = 64
+N = 40
 
 
 @pytest.fixture(scope="module")

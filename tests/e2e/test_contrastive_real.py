@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["Rename the function `mean` to `average`:\n\ndef mean(xs):\n    return sum(xs) / len(xs)\n",
            "Write a haiku about the sea.", "List three uses of a paper clip."]
-N = 48
+N = 32
 SP = SamplingParams(acceptance="contrastive", cd_alpha=0.1, cd_beta=0.5)
 
 

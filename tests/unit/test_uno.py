@@ -221,10 +221,10 @@ def test_diffusion_form_batches():
 # ---------------------------------------------------------------- the diffusion mode
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("speculate", ["self", "draft", "both"])
-def test_trajectory_speculation_equals_plain_unmasking(tiny_uno, dtype, speculate):
+@pytest.mark.parametrize("speculate,width", [("self", 1), ("draft", 1), ("both", 1), ("self", 3), ("both", 2), ("tree", 1)])
+def test_trajectory_speculation_equals_plain_unmasking(tiny_uno, dtype, speculate, width):
     """Speculating over the unmasking trajectory returns exactly what plain unmasking
-    returns, in fewer forwards."""
+    returns, in fewer forwards (one guessed branch, or the runners-up too)."""
     from specmesh.uno.diffusion import Unmasking
 
     model, ad, prompts = tiny_uno
@@ -235,15 +235,18 @@ def test_trajectory_speculation_equals_plain_unmasking(tiny_uno, dtype, speculat
     def ar_draft(tokens, n):  # the target's own greedy continuation (no adapter): an AR drafter
         return model.generate(torch.tensor([tokens]), max_new_tokens=n, do_sample=False).tolist()[0][len(tokens):]
 
-    plain_f = spec_f = 0
+    plain_f = spec_f = ahead = 0
     for prompt in prompts[:4]:
         plain, ps = dec.generate(prompt, 16)
-        spec, ss = dec.generate(prompt, 16, speculate=speculate, depth=3, drafter=ar_draft)
+        spec, ss = dec.generate(prompt, 16, speculate=speculate, depth=3, drafter=ar_draft, width=width)
         assert spec == plain, (speculate, dtype, prompt)
-        assert ps.forwards <= ps.steps and ss.steps == ps.steps
+        assert ps.forwards <= ps.steps and ss.steps == ps.steps and ps.lookahead_blocks == 0
         plain_f += ps.forwards
         spec_f += ss.forwards
+        ahead += ss.lookahead_blocks
     assert spec_f < plain_f, (spec_f, plain_f)
+    if speculate == "tree":  # a verified complete guess ran the next block's first forward (and it held)
+        assert ahead > 0
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
