@@ -5,7 +5,6 @@ per-token model drafters, draft_lm and layerskip, on the first 3)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specmesh.loop import generate_tokens
 from specmesh.types import SamplingParams
@@ -114,22 +113,6 @@ def test_diffusion_mode_speculation_and_refinement_on_the_real_model(runtime, re
         assert out == ref[:24]
 
 
-def test_demo_command_runs_every_default_drafter_identically(capsys):
-    """`make demo` = `specmesh demo`: every default drafter on the built-in prompts gives
-    plain decoding's tokens (fp32), and the table is printed."""
-    from specmesh.cli import build_parser, main
-
-    assert main(["demo", "--max-new-tokens", "16"]) == 0
-    out = capsys.readouterr().out
-    drafters = build_parser().parse_args(["demo"]).drafters.split(",")
-    assert "block_tree" in drafters
-    assert "DIFFERENT" not in out
-    for name in drafters:
-        assert out.count(f": {name} ") == 3, name  # one line per built-in prompt
-    assert out.count(", identical") == 3 * len(drafters)
-    assert "peak RSS" in out
-
-
 def test_int4_speculation_equals_int4_plain_decoding():
     """int4 (batch-invariant, like bf16/int8): prompt lookup and the block drafter's chain
     and tree return exactly the int4 engine's own plain greedy tokens on the real model."""
@@ -148,29 +131,3 @@ def test_int4_speculation_equals_int4_plain_decoding():
                 out, st = generate_tokens(None, rt.verifier, ids, max_new_tokens=N, stop_ids=rt.stop_ids,
                                           budget=6, self_draft=method)
                 assert out == ref and st.drafted_tokens > 0, f"{method} diverged from int4 plain decoding"
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "int8"])
-def test_rows_bitwise_invariant_on_this_machine(dtype):
-    """The batch-invariant engine on the real model's shapes, on the machine the tests run
-    on: a row of a chain has the same bits as the same token scored alone (at every layer
-    and in its logits), for chains that cross a key block (61 + 9 keys: 64; 250 + 9:
-    256). Kernel classes differ between CPUs (an AVX2-only CPU broke the old attention
-    tiles, and gave a query other bits with 320 padded keys than with 256, unseen on
-    the tiny models): this is the check that would say so."""
-    from specmesh.engine import LlamaEngine
-
-    e = LlamaEngine.from_pretrained("smollm2-135m-instruct", dtype=dtype, n_slots=2, max_seq_len=512, quiet=True)
-    layers = list(range(e.n_layers))
-    chain = [1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008]
-    for n_prompt in (61, 250):
-        prompt = [300 + (i * 37) % 4000 for i in range(n_prompt)]
-        for slot in (0, 1):
-            e.reset(slot)
-            e.prefill(slot, prompt)
-        whole = e.score(0, chain, list(range(-1, len(chain) - 1)), hidden_layers=layers)
-        for j, t in enumerate(chain):
-            r = e.score(1, [t], [-1], hidden_layers=layers)
-            e.commit(1, [0])
-            assert torch.equal(r.logits[0], whole.logits[j]), (dtype, n_prompt, j)
-            assert all(torch.equal(r.hidden[li][0], whole.hidden[li][j]) for li in layers), (dtype, n_prompt, j)
