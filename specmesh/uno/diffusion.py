@@ -89,7 +89,8 @@ class DiffusionStats:
 
     def to_dict(self) -> dict:
         return {"forwards": self.forwards, "steps": self.steps, "blocks": self.blocks, "new_tokens": self.new_tokens,
-                "guessed_steps": self.guessed_steps, "lookahead_blocks": self.lookahead_blocks, "rows": self.rows, "seconds": round(self.seconds, 3),
+                "guessed_steps": self.guessed_steps, "lookahead_blocks": self.lookahead_blocks, "rows": self.rows,
+                "seconds": round(self.seconds, 3),
                 "forwards_per_block": round(self.forwards_per_block, 3),
                 "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0}
 

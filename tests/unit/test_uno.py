@@ -221,7 +221,8 @@ def test_diffusion_form_batches():
 # ---------------------------------------------------------------- the diffusion mode
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("speculate,width", [("self", 1), ("draft", 1), ("both", 1), ("self", 3), ("both", 2), ("tree", 1)])
+@pytest.mark.parametrize("speculate,width", [("self", 1), ("draft", 1), ("both", 1), ("self", 3), ("both", 2),
+                                             ("tree", 1)])
 def test_trajectory_speculation_equals_plain_unmasking(tiny_uno, dtype, speculate, width):
     """Speculating over the unmasking trajectory returns exactly what plain unmasking
     returns, in fewer forwards (one guessed branch, or the runners-up too)."""
