@@ -128,17 +128,21 @@ class _Trie:
             f = fills[k]
             seen_mask = seen_mask or f is None
             key = key + (-1 if f is None else f,)
-            n = self._index.get(key)
-            if n is None:
-                n = self.base + len(self.tokens)
-                self.tokens.append(self.eng.mask_id if f is None else f)
-                self.parents.append(parent)
-                if seen_mask:
-                    self.gated.append(n)
-                self._index[key] = n
-            nodes.append(n)
-            parent = n
+            parent = self._node(key, self.eng.mask_id if f is None else f, parent, seen_mask)
+            nodes.append(parent)
         return nodes
+
+    def _node(self, key: tuple, token: int, parent: int, gated: bool) -> int:
+        """The node of ``key`` (a row's input prefix), added under ``parent`` if new."""
+        n = self._index.get(key)
+        if n is None:
+            n = self.base + len(self.tokens)
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            if gated:
+                self.gated.append(n)
+            self._index[key] = n
+        return n
 
     def extend(self, fills: Sequence[int]) -> tuple[list[int], list[int]]:
         """A complete state with the next block's first forward hung after it: (the nodes
@@ -147,17 +151,8 @@ class _Trie:
         parent = nodes[-1] if nodes else self.base - 1
         chain = []
         for j, tok in enumerate([fills[-1]] + [self.eng.mask_id] * (len(fills) - 1)):
-            key = tuple(fills) + (-2,) * j
-            n = self._index.get(key)
-            if n is None:
-                n = self.base + len(self.tokens)
-                self.tokens.append(int(tok))
-                self.parents.append(parent)
-                if j:
-                    self.gated.append(n)
-                self._index[key] = n
-            chain.append(n)
-            parent = n
+            parent = self._node(tuple(fills) + (-2,) * j, tok, parent, j > 0)
+            chain.append(parent)
         return nodes + chain[:1], chain[1:]
 
 
