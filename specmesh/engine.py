@@ -37,8 +37,8 @@ masked): a query's keys are padded to the block of its own last key, so a chain 
 crosses a block boundary is attended in one call per block (SDPA's bits for a query
 depend on the padded key length: on an AVX2 CPU a query seeing 200 keys got other
 bits with 320 padded keys than with 256). A query always meets the same kernels and
-its keys at the same indices. A tree is attended one root-to-leaf path at a time, the path's keys
-written in chain order after the committed ones (the tree layout is restored for
+its keys at the same indices. A tree is attended one root-to-leaf path at a time, the
+path's keys written in chain order after the committed ones (the tree layout is restored for
 ``commit``). ``batch_invariant=False`` is the ragged forward (one matmul over all
 rows, one SDPA per sequence), kept for comparison (``set_batch_invariant``). The
 kernel classes are measured facts about these CPU kernels, not guarantees:
@@ -59,6 +59,7 @@ embeddings) and Qwen2-style q/k/v bias. Every tensor it makes lives on
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -687,7 +688,7 @@ class LlamaEngine:
         lo, hi = self.row_tiles
         return -(-n // hi) * hi if lo == hi else max(n, lo)
 
-    def _attn_plan(self, segs, n_real: int, n_rows: int) -> list[tuple[int, int, int, int, Optional[tuple],
+    def _attn_plan(self, segs, n_rows: int) -> list[tuple[int, int, int, int, Optional[tuple],
                                                                        list[_Attn]]]:
         """Per segment: (slot, start, n, base, restore, attention calls). A chain is one
         call; a tree one call per root-to-leaf path (``_paths``), its keys in chain order
@@ -720,15 +721,12 @@ class LlamaEngine:
                 # one call per key bucket: a query's keys are padded to the bucket of its
                 # own last key (what it gets alone), never to the end of a longer chain —
                 # SDPA's bits for a query depend on the key length (module docstring)
-                groups: list[list[int]] = []
-                for i in new:
-                    b = -(-(base + depth[i] + 1) // B)
-                    if groups and -(-(base + depth[groups[-1][0]] + 1) // B) == b:
-                        groups[-1].append(i)
-                    else:
-                        groups.append([i])
-                for gi, grp in enumerate(groups):
-                    Lp = -(-(base + depth[grp[-1]] + 1) // B) * B
+                def block_of(i, depth=depth, base=base):  # the key block of node i's last key
+                    return -(-(base + depth[i] + 1) // B)
+
+                for gi, (blk, grp) in enumerate(itertools.groupby(new, key=block_of)):
+                    grp = list(grp)
+                    Lp = blk * B
                     m = len(grp)
                     t, R = self._split(m, *self.attn_tiles)
                     vis = [base + depth[i] + 1 for i in grp]  # keys each token sees
@@ -757,7 +755,7 @@ class LlamaEngine:
         if N > N0:  # padding rows (token 0 at position 0) fill the row tiles; no segment reads them
             ids = torch.cat([ids, ids.new_zeros(N - N0)])
             posi = torch.cat([posi, posi.new_zeros(N - N0)])
-        plan = self._attn_plan(segs, N0, N)
+        plan = self._attn_plan(segs, N)
         whole = len(plan) == 1 and len(plan[0][5]) == 1 and plan[0][5][0].q_rows is None \
             and plan[0][5][0].t * plan[0][5][0].R == N  # one call covers every row in order
         cos = self.cos[posi][:, None]  # [N, 1, hd]

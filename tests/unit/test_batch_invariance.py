@@ -145,7 +145,7 @@ def test_each_query_meets_the_key_length_it_gets_alone():
     B = eng.key_block
     for base, par in [(B - 3, _chain(9)), (2 * B - 1, _chain(3)), (B - 2, [-1, 0, 0, 1, 2, 3, 4]),
                       (5, _chain(2 * B + 3))]:
-        plan = eng._attn_plan([(0, 0, len(par), base, par)], len(par), len(par))
+        plan = eng._attn_plan([(0, 0, len(par), base, par)], len(par))
         calls = plan[0][5]
         seen = []
         for c in calls:
@@ -160,7 +160,7 @@ def test_each_query_meets_the_key_length_it_gets_alone():
             assert {-(-(base + depth[r] + 1) // B) * B for r in rows} == {c.Lp}, (base, par, rows, c.Lp)
         assert sorted(seen) == list(range(len(par)))
     # crossing: a chain from key B - 3 over 9 tokens is two calls (keys B and 2B)
-    assert [c.Lp for c in eng._attn_plan([(0, 0, 9, B - 3, _chain(9))], 9, 9)[0][5]] == [B, 2 * B]
+    assert [c.Lp for c in eng._attn_plan([(0, 0, 9, B - 3, _chain(9))], 9)[0][5]] == [B, 2 * B]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
