@@ -390,20 +390,22 @@ class LlamaEngine:
                         max_seq_len: int = 2048, quiet: bool = False, device: str = "cpu",
                         **kw) -> "LlamaEngine":
         """``kw``: further constructor options (``batch_invariant=``, tiling)."""
-        from .models.loading import load_config, load_state_dict, resolve_model
+        from .models.loading import LazyStateDict, load_config, resolve_model
 
         d = resolve_model(name, quiet=quiet)
-        eng = cls(load_config(d), load_state_dict(d), dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len,
+        eng = cls(load_config(d), LazyStateDict(d), dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len,
                   device=device, **kw)
         eng.model_dir = Path(d)
         return eng
 
-    def _load(self, sd: dict) -> None:
-        sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    def _load(self, sd) -> None:
+        """``sd``: a dict or a mapping that reads each tensor when asked
+        (``LazyStateDict``); each is looked up once and converted before the next."""
+        names = {k.removeprefix("model."): k for k in sd}
         mode = self.dtype_name
         lin = lambda w, b=None: Linear(w, b, mode, self.int4_group)  # noqa: E731
-        g = lambda k: sd[k].to(self.device)  # noqa: E731
-        opt = lambda k: sd[k].to(self.device) if k in sd else None  # noqa: E731
+        g = lambda k: sd[names[k]].to(self.device)  # noqa: E731
+        opt = lambda k: g(k) if k in names else None  # noqa: E731
         self.embed = g("embed_tokens.weight").to(self.act_dtype)  # [V, H]
         self.layers: list[Layer] = []
         for i in range(self.n_layers):
@@ -423,9 +425,9 @@ class LlamaEngine:
         # copies: a view of a loaded tensor would keep the whole safetensors file mapped
         # (513 MB of RSS for SmolLM2 in bf16/int8/int4, whose matrices are all new tensors)
         self.norm = g("norm.weight").float().clone()
-        head = sd.get("lm_head.weight", sd["embed_tokens.weight"])
+        head = g("lm_head.weight" if "lm_head.weight" in names else "embed_tokens.weight")
         head_mode = "int8" if mode == "int4" and not self.int4_head else mode
-        self.head = Linear(head.to(self.device), None, head_mode, self.int4_group, keep_rows=True)
+        self.head = Linear(head, None, head_mode, self.int4_group, keep_rows=True)
 
     # ------------------------------------------------------------------ sizes
     def weight_bytes(self) -> int:

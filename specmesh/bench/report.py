@@ -16,6 +16,7 @@ OPEN_WRITING = ("code_write", "chat_multiturn")
 # issue 20's targets against llama.cpp plain decoding (best speculative system of ours per workload)
 LLAMACPP_SPEC_TARGETS = {"open_writing": 2.0, "chat_multiturn": 2.0, "code_edit": 3.0, "summarize_quotes": 3.0}
 RSS_LIMIT_MB = 2048
+INT4_RSS_LIMIT_MB = 1024  # issue 20: the int4 engine with the block drafter
 
 
 def _fmt(v, nd=2, suffix="") -> str:
@@ -121,6 +122,16 @@ def verdicts(records: list[dict], meta: dict) -> list[tuple[str, str]]:
         judged = own if own is not None else peak
         line(judged <= RSS_LIMIT_MB, f"specmesh peak RSS {judged:.0f} MiB (limit {RSS_LIMIT_MB} MiB; measured "
              f"before any peer model was loaded); whole benchmark process incl. HF models: {_fmt(peak, 0)} MiB")
+        # issue 20: the int4 engine with the block drafter in <= 1 GB (judged where the run held nothing else)
+        ours_dtypes = {r["dtype"] for r in records if r["system"].startswith("ours_")}
+        lean = {"ours_ar", "ours_block", "ours_block_tree"}
+        ours_systems = {r["system"] for r in records if r["system"].startswith("ours_")}
+        if ours_dtypes == {"int4"} and ours_systems & {"ours_block", "ours_block_tree"} and ours_systems <= lean:
+            line(judged <= INT4_RSS_LIMIT_MB, f"int4 engine + block drafter: peak RSS {judged:.0f} MiB "
+                 f"(target {INT4_RSS_LIMIT_MB} MiB; systems {', '.join(sorted(ours_systems))})")
+        else:
+            line(None, f"int4 engine + block drafter peak RSS <= {INT4_RSS_LIMIT_MB} MiB (needs a run of "
+                 "int4 ours_block_tree or ours_block, with ours_ar at most, beside it)")
     return out
 
 

@@ -169,9 +169,7 @@ class BlockSelfDrafter(BlockProposer):
 
     @classmethod
     def from_checkpoint(cls, verifier, ckpt_dir, tree: bool = False, **kw) -> "BlockSelfDrafter":
-        from ..models.loading import load_state_dict
-
-        model, cal = load_checkpoint(ckpt_dir, load_state_dict(verifier.engine.model_dir))
+        model, cal = load_checkpoint(ckpt_dir, target_head_state(str(verifier.engine.model_dir)))
         return cls(verifier, model, tree=tree, calibration=cal, **kw)
 
     @torch.inference_mode()

@@ -74,6 +74,23 @@ def test_verdicts_from_synthetic_records():
     assert all(v != "FAIL" for v, t in only_ours if "hf_" in t)
 
 
+def test_int4_block_drafter_rss_verdict():
+    """Issue 20's memory target is judged only on a run that held the int4 engine with
+    the block drafter and nothing more."""
+    def recs(*systems, dtype="int4"):
+        return [dict(_rec(s, "chat_multiturn", 20, 1.0, "ours_ar"), dtype=dtype) for s in systems]
+
+    def verdict(records, peak):
+        meta = {"config": {"dtype": "int4"}, "peak_rss_mb": peak, "rss_stages": []}
+        return [(v, t) for v, t in report.verdicts(records, meta) if "int4 engine + block drafter" in t]
+
+    assert verdict(recs("ours_ar", "ours_block_tree"), 930.0)[0][0] == "PASS"
+    assert verdict(recs("ours_ar", "ours_block_tree"), 1100.0)[0][0] == "FAIL"
+    for other in (recs("ours_ar", "ours_block_tree", "ours_draft_lm"), recs("ours_ar", "ours_suffix"),
+                  recs("ours_ar", "ours_block_tree", dtype="bf16")):
+        assert verdict(other, 930.0)[0][0] == "n/a"  # n/a: the run held more, or another engine
+
+
 class _FakeStream:
     """Stands in for specmesh.client.Stream: yields text chunks of given token counts."""
 

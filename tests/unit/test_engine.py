@@ -138,6 +138,34 @@ def test_int4_reproduces_a_4bit_grid_model(group):
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "int4"])
+def test_engine_from_a_lazy_state_dict_is_the_same(tmp_path, dtype):
+    """``from_pretrained`` reads tensor by tensor (``LazyStateDict``, no mapping): the
+    engine it builds has the weights and logits of one built from the whole dict."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from specmesh.engine import LlamaEngine
+    from specmesh.models.loading import LazyStateDict
+
+    model, cfg = tiny_hf()
+    sd = {k: v.clone() for k, v in model.state_dict().items()}  # tied head: its own copy on disk
+    half = len(sd) // 2  # two shards: the mapping finds each tensor in its own file
+    keys = sorted(sd)
+    save_file({k: sd[k] for k in keys[:half]}, str(tmp_path / "model-1.safetensors"))
+    save_file({k: sd[k] for k in keys[half:]}, str(tmp_path / "model-2.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    lazy = LazyStateDict(tmp_path)
+    assert sorted(lazy) == keys and len(lazy) == len(sd)
+    assert all(torch.equal(lazy[k], sd[k]) for k in keys)
+    a = LlamaEngine(cfg, sd, dtype=dtype, n_slots=1, max_seq_len=64)
+    b = LlamaEngine.from_pretrained(str(tmp_path), dtype=dtype, n_slots=1, max_seq_len=64, quiet=True)
+    ids = list(range(10, 30))
+    assert torch.equal(a.score(0, ids, list(range(-1, 19))).logits, b.score(0, ids, list(range(-1, 19))).logits)
+    assert a.weight_bytes() == b.weight_bytes()
+
+
 def test_int4_falls_back_to_int8_where_the_pack_cannot_take_a_weight():
     from specmesh.engine import Linear
 
