@@ -80,6 +80,13 @@ class DrafterHost:
     def needs_features(self, name: str) -> bool:
         return name in self.factories and registry.needs_features(name, "external")
 
+    def preload(self, names: Sequence[str]) -> None:
+        """Build these hosted drafters now (a draft LM's load should not be charged to the
+        first request's deadline); unknown names are ignored."""
+        for name in names:
+            if name in self.factories:
+                self._drafter(name)
+
     def feature_drafters(self) -> list[dict]:
         """The hosted drafters that need features, and which (builds them on first use)."""
         out = []

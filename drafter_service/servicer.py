@@ -111,6 +111,16 @@ def block_factories(settings: ServeSettings) -> dict:
     return {"block": make(False), "block_tree": make(True)}
 
 
+def preload_draft_lm(settings: ServeSettings) -> bool:
+    """``settings.preload_draft_lm``; None: when the draft LM is a model of its own (the
+    target's paired draft model, or ``draft_model`` set), not the cheap layer subset."""
+    if settings.preload_draft_lm is not None:
+        return settings.preload_draft_lm
+    from specmesh.models.loading import PAIRED_DRAFT_MODELS
+
+    return bool(settings.draft_model) or settings.model.lower() in PAIRED_DRAFT_MODELS
+
+
 def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
                     factories: Optional[dict] = None) -> Service:
     if vocab_size is None:
@@ -120,5 +130,7 @@ def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
     host = DrafterHost(factories or default_factories(settings), vocab_size, settings.max_drafter_sessions,
                        settings.max_tree_nodes)
     host.feature_drafters()  # load the block drafter now: its first Info and Propose would wait for it
+    if preload_draft_lm(settings):  # and a real draft LM: loading it can take longer than drafter_timeout_s
+        host.preload(["draft_lm"])
     return Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
                    drafter_pb2_grpc.add_DrafterServicer_to_server, DrafterServicer(host))

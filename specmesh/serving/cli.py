@@ -44,7 +44,12 @@ _FLAGS = [
      "invariant (one bucket shape for every forward: bf16 greedy identity)"),
     ("--n-slots", "n_slots", int, "KV slots of the verifier"),
     ("--max-seq-len", "max_seq_len", int, "longest sequence per slot"),
+    ("--draft-model", "draft_model", str, "drafter: the draft LM's alias or directory (default: the target's "
+     "paired draft model, else a subset of its layers)"),
+    ("--preload-draft-lm", "preload_draft_lm", str, "drafter: load the draft LM at start: true | false "
+     "(default: when it is a model of its own)"),
     ("--drafter-address", "drafter_address", str, "router: drafter host:port ('none' = no drafter)"),
+    ("--drafter-timeout-s", "drafter_timeout_s", float, "router: deadline of one drafter call (default 2)"),
     ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
     ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens"),

@@ -53,6 +53,9 @@ class ServeSettings(BaseSettings):
     layerskip_exit: Optional[int] = Field(None, ge=1, description="layer-skip exit layer; None = the calibrated "
                                           "one (specmesh calibrate-layerskip), else 24")
     draft_model: Optional[str] = Field(None, description="draft LM directory for draft_lm (default: derived)")
+    preload_draft_lm: Optional[bool] = Field(
+        None, description="drafter service: load the draft LM at start, not on the first draft_lm request (None: "
+        "when it is a model of its own, the target's paired draft model or draft_model)")
     device: str = Field("auto", description="verifier and draft LM: auto | cpu | cuda | cuda:N (auto: CUDA when "
                         "torch.cuda.is_available()); whether it exists is checked when a service starts")
     cuda_graphs: Union[bool, Literal["invariant"]] = Field(

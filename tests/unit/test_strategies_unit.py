@@ -361,6 +361,25 @@ def test_drafter_host_seeds_and_reads_caches():
         DrafterHost({"suffix": SuffixDrafter}, vocab_size=50).seed("c", [[1]])
 
 
+def test_drafter_service_preloads_a_draft_lm_of_its_own():
+    """A paired or configured draft LM is built when the service starts (its load must not
+    count against the first request's drafter deadline); the layer-subset one waits."""
+    from specmesh.drafter_service.host import DrafterHost
+    from specmesh.drafter_service.servicer import preload_draft_lm
+    from specmesh.serving.settings import load_settings
+
+    built = []
+    host = DrafterHost({"draft_lm": lambda: built.append("draft_lm") or SuffixDrafter(),
+                        "suffix": SuffixDrafter}, vocab_size=50)
+    host.preload(["draft_lm", "not_hosted"])
+    host.preload(["draft_lm"])
+    assert built == ["draft_lm"]  # built once, kept; unknown names ignored
+    assert preload_draft_lm(load_settings(model="qwen2.5-coder-1.5b-instruct"))
+    assert preload_draft_lm(load_settings(draft_model="/some/dir"))
+    assert not preload_draft_lm(load_settings(model="smollm2-135m-instruct"))
+    assert not preload_draft_lm(load_settings(model="qwen2.5-coder-1.5b-instruct", preload_draft_lm=False))
+
+
 # ---------------------------------------------------------------- reasoning / SSR on a scripted target
 
 class ScriptVerifier:

