@@ -425,7 +425,10 @@ class LlamaEngine:
         # copies: a view of a loaded tensor would keep the whole safetensors file mapped
         # (513 MB of RSS for SmolLM2 in bf16/int8/int4, whose matrices are all new tensors)
         self.norm = g("norm.weight").float().clone()
-        head = g("lm_head.weight" if "lm_head.weight" in names else "embed_tokens.weight")
+        if "lm_head.weight" in names:
+            head = g("lm_head.weight")
+        else:  # tied: fp32 shares the embedding table; other dtypes convert a full-precision read of it
+            head = self.embed if self.embed.dtype == torch.float32 else g("embed_tokens.weight")
         head_mode = "int8" if mode == "int4" and not self.int4_head else mode
         self.head = Linear(head, None, head_mode, self.int4_group, keep_rows=True)
 

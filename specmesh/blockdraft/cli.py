@@ -312,15 +312,24 @@ def _initial_model(args, model, tsd, target_dir, layers, train_recs):
 
 
 def _compare_losses(args, model, tsd, train_ex, held_ex) -> int:
-    """``--compare-losses a,b``: each loss from scratch on the same data and seed; one table."""
+    """``--compare-losses a,b``: each loss on the same data, seed and budget, from scratch, or
+    with ``--init`` from that checkpoint (then its untrained evaluation is the first row);
+    one table."""
+    import copy
+
     import torch
 
     from .train import evaluate, evaluate_by_kind, new_model, train
 
     rows = []
+    if args.init:
+        ev = evaluate(model, held_ex, amp=args.amp)
+        ev["by_kind"] = evaluate_by_kind(model, held_ex, amp=args.amp)
+        rows.append(("(init, not trained)", ev))
+        _report(ev, "init")
     for loss in args.compare_losses.split(","):
         torch.manual_seed(args.seed)
-        m = new_model(model.cfg, tsd, model.keep_ids)
+        m = copy.deepcopy(model) if args.init else new_model(model.cfg, tsd, model.keep_ids)
         train(m, train_ex, args.steps, loss=loss, lr=args.lr, batch=args.batch, anchors_per_seq=args.anchors,
               gamma=args.gamma, seed=args.seed, amp=args.amp, max_minutes=args.max_minutes)
         ev = evaluate(m, held_ex, amp=args.amp)
@@ -338,8 +347,9 @@ def _compare_losses(args, model, tsd, train_ex, held_ex) -> int:
     print("\n" + "\n".join(table))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    start = f"from {args.init}" if args.init else "from scratch"
     (out / "compare_losses.md").write_text(
-        f"Each loss trained from scratch for {args.steps} steps on the same data and seed "
+        f"Each loss trained {start} for {args.steps} steps on the same data and seed "
         f"(`specmesh {' '.join(sys.argv[1:])}`).\n\n" + "\n".join(table) + "\n")
     (out / "compare_losses.json").write_text(json.dumps({loss: ev for loss, ev in rows}, indent=2))
     print(f"wrote {out / 'compare_losses.md'}")

@@ -248,3 +248,10 @@ def test_train_drafter_cli_trains_expands_and_compares(tmp_path):
     assert main(["train-drafter", "--out", str(cmp), "--block", "3", "--compare-losses", "ce,combined"] + common) == 0
     table = (cmp / "compare_losses.md").read_text()
     assert "| ce |" in table and "| combined |" in table
+    # from a checkpoint: each loss continues it, and the checkpoint itself is the first row
+    cont = tmp_path / "cont"
+    assert main(["train-drafter", "--out", str(cont), "--init", str(out), "--compare-losses", "ce"] + common) == 0
+    table = (cont / "compare_losses.md").read_text()
+    assert f"from {out}" in table and "| (init, not trained) |" in table and "| ce |" in table
+    rows = json.loads((cont / "compare_losses.json").read_text())
+    assert set(rows) == {"(init, not trained)", "ce"}
