@@ -7,7 +7,8 @@ start-up, through this function, so a device that does not exist is one clear
 at the first forward.
 
 Specs: ``auto`` (CUDA when ``torch.cuda.is_available()``, else the CPU), ``cpu``,
-``cuda`` (the current CUDA device), ``cuda:N``. Knows nothing about models.
+``cuda`` (the current CUDA device), ``cuda:N``. ``cpu_bf16_is_fast()`` says whether
+this CPU has bf16 matrix instructions (AMX or AVX-512 BF16). Knows nothing about models.
 """
 
 from __future__ import annotations
@@ -55,3 +56,12 @@ def describe(device: torch.device) -> str:
         return "cpu"
     p = torch.cuda.get_device_properties(device)
     return f"{device} ({p.name}, {p.total_memory / 2**30:.0f} GiB)"
+
+
+def cpu_bf16_is_fast() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX tiles or AVX-512 BF16).
+    Without them (AVX2 only) torch emulates bf16 matmuls and they run slower than fp32:
+    a block-drafter training step took 10.7 s under bf16 autocast vs 0.53 s in fp32 on
+    an AVX2-only EPYC, while on an AMX CPU autocast was ~4x faster."""
+    cpu = torch.cpu
+    return any(bool(getattr(cpu, f, lambda: False)()) for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))

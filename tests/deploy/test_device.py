@@ -1,4 +1,4 @@
-"""Devices on the CPU: ``resolve_device`` and its errors, ``--device`` through the
+"""Devices on the CPU: ``resolve_device`` and its errors, ``cpu_bf16_is_fast``, ``--device`` through the
 settings, CLI and Runtime, and ``GraphedEngine``'s static-shape forward (run without
 capture) against the eager engine: chains, trees, several sessions of different
 lengths, padded buckets, the fallback, and the KV it writes. Fast, tiny models;
@@ -371,3 +371,15 @@ def test_graphed_engine_invariant_mode_rows_do_not_depend_on_the_call():
     plain, _ = generate_tokens(None, ver, rep, max_new_tokens=24)
     spec, st = generate_tokens(PromptLookupDrafter(), ver, rep, max_new_tokens=24, budget=6)
     assert spec == plain and st.drafted_tokens > 0
+
+
+def test_cpu_bf16_is_fast_follows_the_cpu_instructions(monkeypatch):
+    """bf16 autocast is the training default only where the CPU multiplies bf16 natively."""
+    import torch
+
+    from specmesh.device import cpu_bf16_is_fast
+
+    for amx, avx512_bf16, fast in ((False, False, False), (True, False, True), (False, True, True)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=avx512_bf16: v, raising=False)
+        assert cpu_bf16_is_fast() is fast
