@@ -123,10 +123,9 @@ def verdicts(records: list[dict], meta: dict) -> list[tuple[str, str]]:
         line(judged <= RSS_LIMIT_MB, f"specmesh peak RSS {judged:.0f} MiB (limit {RSS_LIMIT_MB} MiB; measured "
              f"before any peer model was loaded); whole benchmark process incl. HF models: {_fmt(peak, 0)} MiB")
         # issue 20: the int4 engine with the block drafter in <= 1 GB (judged where the run held nothing else)
-        ours_dtypes = {r["dtype"] for r in records if r["system"].startswith("ours_")}
-        lean = {"ours_ar", "ours_block", "ours_block_tree"}
-        ours_systems = {r["system"] for r in records if r["system"].startswith("ours_")}
-        if ours_dtypes == {"int4"} and ours_systems & {"ours_block", "ours_block_tree"} and ours_systems <= lean:
+        ours = [r for r in records if r["system"].startswith("ours_")]
+        ours_systems, block = {r["system"] for r in ours}, {"ours_block", "ours_block_tree"}
+        if {r["dtype"] for r in ours} == {"int4"} and ours_systems & block and ours_systems <= block | {"ours_ar"}:
             line(judged <= INT4_RSS_LIMIT_MB, f"int4 engine + block drafter: peak RSS {judged:.0f} MiB "
                  f"(target {INT4_RSS_LIMIT_MB} MiB; systems {', '.join(sorted(ours_systems))})")
         else:

@@ -327,20 +327,21 @@ def _compare_losses(args, model, tsd, train_ex, held_ex) -> int:
     from .train import evaluate, evaluate_by_kind, new_model, train
 
     rows = []
+
+    def row(m, label: str, name: str) -> None:  # held-out evaluation, overall and per kind
+        ev = evaluate(m, held_ex, amp=args.amp)
+        ev["by_kind"] = evaluate_by_kind(m, held_ex, amp=args.amp)
+        rows.append((label, ev))
+        _report(ev, name)
+
     if args.init:
-        ev = evaluate(model, held_ex, amp=args.amp)
-        ev["by_kind"] = evaluate_by_kind(model, held_ex, amp=args.amp)
-        rows.append(("(init, not trained)", ev))
-        _report(ev, "init")
+        row(model, "(init, not trained)", "init")
     for loss in args.compare_losses.split(","):
         torch.manual_seed(args.seed)
         m = copy.deepcopy(model) if args.init else new_model(model.cfg, tsd, model.keep_ids)
         train(m, train_ex, args.steps, loss=loss, lr=args.lr, batch=args.batch, anchors_per_seq=args.anchors,
               gamma=args.gamma, seed=args.seed, amp=args.amp, max_minutes=args.max_minutes)
-        ev = evaluate(m, held_ex, amp=args.amp)
-        ev["by_kind"] = evaluate_by_kind(m, held_ex, amp=args.amp)
-        rows.append((loss, ev))
-        _report(ev, loss)
+        row(m, loss, loss)
     kinds = sorted(rows[0][1]["by_kind"])
     table = ["| loss | held-out τ (all) | " + " | ".join(f"τ {k}" for k in kinds) + " | slot-1 acc | slot-2 acc |",
              "|---|---|" + "---|" * len(kinds) + "---|---|"]
