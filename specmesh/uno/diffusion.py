@@ -32,11 +32,19 @@ the batch-invariant engine bit for bit; in fp32's ragged forward up to ties at
   e.g. prompt lookup over the context, or the target's own greedy continuation)
   at the positions the confidence ranking picks;
 - ``both``: the two as sibling branches of the state tree;
-- ``tree``: a best-first tree of ``budget`` guessed states: a child fills one more
-  offset with one of its top tokens under the last exact outputs, scored by the
-  product of those probabilities (the conditioning on a new fill often moves a
-  position's argmax to a runner-up, or the rule to another offset: a chain of
-  guesses misses those). ``width`` adds the ranking's runners-up as branches to
+- ``tree``: a best-first tree of ``budget`` guessed states, each a path of fills
+  after the current state, scored by an estimate of the probability that the rule
+  takes that path (``TreePrior``). What the block-causal attention makes exact: a
+  prediction for offset k depends only on the fills at offsets < k, so after fills
+  whose leftmost offset is m, every open offset left of m still has its prediction
+  from the last exact outputs. Among those the rule can only take the most
+  confident, with its argmax (every other candidate there is provably wrong and is
+  never guessed); it competes with the open offsets right of m, whose predictions
+  are stale: each of their top ``len(prior.token_rank)`` tokens is a candidate,
+  weighted by how often the rule's choice had that offset rank and token rank
+  under stale outputs (measured on plain trajectories: ``TreePrior.fit``; the
+  conditioning on a new fill moves the argmax of a stale offset to a runner-up
+  more often than not). ``width`` adds the ranking's runners-up as branches to
   ``self``.
 
 Of the branches that hold, the longest is kept (all are the rule's own trajectory).
@@ -68,7 +76,66 @@ from typing import Callable, Optional, Sequence
 import torch
 
 Fill = tuple[tuple[int, int], ...]  # one step: ((block offset, token), ...), offsets ascending
-TREE_TOKENS = 3  # candidate tokens per offset of the ``tree`` guesser
+
+
+@dataclass(frozen=True)
+class TreePrior:
+    """How the rule's next step relates to stale outputs (the ``tree`` guesser's scores).
+
+    After fills whose leftmost offset is m, ``exact`` is the chance the rule takes the
+    most confident open offset left of m (its prediction exact, its token certain)
+    when open offsets right of m compete: ``exact[0]`` when its confidence is below
+    the best stale one's + ``gap``, ``exact[1]`` otherwise (1 when none competes).
+    ``offset_rank[r]``: the chance the rule's offset, when right of m, is the r-th
+    most confident of them under the stale outputs; ``token_rank[j]``: the chance its
+    token is the j-th most probable there (its length: candidate tokens per offset).
+    The defaults were fitted (``fit``) on plain trajectories of SmolLM2 with the
+    bundled adapter, block 5, bf16, on prompts 4-9 of open_writing and chat_multiturn,
+    64 tokens each (not the ones ``uno-study`` measures): 596 steps. ``uno-study
+    --fit-prior N`` fits it again on N held-out prompts a workload."""
+
+    exact: tuple[float, float] = (0.122, 0.417)
+    gap: float = 0.2
+    offset_rank: tuple[float, ...] = (0.768, 0.156, 0.046, 0.031)
+    token_rank: tuple[float, ...] = (0.419, 0.164, 0.099, 0.043, 0.053, 0.025, 0.025, 0.012)
+
+    def offset(self, r: int) -> float:
+        return self.offset_rank[r] if r < len(self.offset_rank) else self.offset_rank[-1] / 2 ** (
+            r - len(self.offset_rank) + 1)
+
+    @classmethod
+    def fit(cls, traces: Sequence[Sequence[tuple[dict, "Fill"]]], tokens: int = 8, gap: float = 0.2) -> "TreePrior":
+        """The prior measured on plain trajectories: ``traces`` holds per block the
+        successive (exact outputs, step taken) of plain unmasking (one position a step;
+        ``Unmasking.generate(..., trace=)`` records them). Each step after a block's
+        first is compared with the outputs of the state before it (stale by one fill).
+        Add-one smoothing, so no rank gets probability zero."""
+        ex = [[1, 2], [1, 2]]  # (wins, cases) of the exact offset, close / clear
+        offs, toks, beyond = [], [1] * tokens, 1  # beyond: the rule's token was not a candidate
+        for block in traces:
+            for (stale, prev), (_, nxt) in zip(block, block[1:]):
+                (o0, _), (o1, t1) = prev[0], nxt[0]
+                conf = {k: float(p.max()) for k, p in stale.items() if k != o0}
+                left = [k for k in conf if k < o0]
+                right = sorted((k for k in conf if k > o0), key=lambda k: (-conf[k], k))
+                if left and right:
+                    best = min(left, key=lambda k: (-conf[k], k))
+                    c = ex[int(conf[best] - conf[right[0]] >= gap)]
+                    c[0] += o1 == best
+                    c[1] += 1
+                offs += [1] * (len(right) - len(offs))  # one rank per competing offset seen
+                if o1 in right:
+                    offs[right.index(o1)] += 1
+                    rank = int((stale[o1] > stale[o1][t1]).sum())
+                    if rank < tokens:
+                        toks[rank] += 1
+                    else:
+                        beyond += 1
+        offs = offs or [1]
+        n_off, n_tok = sum(offs), sum(toks) + beyond
+        return cls(exact=(ex[0][0] / ex[0][1], ex[1][0] / ex[1][1]), gap=gap,
+                   offset_rank=tuple(round(v / n_off, 4) for v in offs),
+                   token_rank=tuple(round(v / n_tok, 4) for v in toks))
 
 
 @dataclass
@@ -159,7 +226,8 @@ class _Trie:
 class Unmasking:
     """Block-wise iterative unmasking on an engine with a gated adapter attached."""
 
-    def __init__(self, engine, block: int = 5, per_step: int = 1, slot: int = 0, lookahead: bool = True):
+    def __init__(self, engine, block: int = 5, per_step: int = 1, slot: int = 0, lookahead: bool = True,
+                 prior: Optional[TreePrior] = None):
         if engine.adapter is None:
             raise ValueError("the diffusion mode needs the engine's gated adapter (engine.attach_adapter)")
         if block < 2 or not 1 <= per_step <= block:
@@ -170,6 +238,7 @@ class Unmasking:
         self.eng, self.B, self.k, self.slot = engine, block, per_step, slot
         self._p0: Optional[torch.Tensor] = None  # the block's offset-0 prediction (the pending token's row)
         self.lookahead = lookahead  # score the next block's first forward after complete guessed states
+        self.prior = prior or TreePrior()  # the ``tree`` guesser's scores
         self._ahead: dict = {}
 
     # ------------------------------------------------------------ one forward
@@ -220,13 +289,18 @@ class Unmasking:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = (),
                  speculate: Optional[str] = None, depth: int = 4,
                  drafter: Optional[Callable[[list[int], int], list[int]]] = None,
-                 width: int = 1, budget: int = 16) -> tuple[list[int], DiffusionStats]:
+                 width: int = 1, budget: int = 16,
+                 trace: Optional[list] = None) -> tuple[list[int], DiffusionStats]:
         """New tokens and stats. ``speculate``: None (plain unmasking), ``self``, ``draft``,
         ``both`` or ``tree`` (module docstring); ``depth``: guessed steps per forward;
         ``drafter``: (committed tokens, n) -> n proposed tokens for the block (``draft`` /
         ``both``); ``width``: self-guessed branches per forward (the ranking, then each of
         its ``width - 1`` runners-up as the next step); ``budget``: guessed states per
-        forward of the ``tree`` guesser."""
+        forward of the ``tree`` guesser (fewer where the slot's room ends); ``trace``: a
+        list that gets, per block of plain unmasking, its successive (exact outputs, step)
+        (what ``TreePrior.fit`` reads)."""
+        if trace is not None and speculate is not None:
+            raise ValueError("trace records plain unmasking (speculate=None)")
         if speculate not in (None, "self", "draft", "both", "tree"):
             raise ValueError(f"speculate must be None, 'self', 'draft', 'both' or 'tree', got {speculate!r}")
         if speculate == "tree" and self.k != 1:
@@ -247,15 +321,17 @@ class Unmasking:
         append = [tokens[-1]]
         out: list[int] = []
         stops = set(stop_ids)
-        guessed = 0 if speculate is None else budget if speculate == "tree" else \
-            depth * (width + (speculate == "both"))  # at most this many guessed states a forward
-        guessed *= 2 if self.lookahead else 1  # a complete one carries the next block's B rows
         carried = None
         try:
             while len(out) < max_new_tokens:
-                if eng.length(self.slot) + len(append) + B * (guessed + 1) >= eng.max_seq_len:
+                # room for the plain path (the block's rows, then the next block's first forward);
+                # guessed states are cut to what fits (``_fit``)
+                if eng.length(self.slot) + len(append) + 2 * B >= eng.max_seq_len:
                     break
-                block, carried = self._block(tokens, append, st, speculate, depth, drafter, width, budget, carried)
+                if trace is not None:
+                    trace.append([])
+                block, carried = self._block(tokens, append, st, speculate, depth, drafter, width, budget, carried,
+                                             trace[-1] if trace is not None else None)
                 st.blocks += 1
                 # committed in the next block's first forward (its last: the pending token), or already
                 append = [] if carried is not None else list(block)
@@ -315,7 +391,7 @@ class Unmasking:
         return out, st
 
     def _block(self, tokens, append, st, speculate, depth, drafter, width=1, budget=16,
-               carried=None) -> tuple[list[int], Optional[dict]]:
+               carried=None, trace=None) -> tuple[list[int], Optional[dict]]:
         """One block: (its tokens, the next block's first outputs where a verified guess
         completed it and the lookahead scored them; then its tokens are committed)."""
         B, k = self.B, self.k
@@ -325,6 +401,8 @@ class Unmasking:
         guess_tokens = drafter(list(tokens), B) if speculate in ("draft", "both") else None
         while True:
             step = decide(probs, k)  # exact: from the outputs of the exact state
+            if trace is not None:
+                trace.append((probs, step))
             for o, t in step:
                 fills[o] = t
             st.steps += 1
@@ -340,6 +418,7 @@ class Unmasking:
                 branches = self._tree(probs, fills, step, depth, budget)
             else:
                 branches = self._guesses(probs, fills, step, speculate, depth, guess_tokens, width)
+            branches = self._fit(append, fills, branches)
             states = [list(fills)] + [s for br in branches for s in br]
             complete = [i for i, s in enumerate(states) if i and all(f is not None for f in s)] \
                 if self.lookahead else []
@@ -407,24 +486,57 @@ class Unmasking:
                 out.append(br)
         return out
 
+    def _fit(self, append, fills, branches):
+        """``branches`` cut (from the last) to what the slot's room holds: the forward's
+        rows are the appended chain and the states' trie (with the lookahead's rows)."""
+        room = self.eng.max_seq_len - self.eng.length(self.slot) - len(append)
+        while branches:
+            trie = _Trie(self.eng, len(append))
+            trie.add(fills)
+            for br in branches:
+                for s in br:
+                    if self.lookahead and all(f is not None for f in s):
+                        trie.extend(s)
+                    else:
+                        trie.add(s)
+            if len(trie.tokens) <= room:
+                break
+            branches = branches[:-1]
+        return branches
+
     def _tree(self, probs, fills, step, depth, budget) -> list[list[list[Optional[int]]]]:
         """Branches (root-to-leaf chains) of a best-first tree of ``budget`` guessed states
-        after ``fills``: a child fills one more unfilled offset o with token t, scored by
-        the parent's score x p(t at o) under the last exact outputs (the candidates: every
-        offset's top ``TREE_TOKENS`` tokens), at most ``depth`` steps deep. Catches the
-        step after this one when the conditioning moved the argmax to a runner-up token
-        or the rule to another offset."""
+        after ``fills`` (``step`` just applied to them; ``probs``: the exact outputs of the
+        state before it), at most ``depth`` steps deep. A node's score is its parent's
+        times the prior chance of its fill (module docstring, ``TreePrior``): the most
+        confident open offset left of every fill since the exact outputs, with its
+        argmax (exact), or one of the top tokens of an open offset right of them
+        (stale)."""
         import heapq
 
+        pr = self.prior
         done = {o for o, _ in step}
-        cand = []
-        for o, p in probs.items():
-            if o in done:
-                continue
-            v, ix = torch.topk(p, min(TREE_TOKENS, p.numel()))
-            cand += [(float(a), o, int(t)) for a, t in zip(v.tolist(), ix.tolist())]
-        cand.sort(key=lambda c: (-c[0], c[1], c[2]))
-        heap = [(-a, n, (o, t), ()) for n, (a, o, t) in enumerate(cand)]  # (-score, tie, fill, ancestors)
+        conf = {o: float(p.max()) for o, p in probs.items()}
+        ntok = len(pr.token_rank)
+        top = {o: torch.topk(p, min(ntok, p.numel())).indices.tolist() for o, p in probs.items()}
+
+        def fills_after(node):  # (prior chance, offset, token) of every candidate next fill
+            used = done | {o for o, _ in node}
+            m = min(used)
+            opn = [o for o in probs if o not in used]
+            left = [o for o in opn if o < m]
+            right = sorted((o for o in opn if o > m), key=lambda o: (-conf[o], o))
+            out, rest = [], 1.0
+            if left:
+                best = min(left, key=lambda o: (-conf[o], o))
+                pe = pr.exact[int(conf[best] - conf[right[0]] >= pr.gap)] if right else 1.0
+                out.append((pe, best, top[best][0]))
+                rest = 1.0 - pe
+            for r, o in enumerate(right):
+                out += [(rest * pr.offset(r) * pr.token_rank[j], o, t) for j, t in enumerate(top[o])]
+            return out
+
+        heap = [(-a, n, (o, t), ()) for n, (a, o, t) in enumerate(fills_after(()))]  # (-score, tie, fill, anc)
         heapq.heapify(heap)
         tie, chosen, children = len(heap), [], {}
         while heap and len(chosen) < budget:
@@ -433,11 +545,9 @@ class Unmasking:
             chosen.append(node)
             children.setdefault(anc, []).append(node)
             if len(node) < depth:
-                used = {o for o, _ in node}
-                for a, o, t in cand:
-                    if o not in used:
-                        heapq.heappush(heap, (neg * a, tie, (o, t), node))
-                        tie += 1
+                for a, o, t in fills_after(node):
+                    heapq.heappush(heap, (neg * a, tie, (o, t), node))
+                    tie += 1
         out = []
         for node in chosen:
             if node in children:

@@ -11,7 +11,8 @@ decoding's.
 
 Part 2, the diffusion mode (``diffusion.Unmasking``): plain iterative unmasking vs
 trajectory speculation (``self``, ``draft`` with prompt lookup as the AR drafter,
-``both``, and the best-first ``tree`` of guessed states; each with the lookahead
+``both``, and the best-first ``tree`` of guessed states, its prior built in or fitted
+on held-out prompts with ``--fit-prior``; each with the lookahead
 that scores the next block's first forward after a complete guessed block unless
 ``--no-lookahead``): target forwards per block, steps per forward, rows per forward
 (what a wider forward costs where rows are not free), tokens/s, and identity with
@@ -25,6 +26,7 @@ Knows nothing about gRPC.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -50,10 +52,13 @@ def register(sub) -> None:
     p.add_argument("--diffusion-block", type=int, default=5, help="positions per diffusion block")
     p.add_argument("--per-step", type=int, default=1, help="positions unmasked per diffusion step")
     p.add_argument("--depth", type=int, default=4, help="guessed steps per speculative forward")
-    p.add_argument("--tree-budget", type=int, default=32, help="guessed states per forward of the tree guesser")
+    p.add_argument("--tree-budget", type=int, default=64, help="guessed states per forward of the tree guesser")
     p.add_argument("--tree-depth", type=int, default=None, help="tree guesser's depth (default: the block)")
     p.add_argument("--no-lookahead", action="store_true",
                    help="do not score the next block's first forward after complete guessed blocks")
+    p.add_argument("--fit-prior", type=int, default=0, metavar="N",
+                   help="fit the tree guesser's prior (TreePrior.fit) on plain unmasking of N more prompts a "
+                        "workload, after the measured ones (default: the built-in prior)")
     p.add_argument("--diffusion-tokens", type=int, default=64, help="new tokens per prompt in the diffusion part")
     p.add_argument("--skip-diffusion", action="store_true")
     p.add_argument("--out", default="uno-study")
@@ -110,7 +115,8 @@ def _serving(rt, prompts, systems, args) -> dict:
 def _diffusion(rt, prompts, args) -> dict:
     from ..drafters.prompt_lookup import PromptLookupDrafter
     from ..types import DraftContext, SamplingParams
-    from .diffusion import Unmasking
+    from ..bench import workloads as wl
+    from .diffusion import TreePrior, Unmasking
 
     pl = PromptLookupDrafter()
 
@@ -121,6 +127,14 @@ def _diffusion(rt, prompts, args) -> dict:
                     lookahead=not args.no_lookahead)
     from ..loop import generate_tokens
 
+    if args.fit_prior and args.per_step == 1:  # on prompts the measurement does not use
+        n = args.prompts + args.fit_prior
+        held = [p for ps in wl.load(args.workloads.split(","), n).values() for p in ps[args.prompts:n]]
+        trace: list = []
+        for p in held:
+            dec.generate(rt.encode(p.prompt, p.messages), args.diffusion_tokens, stop_ids=rt.stop_ids, trace=trace)
+        dec.prior = TreePrior.fit(trace)
+        print(f"tree prior fitted on {len(held)} held-out prompts: {dec.prior}", file=sys.stderr)
     modes = [None, "self", "draft", "both"] + (["tree"] if args.per_step == 1 else [])
     rows = {str(m): {"forwards": 0, "steps": 0, "blocks": 0, "tokens": 0, "seconds": 0.0, "identical": 0,
                      "prompts": 0, "guessed": 0, "rows": 0, "lookahead": 0} for m in modes + ["refine"]}
@@ -161,7 +175,7 @@ def _diffusion(rt, prompts, args) -> dict:
         r["tokens_per_s"] = r["tokens"] / max(r["seconds"], 1e-9)
         r["forward_reduction"] = plain["forwards_per_block"] / max(r["forwards_per_block"], 1e-9)
     rows["plain"] = rows.pop("None")
-    return rows
+    return rows, dataclasses.asdict(dec.prior)
 
 
 def render(res: dict) -> str:
@@ -180,7 +194,9 @@ def render(res: dict) -> str:
         lines += ["", f"## Diffusion mode (block {a['diffusion_block']}, {a['per_step']} position(s) a step, "
                   f"{a['diffusion_tokens']} tokens, depth {a['depth']}; tree: {a.get('tree_budget')} states, depth "
                   f"{a.get('tree_depth') or a['diffusion_block']}; lookahead "
-                  f"{'off' if a.get('no_lookahead') else 'on'})", "",
+                  f"{'off' if a.get('no_lookahead') else 'on'}; tree prior: "
+                  f"{'fitted on ' + str(a['fit_prior']) + ' held-out prompts a workload' if a.get('fit_prior') else 'built in'})",
+                  "",
                   "| decoder | target forwards / block | steps / forward | forward reduction | rows / forward "
                   "| blocks by lookahead | tok/s | identical |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -247,7 +263,7 @@ def main(args) -> int:
     res = {"args": vars(args) | {"func": None, "module": None}, "adapter": str(rt.uno_path),
            "block": rt.verifier.self_drafters["uno"].block, "serving": _serving(rt, prompts, systems, args)}
     if not args.skip_diffusion:
-        res["diffusion"] = _diffusion(rt, prompts, args)
+        res["diffusion"], res["tree_prior"] = _diffusion(rt, prompts, args)
     res["median_prompt_tokens"] = statistics.median(len(rt.encode(p.prompt, p.messages)) for p in prompts)
     write_result(args.out, "uno-study", res, render(res), plot)
     return 0

@@ -250,6 +250,80 @@ def test_trajectory_speculation_equals_plain_unmasking(tiny_uno, dtype, speculat
         assert ahead > 0
 
 
+def test_tree_guesser_never_guesses_against_exact_predictions(tiny_uno):
+    """Left of every fill since the exact outputs, predictions are exact (block-causal
+    attention): the tree guesses only the most confident such offset, with its argmax;
+    right of them it tries each offset's top tokens."""
+    from specmesh.uno.diffusion import Unmasking
+
+    _, ad, _ = tiny_uno
+    eng, _ = tiny_engine("fp32", n_slots=1)
+    eng.attach_adapter(ad)
+    dec = Unmasking(eng, block=6, per_step=1) if ad.cfg.block >= 5 else Unmasking(eng, block=M + 1, per_step=1)
+    B = dec.B
+    g = torch.Generator().manual_seed(0)
+    probs = {o: torch.softmax(3 * torch.randn(eng.vocab_size, generator=g), -1) for o in range(B)}
+    o0 = B - 2  # the step just taken; offsets < o0 keep their exact predictions
+    fills = [None] * B
+    fills[o0] = int(probs[o0].argmax())
+    conf = {o: float(probs[o].max()) for o in range(B) if o != o0}
+    best_left = min((o for o in conf if o < o0), key=lambda o: (-conf[o], o))
+    branches = dec._tree(probs, fills, ((o0, fills[o0]),), depth=B, budget=64)
+    firsts = set()
+    for br in branches:
+        assert len(br) <= B - 1
+        (o, t), = [(o, t) for o, t in enumerate(br[0]) if fills[o] is None and t is not None]
+        firsts.add((o, t))
+    left = {(o, t) for o, t in firsts if o < o0}
+    assert left == {(best_left, int(probs[best_left].argmax()))}
+    right = {(o, t) for o, t in firsts if o > o0}
+    assert right == {(B - 1, t) for t in torch.topk(probs[B - 1], len(dec.prior.token_rank)).indices.tolist()}
+
+
+def test_tree_prior_fit_counts_the_rules_choices():
+    from specmesh.uno.diffusion import TreePrior
+
+    def p(*tops):  # offset -> distribution with the given (token, prob) leaders
+        out = {}
+        for o, lead in tops:
+            v = torch.full((10,), 0.01)
+            for t, a in lead:
+                v[t] = a
+            out[o] = v / v.sum()
+        return out
+
+    # block of 3: step 1 fills offset 1 (most confident), then the rule takes offset 2 with its
+    # stale runner-up token 4, then offset 0 (exact, alone)
+    s0 = p((0, [(1, 0.3)]), (1, [(2, 0.9)]), (2, [(3, 0.5), (4, 0.2)]))
+    s1 = p((0, [(1, 0.3)]), (2, [(4, 0.6)]))
+    s2 = p((0, [(1, 0.3)]))
+    trace = [[(s0, ((1, 2),)), (s1, ((2, 4),)), (s2, ((0, 1),))]]
+    pr = TreePrior.fit(trace, tokens=3)
+    # offset 2 beat exact offset 0 once (confidences 0.77 vs 0.64: the close bin): (0 + 1) / (1 + 2)
+    assert pr.exact == (pytest.approx(1 / 3), pytest.approx(1 / 2))
+    assert pr.offset_rank == (1.0,)  # one competing offset right of the fill, rank 0 (+1 smoothing)
+    # the runner-up token (+1 smoothing each, and +1 for a token beyond the candidates)
+    assert pr.token_rank == (pytest.approx(0.2), pytest.approx(0.4), pytest.approx(0.2))
+    assert pr.offset(3) < pr.offset(2) < pr.offset(0)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_wide_guess_trees_are_cut_to_the_slots_room(tiny_uno, dtype):
+    """A guess tree wider than the slot's room is cut to fit, so speculation generates
+    as far as plain unmasking does (it used to stop where the widest tree would not fit)."""
+    from specmesh.uno.diffusion import Unmasking
+
+    _, ad, prompts = tiny_uno
+    eng, _ = tiny_engine(dtype, n_slots=1, max_seq_len=64)
+    eng.attach_adapter(ad)
+    dec = Unmasking(eng, block=M + 1, per_step=1)
+    for prompt in prompts[:3]:
+        plain, _ = dec.generate(prompt, 40)
+        spec, st = dec.generate(prompt, 40, speculate="tree", budget=64)
+        assert spec == plain and len(plain) >= 40 - M, (len(spec), len(plain))
+        assert st.rows / st.forwards < 64 * M
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_draft_and_refine_returns_greedy_decoding(tiny_uno, dtype):
     from specmesh.loop import generate_tokens
