@@ -390,11 +390,12 @@ class LlamaEngine:
                         max_seq_len: int = 2048, quiet: bool = False, device: str = "cpu",
                         **kw) -> "LlamaEngine":
         """``kw``: further constructor options (``batch_invariant=``, tiling)."""
-        from .models.loading import LazyStateDict, load_config, resolve_model
+        from .models.loading import LazyStateDict, freed_memory_returned, load_config, resolve_model
 
         d = resolve_model(name, quiet=quiet)
-        eng = cls(load_config(d), LazyStateDict(d), dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len,
-                  device=device, **kw)
+        with freed_memory_returned():
+            eng = cls(load_config(d), LazyStateDict(d), dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len,
+                      device=device, **kw)
         eng.model_dir = Path(d)
         return eng
 

@@ -29,8 +29,8 @@ from .device import resolve_device
 from .engine import LlamaEngine
 from .loop import VerifyCosts
 from .models.codec import TextCodec
-from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, cache_root, load_config, load_state_dict,
-                             load_tokenizer, resolve_model)
+from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, cache_root, freed_memory_returned, load_config,
+                             load_state_dict, load_tokenizer, resolve_model)
 from .specialist import adapter_dir as specialist_adapter
 from .types import InvalidArgument
 from .verifier import EngineVerifier
@@ -140,44 +140,45 @@ class Runtime:
         self.model_dir = resolve_model(model, quiet=quiet)
         self.model_name = model
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.engine = make_engine(str(self.model_dir), dtype, n_slots, max_seq_len, self.device, self.cuda_graphs,
-                                  quiet)
-        self.verifier = EngineVerifier(self.engine)
-        self.verify_costs = VerifyCosts()  # this verifier's cost per scored draft token, shared by its requests
-        self.dtype = dtype
-        self.max_seq_len = max_seq_len
-        self.draft_model = draft_model
-        if layerskip_exit is None:  # the exit chosen by `specmesh calibrate-layerskip`, else 24
-            from .drafters.calibration import calibrated_exit
+        with freed_memory_returned():  # the engine, the block drafter and the adapter (models.loading)
+            self.engine = make_engine(str(self.model_dir), dtype, n_slots, max_seq_len, self.device, self.cuda_graphs,
+                                      quiet)
+            self.verifier = EngineVerifier(self.engine)
+            self.verify_costs = VerifyCosts()  # this verifier's cost per scored draft token, shared by its requests
+            self.dtype = dtype
+            self.max_seq_len = max_seq_len
+            self.draft_model = draft_model
+            if layerskip_exit is None:  # the exit chosen by `specmesh calibrate-layerskip`, else 24
+                from .drafters.calibration import calibrated_exit
 
-            layerskip_exit = calibrated_exit(model, dtype) or min(24, self.engine.n_layers - 1)
-        self.layerskip_exit = layerskip_exit
-        self.verifier.self_drafters["layerskip"] = LayerSkipDrafter(self.verifier, layerskip_exit)
-        self._draft_lm: Optional[DraftLMDrafter] = None
-        self.block_drafter = None
-        self.tree_schedule = None  # the block drafter's entropy-switched tree budgets (loop.TreeSchedule)
-        bd = block_drafter_path(model) if block_drafter else None
-        if bd is not None:  # the `self` strategy's trained drafter ("block"), fed by kept hidden states
-            from .blockdraft.serve import BlockSelfDrafter, load_schedule
+                layerskip_exit = calibrated_exit(model, dtype) or min(24, self.engine.n_layers - 1)
+            self.layerskip_exit = layerskip_exit
+            self.verifier.self_drafters["layerskip"] = LayerSkipDrafter(self.verifier, layerskip_exit)
+            self._draft_lm: Optional[DraftLMDrafter] = None
+            self.block_drafter = None
+            self.tree_schedule = None  # the block drafter's entropy-switched tree budgets (loop.TreeSchedule)
+            bd = block_drafter_path(model) if block_drafter else None
+            if bd is not None:  # the `self` strategy's trained drafter ("block"), fed by kept hidden states
+                from .blockdraft.serve import BlockSelfDrafter, load_schedule
 
-            self.block_drafter = BlockSelfDrafter.from_checkpoint(self.verifier, bd)
-            self.tree_schedule = load_schedule(bd)
-            if self.device.type != "cpu":  # the same weights, folded again on the device
-                self.block_drafter = BlockSelfDrafter(self.verifier, self.block_drafter.model.to(self.device),
-                                                      calibration=self.block_drafter.calibration)
-            self.verifier.self_drafters["block"] = self.block_drafter
-            self.verifier.self_drafters["block_tree"] = BlockSelfDrafter(
-                self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration,
-                folded=self.block_drafter.folded)
-        self.uno = None
-        up = self.uno_path = uno_path(model) if uno else None
-        if up is not None:  # the target drafting for itself: its mask-gated adapter
-            from .uno.serve import UnoDrafter
+                self.block_drafter = BlockSelfDrafter.from_checkpoint(self.verifier, bd)
+                self.tree_schedule = load_schedule(bd)
+                if self.device.type != "cpu":  # the same weights, folded again on the device
+                    self.block_drafter = BlockSelfDrafter(self.verifier, self.block_drafter.model.to(self.device),
+                                                          calibration=self.block_drafter.calibration)
+                self.verifier.self_drafters["block"] = self.block_drafter
+                self.verifier.self_drafters["block_tree"] = BlockSelfDrafter(
+                    self.verifier, self.block_drafter.model, tree=True, calibration=self.block_drafter.calibration,
+                    folded=self.block_drafter.folded)
+            self.uno = None
+            up = self.uno_path = uno_path(model) if uno else None
+            if up is not None:  # the target drafting for itself: its mask-gated adapter
+                from .uno.serve import UnoDrafter
 
-            self.uno = UnoDrafter.from_checkpoint(self.verifier, up)
-            self.verifier.self_drafters["uno"] = self.uno
-            self.verifier.self_drafters["uno_tree"] = self.uno.twin(tree=True)
-            self.verifier.self_drafters["uno_separate"] = self.uno.twin(layout="separate")
+                self.uno = UnoDrafter.from_checkpoint(self.verifier, up)
+                self.verifier.self_drafters["uno"] = self.uno
+                self.verifier.self_drafters["uno_tree"] = self.uno.twin(tree=True)
+                self.verifier.self_drafters["uno_separate"] = self.uno.twin(layout="separate")
         self.codec = TextCodec(self.tokenizer, self.engine.vocab_size)
         self.stop_ids = self.codec.stop_ids
         self.specialist = None

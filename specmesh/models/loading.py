@@ -19,8 +19,10 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -216,6 +218,53 @@ def load_state_dict(model_dir: Path) -> dict:
     for f in _safetensors_files(model_dir):
         sd.update(load_file(str(f)))
     return sd
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_loads = 0  # loads in progress (nested or on other threads): the outermost restores malloc
+_loads_lock = threading.Lock()
+
+
+@contextmanager
+def freed_memory_returned(during: int = 1 << 20, after: int = 32 << 20):
+    """Weights load with glibc's malloc serving every block of ``during`` bytes or more
+    by ``mmap``, so the transient tensors a load frees (a weight read in fp32, then
+    quantised) go back to the system at once. glibc's own threshold rises to the largest
+    block freed, and its heap then keeps what the load freed: an int4 SmolLM2 with the
+    block drafter sat at 990–1060 MiB after loading (peaks 1070–1140) and at 825 MiB
+    (peak 890) with this. After the outermost load: a fixed threshold of ``after``
+    (what glibc's own reaches at most), trimming past twice that, and ``malloc_trim``,
+    so serving reuses its heap as before. Nothing happens where the C library has no
+    ``mallopt`` (not glibc)."""
+    global _loads
+    libc = _glibc()
+    if libc is None:
+        yield
+        return
+    with _loads_lock:
+        _loads += 1
+        if _loads == 1:
+            libc.mallopt(_M_MMAP_THRESHOLD, during)
+    try:
+        yield
+    finally:
+        with _loads_lock:
+            _loads -= 1
+            if _loads == 0:
+                libc.mallopt(_M_MMAP_THRESHOLD, after)
+                libc.mallopt(_M_TRIM_THRESHOLD, 2 * after)
+                libc.malloc_trim(0)
+
+
+def _glibc():
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (glibc has both)
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
 class LazyStateDict(Mapping):

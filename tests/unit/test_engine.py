@@ -232,3 +232,38 @@ def test_smollm2_logits_match_hf(runtime):
     ref = _hf_logits(hf, ids)
     torch.testing.assert_close(out, ref, atol=2e-3, rtol=1e-3)
     assert (out.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_loads_return_freed_memory_and_restore_malloc(monkeypatch):
+    """Loading sets glibc's mmap threshold low (freed load buffers go back to the system),
+    once for nested or concurrent loads; the outermost exit sets the serving thresholds and
+    trims, also when the load fails."""
+    from specmesh.models import loading
+
+    calls = []
+
+    class FakeLibc:
+        def mallopt(self, param, value):
+            calls.append(("mallopt", param, value))
+            return 1
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+            return 1
+
+    monkeypatch.setattr(loading, "_glibc", lambda: FakeLibc())
+    with loading.freed_memory_returned(during=4096, after=1 << 20):
+        with loading.freed_memory_returned(during=4096, after=1 << 20):
+            assert calls == [("mallopt", loading._M_MMAP_THRESHOLD, 4096)]
+        assert len(calls) == 1  # the inner exit restores nothing
+    assert calls[1:] == [("mallopt", loading._M_MMAP_THRESHOLD, 1 << 20),
+                         ("mallopt", loading._M_TRIM_THRESHOLD, 2 << 20), ("trim", 0)]
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        with loading.freed_memory_returned():
+            raise RuntimeError("load failed")
+    assert [c[0] for c in calls] == ["mallopt", "mallopt", "mallopt", "trim"] and loading._loads == 0
+    monkeypatch.setattr(loading, "_glibc", lambda: None)  # not glibc: nothing to do
+    with loading.freed_memory_returned():
+        pass
+    assert loading._loads == 0
