@@ -11,7 +11,12 @@ On a machine where ``torch.cuda.is_available()``:
    on the graphed one, Hugging Face ``generate`` eager and with ``cache_implementation=
    "static"`` + ``torch.compile`` (``hf_static_compile``), on a few ``open_writing`` and
    ``chat_multiturn`` bench prompts;
-4. with the time left, the services side by side (``specmesh bench-strategies
+4. the diffusion mode (``specmesh.uno.diffusion`` on the eager engine with the adapter):
+   plain unmasking against trajectory speculation with the guess tree (block 5 with 64
+   states, block 7 with 128), target forwards per block, rows per forward, tokens/s
+   and identity, on the same prompts (``--diffusion-tokens``, 48) — whether the wide
+   forwards that cost tokens/s on a CPU are free here;
+5. with the time left, the services side by side (``specmesh bench-strategies
    --device ...`` in a subprocess: verifier, drafter and router servers on loopback):
    plain, ``self:block_tree`` and ``external:block_tree`` (the block drafter on the
    drafter service, fed hidden features through the router), with the
@@ -48,6 +53,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload (open_writing, chat_multiturn)")
     p.add_argument("--budget-s", type=float, default=280.0, help="wall-clock budget of the whole check")
+    p.add_argument("--diffusion-tokens", type=int, default=48, help="new tokens per prompt in the diffusion phase")
     p.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
     p.add_argument("--no-hf", action="store_true", help="leave the Hugging Face systems out")
     p.add_argument("--allow-cpu", action="store_true", help="run on the CPU (checks the script, not the GPU)")
@@ -220,6 +226,13 @@ def render(result: dict) -> str:
         lines.append(f"- {n}")
     if result.get("engine_calls"):
         lines += ["", f"GraphedEngine calls: {result['engine_calls']}"]
+    dif = result.get("diffusion")
+    if dif:
+        lines += ["", "## Diffusion mode (eager engine, bf16, greedy, one position a step)", "",
+                  "| decoder | block | target forwards / block | forward reduction | rows / forward | tok/s "
+                  "| identical to plain unmasking |", "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['decoder']} | {r['block']} | {r['forwards_per_block']} | {r['forward_reduction']}x | "
+                  f"{r['rows_per_forward']} | {r['tokens_per_s']} | {r['identical']}/{r['prompts']} |" for r in dif]
     svc = result.get("services")
     if svc:
         lines += ["", "## Through the services (bench-strategies): external vs self block tree", ""]
@@ -340,7 +353,59 @@ def _bench_phase(args, device, deadline: float, result: dict, log) -> int:
         same = sum(toks[a] == toks[b] for a, b in pairs)
         result["notes"].append(f"plain decoding, GraphedEngine vs eager engine (bf16): {same}/{len(pairs)} "
                                "outputs identical")
+    if time.monotonic() < deadline - 40:
+        result["diffusion"] = diffusion_phase(rts["eager"], encoded, args.diffusion_tokens, deadline - 30, log)
+    else:
+        result["notes"].append("diffusion phase skipped: out of time")
     return 1 if notes else 0
+
+
+DIFFUSION_CONFIGS = ((5, 64), (7, 128))  # (block, guessed states of the tree)
+
+
+def diffusion_phase(rt, encoded: dict, new_tokens: int, deadline: float, log) -> list[dict]:
+    """Plain unmasking vs the guess tree per (block, states) of ``DIFFUSION_CONFIGS``, on
+    ``rt``'s engine with its mask-gated adapter: one row per decoder and block."""
+    from ..uno.diffusion import Unmasking
+
+    if rt.engine.adapter is None:
+        log("device-check: no mask-gated adapter: diffusion phase skipped")
+        return []
+    rows = []
+    trained = getattr(rt.engine.adapter.cfg, "block", 0)
+    for block, budget in DIFFUSION_CONFIGS:
+        if block - 1 > trained:
+            log(f"device-check: the adapter has {trained} mask slots: diffusion block {block} skipped")
+            continue
+        dec = Unmasking(rt.engine, block=block, per_step=1, slot=rt.engine.n_slots - 1)
+        agg = {m: {"forwards": 0, "blocks": 0, "rows": 0, "tokens": 0, "seconds": 0.0, "identical": 0, "prompts": 0}
+               for m in ("plain", "tree")}
+        for pid, ids in (x for ps in encoded.values() for x in ps):
+            if time.monotonic() > deadline:
+                break
+            outs = {}
+            for m in ("plain", "tree"):
+                out, st = dec.generate(ids, new_tokens, stop_ids=rt.stop_ids, speculate=None if m == "plain" else m,
+                                       depth=block, budget=budget)
+                a = agg[m]
+                for k, v in (("forwards", st.forwards), ("blocks", st.blocks), ("rows", st.rows),
+                             ("tokens", st.new_tokens), ("seconds", st.seconds)):
+                    a[k] += v
+                a["prompts"] += 1
+                outs[m] = out
+            agg["tree"]["identical"] += int(outs["tree"] == outs["plain"])
+            agg["plain"]["identical"] += 1
+        plain_fpb = agg["plain"]["forwards"] / max(agg["plain"]["blocks"], 1)
+        for m, a in agg.items():
+            fpb = a["forwards"] / max(a["blocks"], 1)
+            rows.append({"decoder": "plain unmasking" if m == "plain" else f"guess tree ({budget} states)",
+                         "block": block, "prompts": a["prompts"], "forwards_per_block": round(fpb, 2),
+                         "forward_reduction": round(plain_fpb / fpb, 2) if fpb else 0.0,
+                         "rows_per_forward": round(a["rows"] / max(a["forwards"], 1), 1),
+                         "tokens_per_s": round(a["tokens"] / a["seconds"], 1) if a["seconds"] else 0.0,
+                         "identical": a["identical"]})
+        log("device-check: diffusion " + json.dumps(rows[-2:]))
+    return rows
 
 
 def _services_phase(args, device, deadline: float, out_dir: Path, result: dict, log) -> int:

@@ -324,6 +324,29 @@ def test_wide_guess_trees_are_cut_to_the_slots_room(tiny_uno, dtype):
         assert st.rows / st.forwards < 64 * M
 
 
+def test_device_check_diffusion_phase_reports_each_decoder(tiny_uno, monkeypatch):
+    """The device check's diffusion phase: plain unmasking and the guess tree per block it
+    can run (blocks beyond the adapter's mask slots skipped), forwards, reduction, identity."""
+    from types import SimpleNamespace
+
+    from specmesh.bench import device_check
+
+    _, ad, prompts = tiny_uno
+    eng, _ = tiny_engine("bf16", n_slots=1, max_seq_len=256)
+    eng.attach_adapter(ad)
+    monkeypatch.setattr(device_check, "DIFFUSION_CONFIGS", ((M + 1, 16), (M + 3, 16)))
+    rt = SimpleNamespace(engine=eng, stop_ids=[])
+    rows = device_check.diffusion_phase(rt, {"w": [("a", prompts[0]), ("b", prompts[1])]}, 12, float("inf"),
+                                        lambda *a: None)
+    assert [(r["decoder"], r["block"]) for r in rows] == [("plain unmasking", M + 1), ("guess tree (16 states)", M + 1)]
+    plain, tree = rows
+    assert plain["forward_reduction"] == 1.0 and tree["forward_reduction"] > 1.0
+    assert tree["identical"] == tree["prompts"] == 2 and tree["rows_per_forward"] > plain["rows_per_forward"]
+    assert "guess tree (16 states)" in device_check.render(
+        {"env": {"device": "cpu", "torch": "t", "cuda_build": None, "python": "3"}, "wall_s": 0,
+         "max_new_tokens": 12, "diffusion": rows})
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_draft_and_refine_returns_greedy_decoding(tiny_uno, dtype):
     from specmesh.loop import generate_tokens
