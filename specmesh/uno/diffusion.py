@@ -530,7 +530,7 @@ class Unmasking:
             if left:
                 best = min(left, key=lambda o: (-conf[o], o))
                 pe = pr.exact[int(conf[best] - conf[right[0]] >= pr.gap)] if right else 1.0
-                out.append((pe, best, top[best][0]))
+                out.append((pe, best, int(probs[best].argmax())))  # the rule's own token (its tie-break)
                 rest = 1.0 - pe
             for r, o in enumerate(right):
                 out += [(rest * pr.offset(r) * pr.token_rank[j], o, t) for j, t in enumerate(top[o])]
