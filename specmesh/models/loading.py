@@ -231,8 +231,8 @@ def freed_memory_returned(during: int = 1 << 20, after: int = 32 << 20):
     by ``mmap``, so the transient tensors a load frees (a weight read in fp32, then
     quantised) go back to the system at once. glibc's own threshold rises to the largest
     block freed, and its heap then keeps what the load freed: an int4 SmolLM2 with the
-    block drafter sat at 990–1060 MiB after loading (peaks 1070–1140) and at 825 MiB
-    (peak 890) with this. After the outermost load: a fixed threshold of ``after``
+    block drafter sat at 990–1060 MiB after loading (peaks 1070–1140) and at 815 MiB
+    (peaks 888–893) with this. After the outermost load: a fixed threshold of ``after``
     (what glibc's own reaches at most), trimming past twice that, and ``malloc_trim``,
     so serving reuses its heap as before. Nothing happens where the C library has no
     ``mallopt`` (not glibc)."""

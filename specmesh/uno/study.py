@@ -191,12 +191,11 @@ def render(res: dict) -> str:
                      f"{r['forwards_per_token']:.3f} | {r['round_ms']:.1f} ({r['draft_ms_per_round']:.1f} + "
                      f"{r['verify_ms_per_round']:.1f}) | {r['identical']}/{r['prompts']} |")
     if res.get("diffusion"):
+        prior = f"fitted on {a['fit_prior']} held-out prompts a workload" if a.get("fit_prior") else "built in"
         lines += ["", f"## Diffusion mode (block {a['diffusion_block']}, {a['per_step']} position(s) a step, "
                   f"{a['diffusion_tokens']} tokens, depth {a['depth']}; tree: {a.get('tree_budget')} states, depth "
                   f"{a.get('tree_depth') or a['diffusion_block']}; lookahead "
-                  f"{'off' if a.get('no_lookahead') else 'on'}; tree prior: "
-                  f"{'fitted on ' + str(a['fit_prior']) + ' held-out prompts a workload' if a.get('fit_prior') else 'built in'})",
-                  "",
+                  f"{'off' if a.get('no_lookahead') else 'on'}; tree prior: {prior})", "",
                   "| decoder | target forwards / block | steps / forward | forward reduction | rows / forward "
                   "| blocks by lookahead | tok/s | identical |",
                   "|---|---|---|---|---|---|---|---|"]
