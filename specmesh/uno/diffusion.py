@@ -116,10 +116,8 @@ class TreePrior:
             for (stale, prev), (_, nxt) in zip(block, block[1:]):
                 (o0, _), (o1, t1) = prev[0], nxt[0]
                 conf = {k: float(p.max()) for k, p in stale.items() if k != o0}
-                left = [k for k in conf if k < o0]
-                right = sorted((k for k in conf if k > o0), key=lambda k: (-conf[k], k))
-                if left and right:
-                    best = min(left, key=lambda k: (-conf[k], k))
+                best, right = _sides(conf, conf, o0)
+                if best is not None and right:
                     c = ex[int(conf[best] - conf[right[0]] >= gap)]
                     c[0] += o1 == best
                     c[1] += 1
@@ -160,6 +158,15 @@ class DiffusionStats:
                 "seconds": round(self.seconds, 3),
                 "forwards_per_block": round(self.forwards_per_block, 3),
                 "tokens_per_s": round(self.new_tokens / self.seconds, 2) if self.seconds else 0.0}
+
+
+def _sides(conf: dict[int, float], offsets, m: int) -> tuple[Optional[int], list[int]]:
+    """Of the open ``offsets`` around the leftmost fill ``m`` since the exact outputs: the
+    most confident one left of m (the rule's only possible choice there; ties: leftmost,
+    as in ``decide``), or None, and those right of m, most confident first."""
+    left = [k for k in offsets if k < m]
+    right = sorted((k for k in offsets if k > m), key=lambda k: (-conf[k], k))
+    return (min(left, key=lambda k: (-conf[k], k)) if left else None), right
 
 
 def decide(probs: dict[int, torch.Tensor], per_step: int) -> Fill:
@@ -490,19 +497,17 @@ class Unmasking:
         """``branches`` cut (from the last) to what the slot's room holds: the forward's
         rows are the appended chain and the states' trie (with the lookahead's rows)."""
         room = self.eng.max_seq_len - self.eng.length(self.slot) - len(append)
-        while branches:
-            trie = _Trie(self.eng, len(append))
-            trie.add(fills)
-            for br in branches:
-                for s in br:
-                    if self.lookahead and all(f is not None for f in s):
-                        trie.extend(s)
-                    else:
-                        trie.add(s)
-            if len(trie.tokens) <= room:
-                break
-            branches = branches[:-1]
-        return branches
+        trie = _Trie(self.eng, len(append))  # it only grows: the longest prefix of branches that fits
+        trie.add(fills)
+        for i, br in enumerate(branches):
+            for s in br:
+                if self.lookahead and all(f is not None for f in s):
+                    trie.extend(s)
+                else:
+                    trie.add(s)
+            if len(trie.tokens) > room:
+                return branches[:i]
+        return branches if len(trie.tokens) <= room else []
 
     def _tree(self, probs, fills, step, depth, budget) -> list[list[list[Optional[int]]]]:
         """Branches (root-to-leaf chains) of a best-first tree of ``budget`` guessed states
@@ -522,13 +527,9 @@ class Unmasking:
 
         def fills_after(node):  # (prior chance, offset, token) of every candidate next fill
             used = done | {o for o, _ in node}
-            m = min(used)
-            opn = [o for o in probs if o not in used]
-            left = [o for o in opn if o < m]
-            right = sorted((o for o in opn if o > m), key=lambda o: (-conf[o], o))
+            best, right = _sides(conf, [o for o in probs if o not in used], min(used))
             out, rest = [], 1.0
-            if left:
-                best = min(left, key=lambda o: (-conf[o], o))
+            if best is not None:
                 pe = pr.exact[int(conf[best] - conf[right[0]] >= pr.gap)] if right else 1.0
                 out.append((pe, best, int(probs[best].argmax())))  # the rule's own token (its tie-break)
                 rest = 1.0 - pe
