@@ -104,7 +104,21 @@ def make_draft_main(args) -> int:
     return 0
 
 
+# Subcommands that run their whole job in this one process (no service processes or
+# child workers of their own beside it): their OpenMP threads may spin between ops
+# (``specmesh.own_machine_threads``). ``serve``, ``bench-sweep`` and ``device-check``
+# start other processes and keep sleeping threads.
+OWN_MACHINE = frozenset({"demo", "bench", "distill-data", "train-drafter", "floor", "tree-study",
+                         "accel-drafter", "calibrate-layerskip", "bench-strategies", "costs", "quality",
+                         "train-specialist", "train-uno", "uno-study"})
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if next((a for a in argv if not a.startswith("-")), None) in OWN_MACHINE:
+        from . import own_machine_threads
+
+        own_machine_threads()  # before build_parser imports torch
     args = build_parser().parse_args(argv)
     fn = getattr(importlib.import_module(args.module), args.func)
     try:

@@ -226,6 +226,7 @@ class Bench:
             "peers": {s.name: s.info for s in self.systems if s.family != "ours"},
             "rss_stages": self.rss_stages, "peak_rss_mb": round(peak_rss_mb(), 1),
             "torch_threads": _torch_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(unset)"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
             "wall_s": round(time.time() - t_start, 1), "python": sys.version.split()[0],
             "hf_pld_tokens": 10, "device": str(_device_of(main)),

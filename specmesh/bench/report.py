@@ -173,7 +173,7 @@ def render(result: dict) -> str:
     L.append(f"model `{cfg.get('model')}`, our engine dtype **{cfg.get('dtype')}**, greedy, "
              f"max_new_tokens {cfg.get('max_new_tokens')}, draft budget {cfg.get('budget')} tokens/round "
              f"(hf_pld/llamacpp_pld: {meta.get('hf_pld_tokens')}), torch threads {meta.get('torch_threads')} "
-             f"(OMP_WAIT_POLICY {meta.get('omp_wait_policy', '?')}), "
+             f"(OMP_WAIT_POLICY {meta.get('omp_wait_policy', '?')}, GOMP_SPINCOUNT {meta.get('gomp_spincount', '?')}), "
              f"started {meta.get('started')}, wall {meta.get('wall_s')} s.")
     L.append("All systems ran in one process, alternating per prompt (rotating order) after one warm-up each; "
              "speedups are ratios to the system's own AR measured side by side in this run. "
