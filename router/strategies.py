@@ -6,7 +6,8 @@ one's drafter, verifier and rounds are put together over the remote services.
   length, turns, copy cues, reasoning, a ready anticipation, drafter health,
   layer-skip calibration, whether the verifiers have the trained block drafter)
   and the session's live stats. A ``self`` request without a drafter gets
-  ``block_tree`` when every verifier replica lists it in ``Verifier/Info``
+  the block drafter's chain ``block`` (``auto.BLOCK_SELF``; else its tree) when every
+  verifier replica lists it in ``Verifier/Info``
   ``self_drafters`` (looked up lazily, cached ``SELF_INFO_TTL_S``), else
   ``layerskip``; ``default_drafters()`` says what each strategy defaults to
   (``ListStrategies``).
@@ -60,15 +61,15 @@ STRATEGIES = {
     "external": "a drafter service proposes, the verifier verifies (drafter: " + " | ".join(registry.EXTERNAL)
                 + "; block and block_tree are the trained block drafter on the drafter service, fed the target's "
                   "hidden features through the router)",
-    "self": "drafting inside the verifier with the target's own hidden states (no drafter hop): block_tree "
-            "(default when the verifier has the trained block drafter: 1.19-1.27x plain in fp32, 1.64-2.00x in "
-            "bf16 on open writing / chat), block (its chain), or layerskip (the target's first layers; untrained, "
-            "<= 0.96x: the default only without a block drafter)",
+    "self": "drafting inside the verifier with the target's own hidden states (no drafter hop): block "
+            "(the trained block drafter's chain; default when the verifier has it: 1.35-1.51x plain in bf16 on "
+            "open writing / chat on two CPUs), block_tree (its tree: 1.22-1.45x there), or layerskip (the "
+            "target's first layers; untrained, <= 0.96x: the default only without a block drafter)",
     "proactive": "drafts from the conversation's anticipation cache (replies pre-generated while it was idle) "
                  "and continues its warm KV; needs conversation_id",
     "ssr": "reasoning: early answers from partial thinking seed a cache that drafts the final answer",
     "auto": "picks one of the above from the request's features and the session's measured speedups: "
-            "suffix decoding where the answer reuses the prompt or conversation, self block_tree on fresh text "
+            "suffix decoding where the answer reuses the prompt or conversation, self block on fresh text "
             "when the verifier has the trained block drafter, speculation off where a choice measured a slowdown",
 }
 EXTERNAL_DRAFTERS = registry.EXTERNAL  # what an `external` request may name
@@ -84,9 +85,13 @@ SELF_INFO_TIMEOUT_S = 2.0
 
 def default_self_drafter(available) -> str:
     """The ``self`` strategy's drafter when a request names none: the trained block
-    drafter's tree where the verifiers have it (it pays: docs/block-drafter.md),
-    else layer-skip (always there, but untrained it does not pay)."""
-    return "block_tree" if "block_tree" in available else "layerskip"
+    drafter where the verifiers have it (its chain, ``auto.BLOCK_SELF``, measured
+    fastest; its tree where only that is listed), else layer-skip (always there, but
+    untrained it does not pay)."""
+    for name in (auto.BLOCK_SELF, "block_tree", "block"):
+        if name in available:
+            return name
+    return "layerskip"
 
 
 def _drafter_up(parts: Collaborators) -> bool:
@@ -406,7 +411,7 @@ class Strategies:
             text = spec.prompt or "\n".join(m.get("content", "") for m in msgs)
             f = auto.features_from(ids, text, max(1, len(msgs)), reasoning,
                                    self.anticipation_ready(spec.conversation_id), _drafter_up(r),
-                                   self.layerskip_speedup(), block_tree="block_tree" in self.self_drafters())
+                                   self.layerskip_speedup(), block_drafter=auto.BLOCK_SELF in self.self_drafters())
             key = self.session_key(spec.conversation_id)
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
@@ -424,7 +429,7 @@ class Strategies:
             if spec.drafter:
                 return Resolved(name, reason, None, spec.drafter)
             d = default_self_drafter(have)
-            why = "the verifiers have the trained block drafter" if d == "block_tree" else "no block drafter loaded"
+            why = "the verifiers have the trained block drafter" if d != "layerskip" else "no block drafter loaded"
             return Resolved(name, f"{reason}; default self drafter {d} ({why})", None, d)
         if name in ("external", "proactive", "ssr"):
             if name == "external":

@@ -7,7 +7,8 @@ On a machine where ``torch.cuda.is_available()``:
    ``GraphedEngine`` (CUDA graphs) and on the eager ``LlamaEngine``;
 3. a short benchmark, same prompts for every system, order rotating per prompt, bf16,
    greedy, ``--max-new-tokens`` (128): our plain decoding and ``self:block_tree`` on
-   both engines, ``self:uno`` / ``self:uno_tree`` (the mask-gated adapter's fused rounds)
+   both engines, ``self:block`` (its chain: the default on CPUs, where it measured
+   fastest) and ``self:uno`` / ``self:uno_tree`` (the mask-gated adapter's fused rounds)
    on the graphed one, Hugging Face ``generate`` eager and with ``cache_implementation=
    "static"`` + ``torch.compile`` (``hf_static_compile``), on a few ``open_writing`` and
    ``chat_multiturn`` bench prompts;
@@ -146,8 +147,10 @@ def build_systems(rts: dict, hf_models, budget: int, log) -> tuple[list, dict]:
     systems, skipped = [], {}
     for i, (tag, rt) in enumerate(rts.items()):
         # the mask-gated adapter's fused rounds on the first (graphed) engine only: where extra
-        # scored rows are nearly free, a round that verifies and drafts in one forward pays most
-        for name in ("ours_ar", "ours_block_tree") + (("ours_uno", "ours_uno_tree") if i == 0 else ()):
+        # scored rows are nearly free, a round that verifies and drafts in one forward pays most;
+        # there too the block drafter's chain, the CPU default (auto.BLOCK_SELF), beside its tree
+        first = ("ours_block", "ours_uno", "ours_uno_tree") if i == 0 else ()
+        for name in ("ours_ar", "ours_block_tree") + first:
             try:
                 s = make_ours(name, rt, budget, rt.dtype, adaptive=True)
             except Exception as e:  # noqa: BLE001 - e.g. no block drafter checkpoint for this model

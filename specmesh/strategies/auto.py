@@ -12,10 +12,11 @@ session's live stats, and say why.
    bounded by the match length; in bench-strategies it beat prompt_lookup and
    adaptive_lookup on the copy-heavy workloads)
 5. fresh text (open writing, chat: no copy cues), in order:
-   a. the trained block drafter's tree (``self`` / ``block_tree``) when the
-      verifier has it loaded (``Features.block_tree``): measured 1.64–2.00x plain
-      decoding in bf16 and 1.19–1.27x in fp32 on open_writing / chat_multiturn
-      (docs/block-drafter.md), where n-gram drafters find little to copy;
+   a. the trained block drafter (``self`` / ``BLOCK_SELF``: its chain, ``block``)
+      when the verifier has it loaded (``Features.block_drafter``): measured
+      1.35–1.51x plain decoding in bf16 on open_writing / chat_multiturn on two
+      CPUs, where its tree (``block_tree``) gave 1.22–1.45x (docs/block-drafter.md)
+      and n-gram drafters find little to copy;
    b. layer-skip if its calibration measured a speedup (untrained: it measured at
       most 0.96x here, so in practice never);
    c. the draft LM if this session measured one above 1x;
@@ -24,11 +25,11 @@ session's live stats, and say why.
 
 Then the session's stats overrule: when the chosen (strategy, drafter) has been
 measured in this session at a speedup under ``off_below``, it is switched away —
-the block tree to the next fresh-text choice (b–d, itself subject to the same
+the block drafter to the next fresh-text choice (b–d, itself subject to the same
 rule), anything else to autoregressive — and re-tried every ``probe_every``-th
 request of the session that would have chosen it (requests measured plus requests
 switched away, ``Measured.skipped``), so a changing workload can win it back. A drafter
-unavailable (no drafter service) degrades to self (block tree, or a calibrated
+unavailable (no drafter service) degrades to self (block drafter, or a calibrated
 layer-skip), then to autoregressive.
 
 ``SessionBook`` keeps per session (conversation id, else client) and per
@@ -51,6 +52,13 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 LONG_PROMPT_TOKENS = 384
+# The block drafter's self drafter for ``auto`` and for a ``self`` request naming none:
+# its chain. Side by side in ``specmesh bench`` (bf16, 128 tokens, 4 prompts each of
+# open_writing / chat_multiturn, invariant engine) on an Intel AMX CPU and on an AMD
+# AVX-512 CPU, the chain gave 1.35–1.51x plain decoding and the tree 1.22–1.45x: the
+# tree accepts more (τ 1.80–2.24 vs 1.61–1.84) but its round costs more (the invariant
+# forward attends a tree one root-to-leaf path at a time). Not measured on a GPU.
+BLOCK_SELF = "block"
 EDIT_CUES = re.compile(r"\b(rewrite|re-write|refactor|rename|fix|edit|modify|add (type hints|a|an|the|docstrings?)|"
                        r"change|convert|translate|quot(e|es|ation|ations)|copy|repeat|extend|update)\b", re.I)
 
@@ -68,7 +76,7 @@ class Features:
     edit_cue: bool = False
     drafter_up: bool = True
     layerskip_speedup: Optional[float] = None  # from calibrate-layerskip, None = not calibrated
-    block_tree: bool = False  # the verifier has the trained block drafter (self drafter "block_tree")
+    block_drafter: bool = False  # the verifier has the trained block drafter (self drafters block, block_tree)
 
 
 def text_features(text: str) -> dict:
@@ -113,9 +121,9 @@ def _by_features(f: Features, stats: dict[str, Measured]) -> Choice:
             if v]
     if cues:
         return Choice("external", "suffix", f"auto: prompt-reusing input ({', '.join(cues)}) -> suffix decoding")
-    if f.block_tree:
-        return Choice("self", "block_tree", "auto: fresh text (no copy cues); the verifier has the trained block "
-                      "drafter -> self block_tree")
+    if f.block_drafter:
+        return Choice("self", BLOCK_SELF, "auto: fresh text (no copy cues); the verifier has the trained block "
+                      f"drafter -> self {BLOCK_SELF}")
     if f.layerskip_speedup is not None and f.layerskip_speedup > 1.0:
         return Choice("self", "layerskip", f"auto: fresh text; layer-skip calibrated at "
                       f"{f.layerskip_speedup:.2f}x -> self")
@@ -143,21 +151,21 @@ def choose(f: Features, stats: Optional[dict[str, Measured]] = None, off_below: 
     from (the caller counts them with ``SessionBook.skip``, so re-probes come round)."""
     stats = stats or {}
     c = _by_features(f, stats)
-    if c.drafter == "block_tree":
+    if c.strategy == "self" and c.drafter == BLOCK_SELF:
         lab = label(c.strategy, c.drafter)
         m = stats.get(lab)
         v = _verdict(m, off_below, probe_every)
         if v == "probe":
             return Choice(c.strategy, c.drafter, c.reason + f"; re-probing (measured {m.speedup:.2f}x)")
         if v == "off":
-            f = replace(f, block_tree=False)
+            f = replace(f, block_drafter=False)
             alt = _by_features(f, stats)
             c = Choice(alt.strategy, alt.drafter, f"{c.reason}; but it measured {m.speedup:.2f}x in this session "
                        f"-> {alt.reason.removeprefix('auto: ')}", (lab,))
     needs_drafter = c.strategy in ("external", "proactive", "ssr")
     if needs_drafter and not f.drafter_up:
-        if c.strategy == "external" and f.block_tree:
-            return Choice("self", "block_tree", c.reason + "; drafter service down -> self block_tree",
+        if c.strategy == "external" and f.block_drafter:
+            return Choice("self", BLOCK_SELF, c.reason + f"; drafter service down -> self {BLOCK_SELF}",
                           c.switched_from)
         if c.strategy == "external" and f.layerskip_speedup and f.layerskip_speedup > 1.0:
             return Choice("self", "layerskip", c.reason + "; drafter service down -> self", c.switched_from)
@@ -243,11 +251,11 @@ class SessionBook:
 
 
 def features_from(prompt_ids: Sequence[int], text: str, turns: int, reasoning: bool, anticipation_ready: bool,
-                  drafter_up: bool, layerskip_speedup: Optional[float], block_tree: bool = False) -> Features:
+                  drafter_up: bool, layerskip_speedup: Optional[float], block_drafter: bool = False) -> Features:
     return Features(prompt_tokens=len(prompt_ids), turns=turns, reasoning=reasoning,
                     anticipation_ready=anticipation_ready, drafter_up=drafter_up,
-                    layerskip_speedup=layerskip_speedup, block_tree=block_tree, **text_features(text))
+                    layerskip_speedup=layerskip_speedup, block_drafter=block_drafter, **text_features(text))
 
 
-__all__ = ["Choice", "Features", "Measured", "SessionBook", "choose", "features_from", "label", "measured_speedup",
+__all__ = ["BLOCK_SELF", "Choice", "Features", "Measured", "SessionBook", "choose", "features_from", "label", "measured_speedup",
            "text_features"]
