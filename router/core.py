@@ -17,7 +17,7 @@ finish reason ``stop``; the kept token ids run through the one that completed it
 Strategies: ``autoregressive``, ``external`` (a drafter of the registry's
 ``EXTERNAL``: prompt_lookup | suffix | adaptive_lookup | draft_lm | block |
 block_tree, the last two fed the target's hidden features), ``self`` (inside the verifier: the trained
-block drafter's chain ``block`` by default where the verifiers have it (``auto.BLOCK_SELF``), else
+block drafter's tree ``block_tree`` by default where the verifiers have it (``auto.BLOCK_SELF``), else
 ``layerskip``),
 ``proactive`` (the conversation's anticipation cache and warm KV), ``ssr``
 (reasoning requests) and ``auto`` (chosen from features and measured speedups);

@@ -6,7 +6,7 @@ one's drafter, verifier and rounds are put together over the remote services.
   length, turns, copy cues, reasoning, a ready anticipation, drafter health,
   layer-skip calibration, whether the verifiers have the trained block drafter)
   and the session's live stats. A ``self`` request without a drafter gets
-  the block drafter's chain ``block`` (``auto.BLOCK_SELF``; else its tree) when every
+  the block drafter's tree ``block_tree`` (``auto.BLOCK_SELF``; else its chain) when every
   verifier replica lists it in ``Verifier/Info``
   ``self_drafters`` (looked up lazily, cached ``SELF_INFO_TTL_S``), else
   ``layerskip``; ``default_drafters()`` says what each strategy defaults to
@@ -61,15 +61,15 @@ STRATEGIES = {
     "external": "a drafter service proposes, the verifier verifies (drafter: " + " | ".join(registry.EXTERNAL)
                 + "; block and block_tree are the trained block drafter on the drafter service, fed the target's "
                   "hidden features through the router)",
-    "self": "drafting inside the verifier with the target's own hidden states (no drafter hop): block "
-            "(the trained block drafter's chain; default when the verifier has it: 1.35-1.51x plain in bf16 on "
-            "open writing / chat on two CPUs), block_tree (its tree: 1.22-1.45x there), or layerskip (the "
-            "target's first layers; untrained, <= 0.96x: the default only without a block drafter)",
+    "self": "drafting inside the verifier with the target's own hidden states (no drafter hop): block_tree "
+            "(the trained block drafter's tree; default when the verifier has it: 1.50-1.65x plain in bf16 on "
+            "open writing / chat), block (its chain: 1.32-1.45x there), or layerskip (the target's first "
+            "layers; untrained, <= 0.96x: the default only without a block drafter)",
     "proactive": "drafts from the conversation's anticipation cache (replies pre-generated while it was idle) "
                  "and continues its warm KV; needs conversation_id",
     "ssr": "reasoning: early answers from partial thinking seed a cache that drafts the final answer",
     "auto": "picks one of the above from the request's features and the session's measured speedups: "
-            "suffix decoding where the answer reuses the prompt or conversation, self block on fresh text "
+            "suffix decoding where the answer reuses the prompt or conversation, self block_tree on fresh text "
             "when the verifier has the trained block drafter, speculation off where a choice measured a slowdown",
 }
 EXTERNAL_DRAFTERS = registry.EXTERNAL  # what an `external` request may name
@@ -85,8 +85,8 @@ SELF_INFO_TIMEOUT_S = 2.0
 
 def default_self_drafter(available) -> str:
     """The ``self`` strategy's drafter when a request names none: the trained block
-    drafter where the verifiers have it (its chain, ``auto.BLOCK_SELF``, measured
-    fastest; its tree where only that is listed), else layer-skip (always there, but
+    drafter where the verifiers have it (its tree, ``auto.BLOCK_SELF``, measured
+    fastest; its chain where only that is listed), else layer-skip (always there, but
     untrained it does not pay)."""
     for name in (auto.BLOCK_SELF, "block_tree", "block"):
         if name in available:

@@ -14,6 +14,10 @@ import argparse
 import statistics
 import time
 
+import specmesh  # noqa: E402 - before torch: this script has the machine to itself
+
+specmesh.own_machine_threads()
+
 from specmesh.bench.workloads import load
 from specmesh.loop import AdaptiveBudget, generate_tokens
 from specmesh.runtime import Runtime

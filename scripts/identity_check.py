@@ -30,6 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import specmesh  # noqa: E402 - before torch: this script has the machine to itself
+
+specmesh.own_machine_threads()
+
 from specmesh.bench import workloads as wl  # noqa: E402
 from specmesh.drafters import registry  # noqa: E402
 from specmesh.loop import AdaptiveBudget, VerifyCosts, generate_tokens  # noqa: E402

@@ -17,6 +17,10 @@ from __future__ import annotations
 import argparse
 import time
 
+import specmesh  # noqa: E402 - before torch: this script has the machine to itself
+
+specmesh.own_machine_threads()
+
 import torch
 
 from specmesh.engine import Linear

@@ -31,6 +31,10 @@ import json
 import math
 import time
 
+import specmesh  # noqa: E402 - before torch: this script has the machine to itself
+
+specmesh.own_machine_threads()
+
 import torch
 import torch.nn.functional as F
 

@@ -7,7 +7,8 @@ process, alternating with the full step:
 
 - matmuls: every weight matmul of the step (per layer qkv, o, gate_up, down; the LM
   head) on inputs of the step's shapes, back to back;
-- attention: the step's SDPA calls (one per layer, its padded key length);
+- attention: the step's attention calls (one per layer: the key-list kernel, or SDPA
+  on its padded key length with ``SPECMESH_CPU_ATTENTION=sdpa``);
 - rest: the full step minus those two: elementwise ops, norms, RoPE, KV writes,
   indexing, and Python (the per-layer loop, plans, argument checks).
 
@@ -33,6 +34,10 @@ import argparse
 import statistics
 import time
 from collections import Counter
+
+import specmesh  # noqa: E402 - before torch: this script has the machine to itself
+
+specmesh.own_machine_threads()
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +84,16 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
     nk = eng.n_kv
     g = nq // nk
     base = eng.length(slot)
-    if eng.batch_invariant:
+    if eng.batch_invariant and eng.attention == "keylist":  # one kernel call per layer, as the forward
+        from specmesh.keylist_attention import RowKeys
+
+        rows = RowKeys.build([(slot, base + 1, ())] + [(0, 0, ())] * (n - 1))
+        q = torch.randn(n, nq, hd, dtype=ad)
+
+        def attention():
+            for li in range(eng.n_layers):
+                eng._keylist(q, *eng._kv_layers[li], rows, hd ** -0.5)
+    elif eng.batch_invariant:
         Lp = -(-(base + 1) // eng.key_block) * eng.key_block
         t, R = eng._split(1, *eng.attn_tiles)
         q = torch.randn(t, nk, R * g, hd, dtype=ad)
@@ -185,7 +199,8 @@ def main() -> None:
     rt = Runtime(a.model, dtype=a.dtype, n_slots=2, max_seq_len=2048, quiet=True)
     torch_threads = torch.get_num_threads()
     s = engine_step(rt, a.ctx, a.reps)
-    print(f"\n{a.model} {a.dtype}, torch threads {torch_threads}, batch-invariant {rt.engine.batch_invariant}; "
+    print(f"\n{a.model} {a.dtype}, torch threads {torch_threads}, batch-invariant {rt.engine.batch_invariant} "
+          f"(attention {rt.engine.attention}); "
           f"decode step after {a.ctx} tokens (median of {a.reps} x 3)\n")
     print("| part | ms | share |\n|---|---:|---:|")
     for k in ("matmuls", "attention", "rest"):

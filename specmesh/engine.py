@@ -39,7 +39,13 @@ depend on the padded key length: on an AVX2 CPU a query seeing 200 keys got othe
 bits with 320 padded keys than with 256). A query always meets the same kernels and
 its keys at the same indices. A tree is attended one root-to-leaf path at a time, the
 path's keys written in chain order after the committed ones (the tree layout is restored for
-``commit``). ``batch_invariant=False`` is the ragged forward (one matmul over all
+``commit``). That is the ``attention="sdpa"`` forward. The default where its C kernel
+builds, ``attention="keylist"`` (``specmesh.keylist_attention``), needs none of it: each
+row names its keys (a chain's token at depth e its slot's [0, base + e]; a tree node
+[0, base), then its ancestors root first and itself, read where the tree layout wrote
+them), the kernel computes a row from its own query and key sequence alone, and one
+call attends every row of the forward: no query tiles, no key padding, no per-path
+rewrites, so a tree costs what a chain of as many tokens costs. ``batch_invariant=False`` is the ragged forward (one matmul over all
 rows, one SDPA per sequence), kept for comparison (``set_batch_invariant``). The
 kernel classes are measured facts about these CPU kernels, not guarantees:
 tests/unit/test_batch_invariance.py checks them where it runs. The invariant
@@ -276,7 +282,8 @@ class LlamaEngine:
     def __init__(self, config: dict, state_dict: dict, dtype: str = "fp32", n_slots: int = 4,
                  max_seq_len: int = 2048, device: str = "cpu", batch_invariant: Optional[bool] = None,
                  row_tiles: Optional[tuple[int, int]] = None, attn_rows: Optional[tuple[int, int]] = None,
-                 key_block: Optional[int] = None, int4_group: int = INT4_GROUP, int4_head: bool = False):
+                 key_block: Optional[int] = None, int4_group: int = INT4_GROUP, int4_head: bool = False,
+                 attention: Optional[str] = None):
         """``batch_invariant``: the forward whose rows do not depend on what else is
         scored (module docstring); default: on for bf16, int8 and int4 on CPU (greedy
         identity needs it there), off for fp32 (greedy output was identical without
@@ -286,7 +293,10 @@ class LlamaEngine:
         group size along the input dimension (32, 64, 128; ``INT4_GROUP``). ``int4_head``:
         the LM head in int4 too (default: int8 in int4 mode; the head is the tied
         embedding table, which GGUF files keep at 8 bits or more, and 4 bits cost it 9%
-        relative weight error against int8's 1%: docs/int4.md)."""
+        relative weight error against int8's 1%: docs/int4.md). ``attention`` (the
+        batch-invariant forward's): ``"keylist"`` (each row attends to the keys it names,
+        ``specmesh.keylist_attention``; the default where its kernel builds) or ``"sdpa"``
+        (torch's SDPA on fixed query tiles, a tree one path at a time)."""
         if dtype not in DTYPE_NAMES:
             raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
         if dtype == "int4" and torch.device(device).type != "cpu":
@@ -321,6 +331,8 @@ class LlamaEngine:
                 raise InvalidArgument(name, f"(min, max) rows per call, 1 <= min <= max, got {(lo, hi)}")
         if self.key_block < 1:
             raise InvalidArgument("key_block", "must be positive")
+        self._keylist = None  # the key-list kernel, when the invariant forward attends with it
+        self.set_attention(attention)
         self._load(state_dict)
         # the matmul kernel classes, measured on this machine for these shapes unless given
         self.tiles_probed = self.batch_invariant and row_tiles is None
@@ -374,6 +386,7 @@ class LlamaEngine:
         # tile axis [1, nk, T, hd], made once here, not by indexing in every layer of every step
         self._kv_views = [[(kb[li, sl], vb[li, sl], kb[li, sl].unsqueeze(0), vb[li, sl].unsqueeze(0))
                            for sl in range(slots)] for li in range(self.n_layers)]
+        self._kv_layers = [(kb[li], vb[li]) for li in range(self.n_layers)]  # [slots, nk, T, hd] each
         self.k_cache = kb[:, :, :, : self.max_seq_len]  # [layers, slots, nk, max_seq_len, hd]
         self.v_cache = vb[:, :, :, : self.max_seq_len]
 
@@ -383,6 +396,29 @@ class LlamaEngine:
             raise InvalidArgument("batch_invariant", "the batch-invariant forward runs on the CPU only")
         self.batch_invariant = bool(on)
         self._alloc_cache()
+        self.set_attention(self._attention_asked)
+
+    def set_attention(self, attention: Optional[str]) -> None:
+        """The batch-invariant forward's attention: ``"keylist"`` (``specmesh.keylist_attention``:
+        each row attends to the keys it names), ``"sdpa"`` (torch's SDPA on fixed query tiles,
+        a tree one root-to-leaf path at a time) or None (keylist where its kernel builds and
+        the head dimension suits it, else sdpa). ``self.attention`` says which runs. Both are
+        batch-invariant; their bits differ from each other, so switch only between
+        generations (a session's KV is the same either way)."""
+        if attention not in (None, "keylist", "sdpa"):
+            raise InvalidArgument("attention", f"must be 'keylist' or 'sdpa', got {attention!r}")
+        self._attention_asked = attention
+        kern = None
+        if self.batch_invariant and attention != "sdpa":
+            from . import keylist_attention
+
+            fits = self.head_dim % keylist_attention.HEAD_DIM_MULTIPLE == 0 and self.head_dim <= 256
+            kern = keylist_attention.load() if fits else None
+            if kern is None and attention == "keylist":
+                raise InvalidArgument("attention", "the key-list kernel is not available here: "
+                                      + (keylist_attention.load_error() or f"head_dim {self.head_dim}"))
+        self._keylist = kern
+        self.attention = "keylist" if kern is not None else "sdpa"
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -754,6 +790,26 @@ class LlamaEngine:
             plan.append((slot, s, n, base, (moved[0], moved[-1] + 1) if moved else None, calls))
         return plan
 
+    def _row_keys(self, segs, n_rows: int):
+        """The key-list attention's rows (``keylist_attention.RowKeys``): a chain's token at
+        depth e sees its slot's keys [0, base + e]; a tree node sees [0, base), then its
+        ancestors root first and itself, where the tree layout writes them (node a at
+        base + a) — the key sequence of the same tokens decoded as a chain. Padding rows
+        name no keys."""
+        from .keylist_attention import RowKeys
+
+        out = []
+        for slot, s, n, base, par in segs:
+            if all(p == i - 1 for i, p in enumerate(par)):
+                out += [(slot, base + i + 1, ()) for i in range(n)]
+                continue
+            anc: list[list[int]] = []
+            for i, p in enumerate(par):
+                anc.append((anc[p] if p >= 0 else []) + [base + i])
+            out += [(slot, base, a) for a in anc]
+        out += [(0, 0, ())] * (n_rows - len(out))
+        return RowKeys.build(out)
+
     def _forward_invariant(self, segs, ids, posi, sel, n_layers, hidden_layers):
         """Batch-invariant forward (module docstring)."""
         N0 = ids.shape[0]
@@ -761,9 +817,14 @@ class LlamaEngine:
         if N > N0:  # padding rows (token 0 at position 0) fill the row tiles; no segment reads them
             ids = torch.cat([ids, ids.new_zeros(N - N0)])
             posi = torch.cat([posi, posi.new_zeros(N - N0)])
-        plan = self._attn_plan(segs, N)
-        whole = len(plan) == 1 and len(plan[0][5]) == 1 and plan[0][5][0].q_rows is None \
-            and plan[0][5][0].t * plan[0][5][0].R == N  # one call covers every row in order
+        keylist = self._keylist is not None
+        if keylist:
+            krows = self._row_keys(segs, N)
+            plan, whole = [], False
+        else:
+            plan = self._attn_plan(segs, N)
+            whole = len(plan) == 1 and len(plan[0][5]) == 1 and plan[0][5][0].q_rows is None \
+                and plan[0][5][0].t * plan[0][5][0].R == N  # one call covers every row in order
         cos = self.cos[posi][:, None]  # [N, 1, hd]
         sin = self.sin[posi][:, None]
         x = self._embed(ids)  # [N, H] residual stream, fp32 in every dtype mode
@@ -779,8 +840,15 @@ class LlamaEngine:
             q = qk[:, :nq]  # [N, nq, hd]
             k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
             v = qkv[:, (nq + nk) * hd:].view(N, nk, hd).transpose(0, 1)
-            a = None if whole else torch.zeros(N, nq, hd, dtype=ad, device=self.device)
             views = self._kv_views[li]
+            if keylist:  # every segment's K/V in tree layout, then one call for all rows
+                for slot, s, n, base, par in segs:
+                    kc, vc = views[slot][0], views[slot][1]
+                    kc[:, base: base + n] = k if (s == 0 and n == N) else k[:, s: s + n]
+                    vc[:, base: base + n] = v if (s == 0 and n == N) else v[:, s: s + n]
+                a = self._keylist(q, *self._kv_layers[li], krows, self.head_dim ** -0.5)
+            else:
+                a = None if whole else torch.zeros(N, nq, hd, dtype=ad, device=self.device)
             for slot, s, n, base, restore, calls in plan:
                 kc, vc, kc4, vc4 = views[slot]  # [nk, T, hd], [1, nk, T, hd]
                 if s == 0 and n == N:  # the call's only rows (no slicing ops)

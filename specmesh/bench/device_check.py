@@ -7,8 +7,8 @@ On a machine where ``torch.cuda.is_available()``:
    ``GraphedEngine`` (CUDA graphs) and on the eager ``LlamaEngine``;
 3. a short benchmark, same prompts for every system, order rotating per prompt, bf16,
    greedy, ``--max-new-tokens`` (128): our plain decoding and ``self:block_tree`` on
-   both engines, ``self:block`` (its chain: the default on CPUs, where it measured
-   fastest) and ``self:uno`` / ``self:uno_tree`` (the mask-gated adapter's fused rounds)
+   both engines, ``self:block`` (its chain: on CPUs without the key-list attention
+   it was the faster one) and ``self:uno`` / ``self:uno_tree`` (the mask-gated adapter's fused rounds)
    on the graphed one, Hugging Face ``generate`` eager and with ``cache_implementation=
    "static"`` + ``torch.compile`` (``hf_static_compile``), on a few ``open_writing`` and
    ``chat_multiturn`` bench prompts;
@@ -148,7 +148,7 @@ def build_systems(rts: dict, hf_models, budget: int, log) -> tuple[list, dict]:
     for i, (tag, rt) in enumerate(rts.items()):
         # the mask-gated adapter's fused rounds on the first (graphed) engine only: where extra
         # scored rows are nearly free, a round that verifies and drafts in one forward pays most;
-        # there too the block drafter's chain, the CPU default (auto.BLOCK_SELF), beside its tree
+        # there too the block drafter's chain beside its tree (which is faster decides auto.BLOCK_SELF)
         first = ("ours_block", "ours_uno", "ours_uno_tree") if i == 0 else ()
         for name in ("ours_ar", "ours_block_tree") + first:
             try:

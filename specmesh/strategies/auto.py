@@ -12,11 +12,10 @@ session's live stats, and say why.
    bounded by the match length; in bench-strategies it beat prompt_lookup and
    adaptive_lookup on the copy-heavy workloads)
 5. fresh text (open writing, chat: no copy cues), in order:
-   a. the trained block drafter (``self`` / ``BLOCK_SELF``: its chain, ``block``)
+   a. the trained block drafter (``self`` / ``BLOCK_SELF``: its tree, ``block_tree``)
       when the verifier has it loaded (``Features.block_drafter``): measured
-      1.35–1.51x plain decoding in bf16 on open_writing / chat_multiturn on two
-      CPUs, where its tree (``block_tree``) gave 1.22–1.45x (docs/block-drafter.md)
-      and n-gram drafters find little to copy;
+      1.50–1.65x plain decoding in bf16 on open_writing / chat_multiturn (its chain
+      1.32–1.45x; docs/block-drafter.md), where n-gram drafters find little to copy;
    b. layer-skip if its calibration measured a speedup (untrained: it measured at
       most 0.96x here, so in practice never);
    c. the draft LM if this session measured one above 1x;
@@ -53,12 +52,13 @@ from typing import Optional, Sequence
 
 LONG_PROMPT_TOKENS = 384
 # The block drafter's self drafter for ``auto`` and for a ``self`` request naming none:
-# its chain. Side by side in ``specmesh bench`` (bf16, 128 tokens, 4 prompts each of
-# open_writing / chat_multiturn, invariant engine) on an Intel AMX CPU and on an AMD
-# AVX-512 CPU, the chain gave 1.35–1.51x plain decoding and the tree 1.22–1.45x: the
-# tree accepts more (τ 1.80–2.24 vs 1.61–1.84) but its round costs more (the invariant
-# forward attends a tree one root-to-leaf path at a time). Not measured on a GPU.
-BLOCK_SELF = "block"
+# its tree. Side by side in ``specmesh bench`` (bf16, 128 tokens, 4 prompts each of
+# open_writing / chat_multiturn, 2 AMD EPYC AVX-512 cores) on the engine's default
+# key-list attention, the tree gave 1.50-1.65x plain decoding and the chain 1.32-1.45x
+# (two runs). With the SDPA-tile attention (no C compiler: a tree attended one path at a
+# time) the chain was faster (1.35-1.51x vs 1.22-1.45x on that machine and on an Intel
+# AMX one); there a request may name ``block``. Not measured on a GPU.
+BLOCK_SELF = "block_tree"
 EDIT_CUES = re.compile(r"\b(rewrite|re-write|refactor|rename|fix|edit|modify|add (type hints|a|an|the|docstrings?)|"
                        r"change|convert|translate|quot(e|es|ation|ations)|copy|repeat|extend|update)\b", re.I)
 

@@ -59,8 +59,8 @@ def test_greedy_through_router_equals_plain_greedy(stack):
         for strategy, drafter in (("autoregressive", ""), ("external", "suffix"), ("self", "")):
             r = c.generate(prompt, strategy=strategy, drafter=drafter, max_new_tokens=16, draft_budget=3)
             assert r.token_ids == stack.ref(prompt, 16), strategy
-        # self without a drafter: the trained block drafter's chain when the verifier has it loaded
-        assert r.stats.drafter == ("block" if "block" in stack.rt.verifier.self_drafters else "layerskip")
+        # self without a drafter: the trained block drafter's tree when the verifier has it loaded
+        assert r.stats.drafter == ("block_tree" if "block_tree" in stack.rt.verifier.self_drafters else "layerskip")
         s = c.stream(PROMPTS[2], strategy="external", max_new_tokens=N)
         pieces = list(s)
         assert "".join(pieces) == s.result.text == stack.rt.decode(stack.ref(PROMPTS[2]))
@@ -180,8 +180,8 @@ def test_list_strategies_names_the_defaults(stack):
         resp = c.list_strategies()
     info = {s.name: s for s in resp.strategies}
     assert set(info) == {"autoregressive", "external", "self", "proactive", "ssr", "auto"}
-    block = "block" in stack.rt.verifier.self_drafters  # the bundled checkpoint is attached by Runtime
-    assert info["self"].default_drafter == ("block" if block else "layerskip")
+    block = "block_tree" in stack.rt.verifier.self_drafters  # the bundled checkpoint is attached by Runtime
+    assert info["self"].default_drafter == ("block_tree" if block else "layerskip")
     assert ("block_tree" in info["self"].drafters) == block and "layerskip" in info["self"].drafters
     assert info["external"].default_drafter == resp.default_drafter == stack.rs.default_drafter
     assert info["proactive"].default_drafter == info["ssr"].default_drafter == "cache"

@@ -36,7 +36,7 @@ class Stack(RuntimeStack):
         super().__init__(n_slots=8, anticipate_next_turns=1, anticipate_reply_tokens=40, anticipate_tokens=160)
 
     def self_default(self) -> str:
-        return "block" if "block" in self.rt.verifier.self_drafters else "layerskip"
+        return "block_tree" if "block_tree" in self.rt.verifier.self_drafters else "layerskip"
 
     def ref(self, n: int = N, prompt=None, messages=None) -> list[int]:
         """In-process plain greedy decoding of the same request."""
@@ -73,16 +73,16 @@ def test_auto_picks_the_expected_strategy(stack):
     from specmesh import Client
 
     long_chat = CONVERSATION + [{"role": "user", "content": "And of Germany?"}]
-    block = stack.self_default() == "block"
+    block = stack.self_default() == "block_tree"
     cases = [
         (dict(prompt=CODE_PROMPT), "external", "suffix"),
         (dict(messages=long_chat), "external", "suffix"),
         (dict(prompt=REASONING, reasoning=True), "ssr", "cache"),
-        # fresh text: the trained block drafter's chain where the verifier has it, else suffix decoding
-        (dict(prompt=FRESH_PROMPT), *(("self", "block") if block else ("external", "suffix"))),
+        # fresh text: the trained block drafter's tree where the verifier has it, else suffix decoding
+        (dict(prompt=FRESH_PROMPT), *(("self", "block_tree") if block else ("external", "suffix"))),
     ]
-    if block:  # a conversation where the block drafter measured a slowdown: the next fresh-text choice
-        stack.router.runner.book.record("conv:slow-tree", "self:block", 1.0, 0.7)
+    if block:  # a conversation where the tree measured a slowdown: the next fresh-text choice
+        stack.router.runner.book.record("conv:slow-tree", "self:block_tree", 1.0, 0.7)
         cases.append((dict(prompt=FRESH_PROMPT, conversation_id="slow-tree"), "external", "suffix"))
     # a conversation where suffix decoding measured a slowdown: speculation is switched off
     stack.router.runner.book.record("conv:slow-session", "external:suffix", 1.0, 0.6)

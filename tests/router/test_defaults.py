@@ -48,7 +48,7 @@ def test_self_drafters_are_the_replicas_intersection_and_cached(monkeypatch):
     full = _Stub(["block", "block_tree", "layerskip"])
     st = rs.Strategies(_router(full))
     assert st.self_drafters() == {"block", "block_tree", "layerskip"}
-    assert st.default_drafters()["self"] == "block"
+    assert st.default_drafters()["self"] == "block_tree"
     st.self_drafters()
     assert full.calls == 1  # cached
     # a second replica without the block drafter: a session may land there, so layer-skip
@@ -77,7 +77,7 @@ def test_resolve_self_default_and_validation():
     ids = [5, 6, 7]
     with_block = rs.Strategies(_router(_Stub(["block", "block_tree", "layerskip"])))
     r = with_block.resolve(GenerateSpec(prompt="x", strategy="self"), ids, False)
-    assert (r.strategy, r.self_draft) == ("self", "block") and "block drafter" in r.reason
+    assert (r.strategy, r.self_draft) == ("self", "block_tree") and "block drafter" in r.reason
     r = with_block.resolve(GenerateSpec(prompt="x", strategy="self", drafter="layerskip"), ids, False)
     assert r.self_draft == "layerskip" and r.reason == "requested"
     without = rs.Strategies(_router(_Stub(["layerskip"])))
@@ -88,25 +88,25 @@ def test_resolve_self_default_and_validation():
     with pytest.raises(InvalidArgument):
         with_block.resolve(GenerateSpec(prompt="x", strategy="self", drafter="suffix"), ids, False)
     d = with_block.default_drafters()
-    assert d == {"autoregressive": "", "external": "prompt_lookup", "self": "block", "proactive": "cache",
+    assert d == {"autoregressive": "", "external": "prompt_lookup", "self": "block_tree", "proactive": "cache",
                  "ssr": "cache", "auto": ""}
 
 
-def test_resolve_auto_uses_the_block_drafter_on_fresh_text_and_switches_away(monkeypatch):
+def test_resolve_auto_uses_the_block_tree_on_fresh_text_and_switches_away(monkeypatch):
     monkeypatch.setattr(rs.Strategies, "layerskip_speedup", lambda self: None)
     monkeypatch.setattr(rs, "_drafter_up", lambda router: True)
     ids = list(range(2, 30))
     fresh = GenerateSpec(prompt="Write a poem about autumn.", strategy="auto", conversation_id="c1")
     st = rs.Strategies(_router(_Stub(["block", "block_tree", "layerskip"])))
     r = st.resolve(fresh, ids, False)
-    assert (r.strategy, r.self_draft, r.drafter) == ("self", "block", None) and r.reason.startswith("auto:")
+    assert (r.strategy, r.self_draft, r.drafter) == ("self", "block_tree", None) and r.reason.startswith("auto:")
     code = GenerateSpec(prompt="Fix this:\n```python\nx = 1\n```", strategy="auto", conversation_id="c1")
     assert st.resolve(code, ids, False).drafter == "suffix"
-    # the session measured the block drafter below 1x: the next request goes to suffix decoding, the switch is counted
-    st.book.record("conv:c1", "self:block", 1.1, 0.7)
+    # the session measured the tree below 1x: the next request goes to suffix decoding, the switch is counted
+    st.book.record("conv:c1", "self:block_tree", 1.1, 0.7)
     r = st.resolve(fresh, ids, False)
     assert (r.strategy, r.drafter) == ("external", "suffix") and "0.70x" in r.reason
-    assert st.book.get("conv:c1")["self:block"].skipped == 1
+    assert st.book.get("conv:c1")["self:block_tree"].skipped == 1
     # without a block drafter, fresh text goes to suffix decoding as before
     st2 = rs.Strategies(_router(_Stub(["layerskip"])))
     assert st2.resolve(fresh, ids, False).drafter == "suffix"

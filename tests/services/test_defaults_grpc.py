@@ -52,7 +52,7 @@ def test_list_strategies_names_each_default_drafter(stacks):
     from specmesh import Client
 
     with_block, without = stacks
-    for stack, self_default in ((with_block, "block"), (without, "layerskip")):
+    for stack, self_default in ((with_block, "block_tree"), (without, "layerskip")):
         with Client(stack.address, timeout=30) as c:
             info = {s.name: s for s in c.list_strategies().strategies}
         assert info["self"].default_drafter == self_default
@@ -60,20 +60,20 @@ def test_list_strategies_names_each_default_drafter(stacks):
         assert info["proactive"].default_drafter == info["ssr"].default_drafter == "cache"
         assert info["autoregressive"].default_drafter == info["auto"].default_drafter == ""
         assert self_default in info["self"].drafters
-        assert ({"block", "block_tree"} <= set(info["self"].drafters)) == (self_default == "block")
+        assert ("block_tree" in info["self"].drafters) == (self_default == "block_tree")
 
 
-def test_self_and_auto_default_to_the_block_chain_through_grpc(stacks):
+def test_self_and_auto_default_to_the_block_tree_through_grpc(stacks):
     from specmesh import Client
 
     with_block, without = stacks
     with Client(with_block.address, timeout=60) as c:
         plain = c.generate(PROMPT, strategy="autoregressive", max_new_tokens=16, raw_prompt=True)
         r = c.generate(PROMPT, strategy="self", max_new_tokens=16, raw_prompt=True, draft_budget=4)
-        assert r.stats.drafter == "block" and r.token_ids == plain.token_ids
-        assert "default self drafter block" in r.stats.strategy_reason
+        assert r.stats.drafter == "block_tree" and r.token_ids == plain.token_ids
+        assert "default self drafter block_tree" in r.stats.strategy_reason
         a = c.generate(FRESH, strategy="auto", max_new_tokens=8, raw_prompt=True)
-        assert (a.stats.strategy, a.stats.drafter) == ("self", "block"), a.stats.strategy_reason
+        assert (a.stats.strategy, a.stats.drafter) == ("self", "block_tree"), a.stats.strategy_reason
     with Client(without.address, timeout=60) as c:
         r = c.generate(PROMPT, strategy="self", max_new_tokens=16, raw_prompt=True)
         assert r.stats.drafter == "layerskip" and r.token_ids == plain.token_ids

@@ -21,14 +21,23 @@ from specmesh.verifier import EngineVerifier
 
 DTYPES = ["fp32", "bf16", "int8", "int4"]
 V = 96  # tiny vocabulary
+# the invariant forward's two attentions: rows naming their keys (the C kernel, where it
+# builds) and torch's SDPA on fixed tiles, a tree one path at a time
+ATTENTIONS = ["keylist", "sdpa"]
 
 
-def _engine(dtype, invariant=True, max_seq_len=400):
+def _engine(dtype, invariant=True, max_seq_len=400, attention=None):
+    from specmesh import keylist_attention
     from specmesh.engine import LlamaEngine
 
     eng, model = tiny_engine(dtype, n_slots=3, max_seq_len=max_seq_len)
     if invariant is not None:
         eng.set_batch_invariant(invariant)
+    if attention == "keylist" and keylist_attention.load() is None:
+        pytest.skip(f"the key-list kernel does not build here: {keylist_attention.load_error()}")
+    if attention is not None:
+        eng.set_attention(attention)
+        assert eng.attention == attention
     assert isinstance(eng, LlamaEngine)
     return eng
 
@@ -104,15 +113,17 @@ def _mismatches(eng, seed=0, n=6):
     return bad
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_row_logits_bitwise_invariant(dtype):
-    eng = _engine(dtype)
+def test_row_logits_bitwise_invariant(dtype, attention):
+    eng = _engine(dtype, attention=attention)
     assert _mismatches(eng) == {"chain": 0, "tree": 0, "batch": 0, "hidden": 0}
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kv_independent_of_prefill_split(dtype):
-    eng = _engine(dtype)
+def test_kv_independent_of_prefill_split(dtype, attention):
+    eng = _engine(dtype, attention=attention)
     prompt = [random.Random(3).randrange(V) for _ in range(57)]
     eng.prefill(0, prompt)
     eng.prefill(1, prompt[:20])
@@ -124,10 +135,11 @@ def test_kv_independent_of_prefill_split(dtype):
     assert torch.equal(eng.v_cache[:, 0, :, :n], eng.v_cache[:, 1, :, :n])
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_first_token_of_a_sequence(dtype):
+def test_first_token_of_a_sequence(dtype, attention):
     """Position 0 (no key before it) alone, and as the first row of a chain or of a batch."""
-    eng = _engine(dtype)
+    eng = _engine(dtype, attention=attention)
     alone = eng.prefill(0, [9])
     chain = eng.score(1, [9, 4, 4, 2], _chain(4)).logits
     eng.prefill(2, [1, 2, 3])
@@ -170,7 +182,9 @@ def test_ragged_forward_is_not_invariant(dtype):
     bad = _mismatches(_engine(dtype, invariant=False), n=6)
     if not any(bad.values()):  # other CPUs, other kernels: then the check above proves less here
         pytest.skip("the ragged forward happens to be batch-invariant on this machine")
-    assert bad["chain"] > 0 and bad["batch"] > 0
+    # which kinds break depends on the CPU's kernels (on 2 AMD EPYC AVX-512 cores the int8
+    # ragged chain happened to agree and only the batch rows differed)
+    assert bad["chain"] + bad["tree"] + bad["batch"] > 0, bad
 
 
 def test_default_is_invariant_for_bf16_int8_and_int4_on_cpu():
@@ -223,8 +237,8 @@ def _prompts():
     return out
 
 
-def _identity_failures(dtype, invariant, max_new=48):
-    eng = _engine(dtype, invariant=invariant)
+def _identity_failures(dtype, invariant, max_new=48, attention=None):
+    eng = _engine(dtype, invariant=invariant, attention=attention)
     ver = EngineVerifier(eng, max_tree_nodes=32)
     fails = []
     for k, prompt in enumerate(_prompts()):
@@ -244,9 +258,10 @@ def _identity_failures(dtype, invariant, max_new=48):
     return fails
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "fp32"])
-def test_greedy_speculation_equals_plain_decoding(dtype):
-    assert _identity_failures(dtype, invariant=True) == []
+def test_greedy_speculation_equals_plain_decoding(dtype, attention):
+    assert _identity_failures(dtype, invariant=True, attention=attention) == []
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])

@@ -38,7 +38,7 @@ LAYERS = [
     ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.rowops", "specmesh.trees",
                 "specmesh.errors",
                 "specmesh.kernels", "specmesh.v1"]),
-    ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.cudagraph", "specmesh.device",
+    ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.keylist_attention", "specmesh.cudagraph", "specmesh.device",
                   "specmesh.models", "specmesh.specialist"]),
     ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive"]),
     ("above the loop", ["specmesh.blockdraft", "specmesh.strategies", "specmesh.uno"]),

@@ -69,54 +69,54 @@ def test_auto_switches_off_what_does_not_pay_and_reprobes():
     assert auto.choose(F, stats).drafter == "suffix"
 
 
-def test_auto_prefers_the_block_drafter_on_fresh_text_when_the_verifier_has_it():
+def test_auto_prefers_the_block_tree_on_fresh_text_when_the_verifier_has_it():
     F = auto.Features
     # without a block drafter: unchanged (suffix on fresh text; layer-skip only when calibrated above 1x)
     c = auto.choose(F())
     assert (c.strategy, c.drafter) == ("external", "suffix")
-    # with one: fresh text (open writing, chat without copy cues) -> self block (its chain: measured fastest)
+    # with one: fresh text (open writing, chat without copy cues) -> self block_tree
     c = auto.choose(F(block_drafter=True))
-    assert (c.strategy, c.drafter) == ("self", "block") and "block drafter" in c.reason
-    assert auto.choose(F(block_drafter=True, layerskip_speedup=1.3)).drafter == "block"
+    assert (c.strategy, c.drafter) == ("self", "block_tree") and "block drafter" in c.reason
+    assert auto.choose(F(block_drafter=True, layerskip_speedup=1.3)).drafter == "block_tree"
     # copy cues, long conversations, reasoning and anticipation keep their choices
     assert auto.choose(F(block_drafter=True, code_block=True)).drafter == "suffix"
     assert auto.choose(F(block_drafter=True, turns=4)).drafter == "suffix"
     assert auto.choose(F(block_drafter=True, reasoning=True)).strategy == "ssr"
     assert auto.choose(F(block_drafter=True, anticipation_ready=True)).strategy == "proactive"
-    # the drafter service down: a copy-cue request falls back to the block drafter, not to plain decoding
+    # the drafter service down: a copy-cue request falls back to the block tree, not to plain decoding
     c = auto.choose(F(block_drafter=True, code_block=True, drafter_up=False))
-    assert (c.strategy, c.drafter) == ("self", "block") and "down" in c.reason
-    assert auto.choose(F(block_drafter=True, drafter_up=False)).drafter == "block"
+    assert (c.strategy, c.drafter) == ("self", "block_tree") and "down" in c.reason
+    assert auto.choose(F(block_drafter=True, drafter_up=False)).drafter == "block_tree"
     assert auto.features_from([1, 2], "Write a poem about autumn.", 1, False, False, True, None,
                               block_drafter=True).block_drafter
 
 
-def test_auto_switches_the_block_drafter_away_where_it_does_not_pay_and_reprobes():
+def test_auto_switches_the_block_tree_away_where_it_does_not_pay_and_reprobes():
     F = auto.Features(block_drafter=True)
-    stats = {"self:block": auto.Measured(speedup=0.8, n=1)}
+    stats = {"self:block_tree": auto.Measured(speedup=0.8, n=1)}
     c = auto.choose(F, stats)  # the next fresh-text choice: suffix decoding
     assert (c.strategy, c.drafter) == ("external", "suffix") and "0.80x" in c.reason
-    assert c.switched_from == ("self:block",)
+    assert c.switched_from == ("self:block_tree",)
     # suffix also measured a slowdown here: speculation off, both counted as switched away
     stats["external:suffix"] = auto.Measured(speedup=0.9, n=1)
     c = auto.choose(F, stats)
-    assert c.strategy == "autoregressive" and c.switched_from == ("self:block", "external:suffix")
+    assert c.strategy == "autoregressive" and c.switched_from == ("self:block_tree", "external:suffix")
     # a calibrated layer-skip is the next choice before suffix
     assert auto.choose(auto.Features(block_drafter=True, layerskip_speedup=1.2), stats).drafter == "layerskip"
     # it paid: kept
-    assert auto.choose(F, {"self:block": auto.Measured(speedup=1.5, n=3)}).drafter == "block"
+    assert auto.choose(F, {"self:block_tree": auto.Measured(speedup=1.5, n=3)}).drafter == "block_tree"
     # every probe_every-th request of the session re-tries it: the session book counts the switches
     book = auto.SessionBook()
-    book.record("s", "self:block", 1.2, 0.8)
+    book.record("s", "self:block_tree", 1.2, 0.8)
     seen = []
     for _ in range(8):
         c = auto.choose(F, book.get("s"))
         seen.append(c.drafter)
         if c.switched_from:
             book.skip("s", c.switched_from)
-        elif c.drafter == "block":
-            book.record("s", "self:block", 1.2, 0.8)  # re-probed and still slow
-    assert seen == ["suffix", "suffix", "suffix", "block", "suffix", "suffix", "suffix", "block"]
+        elif c.drafter == "block_tree":
+            book.record("s", "self:block_tree", 1.2, 0.8)  # re-probed and still slow
+    assert seen == ["suffix", "suffix", "suffix", "block_tree", "suffix", "suffix", "suffix", "block_tree"]
 
 
 def test_auto_reprobes_a_switched_off_choice_every_probe_every_requests():

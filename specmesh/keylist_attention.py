@@ -1,0 +1,292 @@
+"""Attention by key list on the CPU: each query row attends to the key positions it
+names, in the order it names them, computed one row at a time by a small C kernel.
+
+Why it exists: the batch-invariant forward (``specmesh.engine``) needs a row's
+attention output to depend on nothing but its own query and its own key sequence.
+torch's CPU SDPA computes a block of query rows together, and its bits for a row
+depend on the block's row count and on the padded key length, so the engine's tile
+path pads every call to a fixed tile of 4 tokens and attends a draft tree one
+root-to-leaf path at a time (the path's keys rewritten in chain order before each
+call). Here a row names its keys instead: the first ``ctx`` positions of its slot,
+then a list (a tree node's ancestors, itself last, where the tree wrote them). The
+same key sequence gives the same bits whether the row is decoded alone, is row j of
+a chain, or is a tree node; no padding rows, no per-path rewrites.
+
+The arithmetic, per (row, query head): scores ``s_j = (q * scale) . k_j`` in fp32
+(16 partial sums over the head dimension, reduced in a fixed order), ``m = max s``,
+``p_j = exp(s_j - m)`` (a degree-6 polynomial for 2^f, so no libm and the same bits
+on every call), ``out = sum_j p_j v_j / sum_j p_j``, rounded to the cache dtype
+(bf16 or fp32). Rows (times KV heads) are split over OpenMP threads; a row's work
+never is, so the thread count does not change its bits. Query heads that share a KV
+head share its key loads.
+
+The kernel is built once per machine and compiler (``cc -O3 -march=native
+-fopenmp``) into ``~/.cache/specmesh/kernels`` (``SPECMESH_KERNEL_CACHE``) and loaded
+with ctypes. Its OpenMP runtime is the one torch already loaded (same soname), so
+``torch.set_num_threads`` and the process's spin policy apply. Where no compiler is
+found or the build fails, ``load()`` returns None with the reason in
+``load_error()``, and the engine keeps its SDPA tiles.
+
+Knows nothing about models, sessions or trees beyond the row descriptions it is given.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+HEAD_DIM_MULTIPLE = 16  # the kernel's lanes along the head dimension (at most 256)
+_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f ld_bf16(const uint16_t* p) {
+    v16h h; memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    return (v16f)u;
+}
+static inline v16f ld_f32(const float* p) { v16f f; memcpy(&f, p, sizeof f); return f; }
+static inline void st_bf16(uint16_t* p, v16f f) {
+    v16u u = (v16u)f;
+    u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even (finite values) */
+    v16h h = __builtin_convertvector(u >> 16, v16h);
+    memcpy(p, &h, sizeof h);
+}
+static inline void st_f32(float* p, v16f f) { memcpy(p, &f, sizeof f); }
+
+/* the sum of a vector's lanes, always in the same order */
+static inline float hsum(v16f a) {
+    v16f b = __builtin_shuffle(a, (v16i){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}); a += b;
+    b = __builtin_shuffle(a, (v16i){4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3}); a += b;
+    b = __builtin_shuffle(a, (v16i){2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1}); a += b;
+    b = __builtin_shuffle(a, (v16i){1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0}); a += b;
+    return a[0];
+}
+
+/* e^x for x <= 0, 16 at a time (x below -87 gives e^-87): 2^(x log2 e) = 2^i 2^f, |f| <= 1/2 */
+static inline v16f exp_nonpos(v16f x) {
+    const v16f lo = (v16f){0} - 87.0f;
+    v16i below = x < lo;
+    x = (v16f)(((v16i)lo & below) | ((v16i)x & ~below));
+    v16f t = x * 1.44269504088896341f;
+    v16f fi = __builtin_convertvector(__builtin_convertvector(t + (v16f){0} + 12582912.0f - 12582912.0f, v16i), v16f);
+    v16f f = t - fi;
+    v16f p = (v16f){0} + 1.5403530393381606e-4f;
+    p = p * f + 1.3333558146428443e-3f;
+    p = p * f + 9.6181291076284772e-3f;
+    p = p * f + 5.5504108664821580e-2f;
+    p = p * f + 2.4022650695910071e-1f;
+    p = p * f + 6.9314718055994531e-1f;
+    p = p * f + 1.0f;
+    v16u bits = (v16u)((__builtin_convertvector(fi, v16i) + 127) << 23);
+    return p * (v16f)bits;
+}
+
+#define HC_MAX 16   /* head dimension up to 256 */
+#define KEYPOS(j) ((j) < c0 ? (int64_t)(j) : (int64_t)anc[o0 + (j) - c0])
+
+#define ATTEND(NAME, T_, LD, ST)                                                                        \
+int NAME(const T_* q, int64_t q_row, int64_t q_head, const T_* k, const T_* v, int64_t nk, int64_t T,   \
+         const int32_t* slot, const int32_t* ctx, const int32_t* off, const int32_t* cnt,              \
+         const int32_t* anc, T_* out, int64_t N, int64_t nq, int64_t hd, float scale) {                \
+    const int64_t g = nq / nk, hc = hd / 16;                                                            \
+    int failed = 0;                                                                                     \
+    _Pragma("omp parallel for schedule(static)")                                                        \
+    for (int64_t task = 0; task < N * nk; task++) {                                                    \
+        const int64_t n = task / nk, kh = task % nk;                                                    \
+        const int64_t c0 = ctx[n], o0 = off[n], L = c0 + cnt[n];                                        \
+        T_* o = out + (n * nq + kh * g) * hd;                                                           \
+        if (L <= 0) { memset(o, 0, sizeof(T_) * g * hd); continue; }                                   \
+        const int64_t Lp = (L + 15) & ~(int64_t)15;                                                     \
+        v16f* buf = (v16f*)aligned_alloc(64, sizeof(v16f) * (size_t)(g * Lp / 16 + 2 * g * hc));       \
+        if (!buf) { _Pragma("omp atomic write") failed = 1; continue; }                                 \
+        float* s = (float*)buf;                                                                         \
+        v16f *qf = buf + g * Lp / 16, *acc = qf + g * hc;                                               \
+        float mx[g], l[g];                                                                              \
+        const T_* kb = k + ((int64_t)slot[n] * nk + kh) * T * hd;                                       \
+        const T_* vb = v + ((int64_t)slot[n] * nk + kh) * T * hd;                                       \
+        for (int64_t h = 0; h < g; h++) {                                                               \
+            const T_* qr = q + n * q_row + (kh * g + h) * q_head;                                       \
+            for (int64_t c = 0; c < hc; c++) { qf[h * hc + c] = LD(qr + 16 * c) * scale; acc[h * hc + c] = (v16f){0}; } \
+            mx[h] = -3.0e38f; l[h] = 0.0f;                                                              \
+        }                                                                                               \
+        v16f row[HC_MAX];                                                                               \
+        for (int64_t j = 0; j < L; j++) {                                                               \
+            const T_* kr = kb + KEYPOS(j) * hd;                                                         \
+            for (int64_t c = 0; c < hc; c++) row[c] = LD(kr + 16 * c);                                  \
+            for (int64_t h = 0; h < g; h++) {                                                           \
+                v16f a = qf[h * hc] * row[0];                                                           \
+                for (int64_t c = 1; c < hc; c++) a += qf[h * hc + c] * row[c];                          \
+                const float x = hsum(a);                                                                \
+                s[h * Lp + j] = x;                                                                      \
+                mx[h] = x > mx[h] ? x : mx[h];                                                          \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t h = 0; h < g; h++) {                                                               \
+            float* sh = s + h * Lp;                                                                     \
+            for (int64_t j = L; j < Lp; j++) sh[j] = mx[h];                                             \
+            for (int64_t j = 0; j < Lp; j += 16) {                                                      \
+                v16f x; memcpy(&x, sh + j, sizeof x);                                                   \
+                x = exp_nonpos(x - mx[h]);                                                              \
+                memcpy(sh + j, &x, sizeof x);                                                           \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t j = 0; j < L; j++) {                                                               \
+            const T_* vr = vb + KEYPOS(j) * hd;                                                         \
+            for (int64_t c = 0; c < hc; c++) row[c] = LD(vr + 16 * c);                                  \
+            for (int64_t h = 0; h < g; h++) {                                                           \
+                const float w = s[h * Lp + j];                                                          \
+                l[h] += w;                                                                              \
+                for (int64_t c = 0; c < hc; c++) acc[h * hc + c] += w * row[c];                         \
+            }                                                                                           \
+        }                                                                                               \
+        for (int64_t h = 0; h < g; h++) {                                                               \
+            const float r = 1.0f / l[h];                                                                \
+            for (int64_t c = 0; c < hc; c++) ST(o + h * hd + 16 * c, acc[h * hc + c] * r);              \
+        }                                                                                               \
+        free(buf);                                                                                      \
+    }                                                                                                   \
+    return failed;                                                                                      \
+}
+
+ATTEND(keylist_attend_bf16, uint16_t, ld_bf16, st_bf16)
+ATTEND(keylist_attend_f32, float, ld_f32, st_f32)
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` builds for: the CPU's model and flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        keep = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags"))][:2]
+        return "\n".join(keep)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(cc: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        src = Path(tmp) / "keylist.c"
+        src.write_text(_SOURCE)
+        lib = Path(tmp) / target.name
+        r = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
+        os.replace(lib, target)  # atomic: a concurrent builder's copy is as good as ours
+
+
+class KeyListAttention:
+    """The loaded kernel (``load()``)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        P, I = ctypes.c_void_p, ctypes.c_int64
+        self._fns = {}
+        for dt, name in ((torch.bfloat16, "keylist_attend_bf16"), (torch.float32, "keylist_attend_f32")):
+            fn = getattr(lib, name)
+            fn.argtypes = [P, I, I, P, P, I, I, P, P, P, P, P, P, I, I, I, ctypes.c_float]
+            fn.restype = ctypes.c_int
+            self._fns[dt] = fn
+
+    def __call__(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, rows: "RowKeys",
+                 scale: float) -> torch.Tensor:
+        """q [N, nq, hd] (rows and heads may be strided, the head dimension contiguous);
+        k_layer / v_layer: one layer's cache [slots, nk, T, hd], contiguous; returns
+        [N, nq, hd] in q's dtype. A row with no keys gets zeros."""
+        N, nq, hd = q.shape
+        S, nk, T, hd2 = k_layer.shape
+        fn = self._fns.get(q.dtype)
+        if (fn is None or hd2 != hd or q.stride(2) != 1 or k_layer.dtype != q.dtype or v_layer.dtype != q.dtype
+                or not (k_layer.is_contiguous() and v_layer.is_contiguous()) or nq % nk or rows.n != N
+                or hd % HEAD_DIM_MULTIPLE or hd > 256
+                or q.device.type != "cpu"):
+            raise ValueError("keylist attention: unsupported layout "
+                             f"(q {tuple(q.shape)} {q.dtype} strides {q.stride()}, cache {tuple(k_layer.shape)})")
+        out = torch.empty(N, nq, hd, dtype=q.dtype)
+        failed = fn(q.data_ptr(), q.stride(0), q.stride(1), k_layer.data_ptr(), v_layer.data_ptr(), nk, T,
+                    rows.slot.data_ptr(), rows.ctx.data_ptr(), rows.off.data_ptr(), rows.cnt.data_ptr(),
+                    rows.anc.data_ptr(), out.data_ptr(), N, nq, hd, float(scale))
+        if failed:
+            raise MemoryError("keylist attention: out of memory for its score buffers")
+        return out
+
+
+@dataclass
+class RowKeys:
+    """Per query row: its slot, the first ``ctx`` positions of the slot's keys, then
+    ``cnt`` more positions ``anc[off : off + cnt]`` (int32 tensors, CPU)."""
+
+    slot: torch.Tensor
+    ctx: torch.Tensor
+    off: torch.Tensor
+    cnt: torch.Tensor
+    anc: torch.Tensor
+    n: int
+
+    @classmethod
+    def build(cls, rows: Sequence[tuple[int, int, Sequence[int]]]) -> "RowKeys":
+        """rows: (slot, ctx, extra positions) per query row."""
+        slot, ctx, off, cnt, anc = [], [], [], [], []
+        for s, c, extra in rows:
+            slot.append(s)
+            ctx.append(c)
+            off.append(len(anc))
+            cnt.append(len(extra))
+            anc.extend(extra)
+        i32 = lambda x: torch.tensor(x or [0], dtype=torch.int32)  # noqa: E731 - never an empty buffer
+        return cls(i32(slot), i32(ctx), i32(off), i32(cnt), i32(anc), len(rows))
+
+
+def load() -> Optional[KeyListAttention]:
+    """The kernel, built on first use (None where it cannot be: ``load_error()`` says why).
+    ``SPECMESH_CPU_ATTENTION=sdpa`` turns it off."""
+    with _lock:
+        if "kernel" in _state:
+            return _state["kernel"]
+        kernel, err = None, ""
+        try:
+            if os.environ.get("SPECMESH_CPU_ATTENTION", "keylist").lower() == "sdpa":
+                raise RuntimeError("SPECMESH_CPU_ATTENTION=sdpa")
+            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+            if not cc:
+                raise RuntimeError("no C compiler (cc / gcc / $CC) on PATH")
+            ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+            key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), ver, _cpu_id()]).encode()).hexdigest()[:16]
+            root = Path(os.environ.get("SPECMESH_KERNEL_CACHE") or Path.home() / ".cache" / "specmesh" / "kernels")
+            target = root / f"keylist-{key}.so"
+            if not target.exists():
+                _build(cc, target)
+            import torch as _t  # noqa: F401 - torch (and its OpenMP runtime) loads first: the kernel shares it
+
+            kernel = KeyListAttention(ctypes.CDLL(str(target)), target)
+        except Exception as e:  # noqa: BLE001 - any failure: the engine keeps SDPA tiles
+            err = f"{type(e).__name__}: {e}"
+        _state["kernel"], _state["error"] = kernel, err
+        return kernel
+
+
+def load_error() -> str:
+    """Why ``load()`` returned None ("" when it did not, or before it ran)."""
+    return _state.get("error", "")
