@@ -7,10 +7,11 @@ process, alternating with the full step:
 
 - matmuls: every weight matmul of the step (per layer qkv, o, gate_up, down; the LM
   head) on inputs of the step's shapes, back to back;
-- attention: the step's attention calls (one per layer: the key-list kernel, or SDPA
-  on its padded key length with ``SPECMESH_CPU_ATTENTION=sdpa``);
-- rest: the full step minus those two: elementwise ops, norms, RoPE, KV writes,
-  indexing, and Python (the per-layer loop, plans, argument checks).
+- attention: the step's attention calls (one per layer: the key-list kernel, which
+  also applies RoPE and writes the K/V cache, or SDPA on its padded key length with
+  ``SPECMESH_CPU_ATTENTION=sdpa``);
+- rest: the full step minus those two: elementwise ops, norms (and, with SDPA, RoPE
+  and KV writes), indexing, and Python (the per-layer loop, plans, argument checks).
 
 "overhead" below = rest / step: what the issue asks to keep under 10%.
 It also counts the torch ops one step dispatches (torch.profiler, one extra step).
@@ -80,19 +81,18 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
             L.down(x_d)
         eng.head(x_h)
 
-    # the step's attention: one SDPA per layer as the forward calls it
+    # the step's attention, one call per layer as the forward makes it
     nk = eng.n_kv
     g = nq // nk
     base = eng.length(slot)
     if eng.batch_invariant and eng.attention == "keylist":  # one kernel call per layer, as the forward
-        from specmesh.keylist_attention import RowKeys
-
-        rows = RowKeys.build([(slot, base + 1, ())] + [(0, 0, ())] * (n - 1))
-        q = torch.randn(n, nq, hd, dtype=ad)
+        posi = torch.tensor([base] + [0] * (n - 1))
+        kplan = eng._keylist_plan([(slot, 0, 1, base, [-1])], n, posi)  # RoPE, K/V write at base, attention
+        qkv = torch.randn(n, (nq + 2 * nk) * hd, dtype=ad)
 
         def attention():
             for li in range(eng.n_layers):
-                eng._keylist(q, *eng._kv_layers[li], rows, hd ** -0.5)
+                eng._keylist.layer(kplan, li, qkv)
     elif eng.batch_invariant:
         Lp = -(-(base + 1) // eng.key_block) * eng.key_block
         t, R = eng._split(1, *eng.attn_tiles)

@@ -810,6 +810,17 @@ class LlamaEngine:
         out += [(0, 0, ())] * (n_rows - len(out))
         return RowKeys.build(out)
 
+    def _keylist_plan(self, segs, n_rows: int, posi: torch.Tensor):
+        """The key-list kernel's plan for one forward (``KeyListAttention.plan``): per row
+        its RoPE position, where its K/V go (segment row i at ``base + i`` of its slot;
+        padding rows nowhere) and the keys it attends to (``_row_keys``)."""
+        wslot, wpos = [-1] * n_rows, [0] * n_rows
+        for slot, s, n, base, par in segs:
+            wslot[s: s + n] = [slot] * n
+            wpos[s: s + n] = range(base, base + n)
+        return self._keylist.plan(self._row_keys(segs, n_rows), posi, torch.tensor(wslot), torch.tensor(wpos),
+                                  self.cos, self.sin, self._k_buf, self._v_buf, self.n_heads, self.head_dim ** -0.5)
+
     def _forward_invariant(self, segs, ids, posi, sel, n_layers, hidden_layers):
         """Batch-invariant forward (module docstring)."""
         N0 = ids.shape[0]
@@ -817,37 +828,38 @@ class LlamaEngine:
         if N > N0:  # padding rows (token 0 at position 0) fill the row tiles; no segment reads them
             ids = torch.cat([ids, ids.new_zeros(N - N0)])
             posi = torch.cat([posi, posi.new_zeros(N - N0)])
+        nq, nk, hd = self.n_heads, self.n_kv, self.head_dim
+        g = nq // nk
         keylist = self._keylist is not None
-        if keylist:
-            krows = self._row_keys(segs, N)
+        if keylist:  # RoPE, the K/V writes (tree layout) and attention: one kernel call a layer
+            kplan = self._keylist_plan(segs, N, posi)
             plan, whole = [], False
         else:
             plan = self._attn_plan(segs, N)
             whole = len(plan) == 1 and len(plan[0][5]) == 1 and plan[0][5][0].q_rows is None \
                 and plan[0][5][0].t * plan[0][5][0].R == N  # one call covers every row in order
-        cos = self.cos[posi][:, None]  # [N, 1, hd]
-        sin = self.sin[posi][:, None]
+            cos = self.cos[posi][:, None]  # [N, 1, hd]
+            sin = self.sin[posi][:, None]
         x = self._embed(ids)  # [N, H] residual stream, fp32 in every dtype mode
         ad, eps = self.act_dtype, self.eps
         hidden: dict[int, torch.Tensor] = {}
-        nq, nk, hd = self.n_heads, self.n_kv, self.head_dim
-        g = nq // nk
+        if keylist and ad == torch.bfloat16 and self.hidden % 16 == 0:  # the kernel's row-wise RMSNorm
+            norm = self._keylist.rms_norm
+        else:
+            def norm(x, w, eps):
+                return rms_norm(x, w, eps, ad)
         for li in range(n_layers):
             L = self.layers[li]
-            h = rms_norm(x, L.ln1, eps, ad)
+            h = norm(x, L.ln1, eps)
             qkv = self._gate(self._mm(L.qkv, h), li, "qkv", h)  # [N, (nq + 2nk) * hd]
-            qk = rope(qkv[:, : (nq + nk) * hd].view(N, nq + nk, hd), cos, sin)  # [N, nq + nk, hd]
-            q = qk[:, :nq]  # [N, nq, hd]
-            k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
-            v = qkv[:, (nq + nk) * hd:].view(N, nk, hd).transpose(0, 1)
-            views = self._kv_views[li]
-            if keylist:  # every segment's K/V in tree layout, then one call for all rows
-                for slot, s, n, base, par in segs:
-                    kc, vc = views[slot][0], views[slot][1]
-                    kc[:, base: base + n] = k if (s == 0 and n == N) else k[:, s: s + n]
-                    vc[:, base: base + n] = v if (s == 0 and n == N) else v[:, s: s + n]
-                a = self._keylist(q, *self._kv_layers[li], krows, self.head_dim ** -0.5)
+            if keylist:
+                a = self._keylist.layer(kplan, li, qkv)  # [N, nq * hd]
             else:
+                qk = rope(qkv[:, : (nq + nk) * hd].view(N, nq + nk, hd), cos, sin)  # [N, nq + nk, hd]
+                q = qk[:, :nq]  # [N, nq, hd]
+                k = qk[:, nq:].transpose(0, 1)  # [nk, N, hd]
+                v = qkv[:, (nq + nk) * hd:].view(N, nk, hd).transpose(0, 1)
+                views = self._kv_views[li]
                 a = None if whole else torch.zeros(N, nq, hd, dtype=ad, device=self.device)
             for slot, s, n, base, restore, calls in plan:
                 kc, vc, kc4, vc4 = views[slot]  # [nk, T, hd], [1, nk, T, hd]
@@ -886,9 +898,10 @@ class LlamaEngine:
                     e0, e1 = restore
                     kc[:, base + e0: base + e1] = k[:, s + e0: s + e1]
                     vc[:, base + e0: base + e1] = v[:, s + e0: s + e1]
-            a = a.reshape(N, nq * hd)
+            if not keylist:
+                a = a.reshape(N, nq * hd)
             x = x + self._gate(self._mm(L.o, a), li, "o", a)
-            h = rms_norm(x, L.ln2, eps, ad)
+            h = norm(x, L.ln2, eps)
             g_, u_ = self._gate(self._mm(L.gate_up, h), li, "gate_up", h).chunk(2, -1)
             m = F.silu(g_) * u_
             x = x + self._gate(self._mm(L.down, m), li, "down", m)

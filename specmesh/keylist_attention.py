@@ -20,6 +20,15 @@ on every call), ``out = sum_j p_j v_j / sum_j p_j``, rounded to the cache dtype
 never is, so the thread count does not change its bits. Query heads that share a KV
 head share its key loads.
 
+The engine calls it a layer at a time (``plan`` once per forward, then ``layer``):
+from the layer's qkv projection the kernel applies the rotate-half RoPE to q and k
+(fp32 products, rounded to the cache dtype for k), writes each row's k and v to the
+cache position the plan names, then attends, so a layer's attention costs one call
+instead of a dozen torch ops. ``rms_norm`` is the row-wise RMSNorm (fp32 rows in,
+bf16 out, sum of squares in 16 lanes reduced in a fixed order) for the bf16 and
+int4/int8 engines. ``__call__`` is attention alone (q already rotated, keys already
+in the cache).
+
 The kernel is built once per machine and compiler (``cc -O3 -march=native
 -fopenmp``) into ``~/.cache/specmesh/kernels`` (``SPECMESH_KERNEL_CACHE``) and loaded
 with ctypes. Its OpenMP runtime is the one torch already loaded (same soname), so
@@ -63,6 +72,8 @@ static inline v16f ld_bf16(const uint16_t* p) {
     return (v16f)u;
 }
 static inline v16f ld_f32(const float* p) { v16f f; memcpy(&f, p, sizeof f); return f; }
+static inline float lds_bf16(const uint16_t* p, int64_t d) { uint32_t u = (uint32_t)p[d] << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline float lds_f32(const float* p, int64_t d) { return p[d]; }
 static inline void st_bf16(uint16_t* p, v16f f) {
     v16u u = (v16u)f;
     u += 0x7FFFu + ((u >> 16) & 1u);  /* round to nearest even (finite values) */
@@ -102,7 +113,73 @@ static inline v16f exp_nonpos(v16f x) {
 #define HC_MAX 16   /* head dimension up to 256 */
 #define KEYPOS(j) ((j) < c0 ? (int64_t)(j) : (int64_t)anc[o0 + (j) - c0])
 
-#define ATTEND(NAME, T_, LD, ST)                                                                        \
+/* One (row, KV head): its g query heads qf (scaled, fp32) against the L keys it names
+   (the first c0 positions, then anc[o0 ...]); o: g rows of hd outputs. 1 if out of memory. */
+#define CORE(NAME, T_, LD, ST)                                                                          \
+static int NAME(const T_* kb, const T_* vb, const int32_t* anc, int64_t c0, int64_t o0, int64_t L,      \
+                int64_t g, int64_t hd, const v16f* qf, T_* o) {                                         \
+    const int64_t hc = hd / 16;                                                                         \
+    if (L <= 0) { memset(o, 0, sizeof(T_) * g * hd); return 0; }                                       \
+    const int64_t Lp = (L + 15) & ~(int64_t)15;                                                         \
+    float* s = (float*)aligned_alloc(64, sizeof(float) * (size_t)(g * Lp));                            \
+    if (!s) return 1;                                                                                   \
+    float mx[g], l[g];                                                                                  \
+    v16f acc[g * hc], row[HC_MAX];                                                                      \
+    for (int64_t h = 0; h < g; h++) {                                                                   \
+        mx[h] = -3.0e38f; l[h] = 0.0f;                                                                  \
+        for (int64_t c = 0; c < hc; c++) acc[h * hc + c] = (v16f){0};                                   \
+    }                                                                                                   \
+    for (int64_t j = 0; j < L; j++) {                                                                   \
+        const T_* kr = kb + KEYPOS(j) * hd;                                                             \
+        for (int64_t c = 0; c < hc; c++) row[c] = LD(kr + 16 * c);                                      \
+        for (int64_t h = 0; h < g; h++) {                                                               \
+            v16f a = qf[h * hc] * row[0];                                                               \
+            for (int64_t c = 1; c < hc; c++) a += qf[h * hc + c] * row[c];                              \
+            const float x = hsum(a);                                                                    \
+            s[h * Lp + j] = x;                                                                          \
+            mx[h] = x > mx[h] ? x : mx[h];                                                              \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int64_t h = 0; h < g; h++) {                                                                   \
+        float* sh = s + h * Lp;                                                                         \
+        for (int64_t j = L; j < Lp; j++) sh[j] = mx[h];                                                 \
+        for (int64_t j = 0; j < Lp; j += 16) {                                                          \
+            v16f x; memcpy(&x, sh + j, sizeof x);                                                       \
+            x = exp_nonpos(x - mx[h]);                                                                  \
+            memcpy(sh + j, &x, sizeof x);                                                               \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int64_t j = 0; j < L; j++) {                                                                   \
+        const T_* vr = vb + KEYPOS(j) * hd;                                                             \
+        for (int64_t c = 0; c < hc; c++) row[c] = LD(vr + 16 * c);                                      \
+        for (int64_t h = 0; h < g; h++) {                                                               \
+            const float w = s[h * Lp + j];                                                              \
+            l[h] += w;                                                                                  \
+            for (int64_t c = 0; c < hc; c++) acc[h * hc + c] += w * row[c];                             \
+        }                                                                                               \
+    }                                                                                                   \
+    for (int64_t h = 0; h < g; h++) {                                                                   \
+        const float r = 1.0f / l[h];                                                                    \
+        for (int64_t c = 0; c < hc; c++) ST(o + h * hd + 16 * c, acc[h * hc + c] * r);                  \
+    }                                                                                                   \
+    free(s);                                                                                            \
+    return 0;                                                                                           \
+}
+
+/* Rotate-half RoPE of one head x at the position whose tables are c, s (sin signed):
+   x * c + swap_halves(x) * s, times scale, as 16-lane chunks. */
+#define ROPE(NAME, T_, LDS)                                                                             \
+static inline void NAME(const T_* x, const T_* c, const T_* s, int64_t hd, float scale, v16f* out) {    \
+    float r[16 * HC_MAX];                                                                               \
+    const int64_t half = hd / 2;                                                                        \
+    for (int64_t d = 0; d < half; d++) r[d] = (LDS(x, d) * LDS(c, d) + LDS(x, d + half) * LDS(s, d)) * scale; \
+    for (int64_t d = half; d < hd; d++) r[d] = (LDS(x, d) * LDS(c, d) + LDS(x, d - half) * LDS(s, d)) * scale; \
+    memcpy(out, r, sizeof(float) * hd);                                                                 \
+}
+
+/* Attention alone: q [N, nq, hd] rows (strides q_row, q_head), one layer's cache k, v
+   [slots, nk, T, hd]; per row its slot and keys; out [N, nq, hd]. */
+#define ATTEND(NAME, T_, LD, CORE_)                                                                     \
 int NAME(const T_* q, int64_t q_row, int64_t q_head, const T_* k, const T_* v, int64_t nk, int64_t T,   \
          const int32_t* slot, const int32_t* ctx, const int32_t* off, const int32_t* cnt,              \
          const int32_t* anc, T_* out, int64_t N, int64_t nq, int64_t hd, float scale) {                \
@@ -111,63 +188,82 @@ int NAME(const T_* q, int64_t q_row, int64_t q_head, const T_* k, const T_* v, i
     _Pragma("omp parallel for schedule(static)")                                                        \
     for (int64_t task = 0; task < N * nk; task++) {                                                    \
         const int64_t n = task / nk, kh = task % nk;                                                    \
-        const int64_t c0 = ctx[n], o0 = off[n], L = c0 + cnt[n];                                        \
-        T_* o = out + (n * nq + kh * g) * hd;                                                           \
-        if (L <= 0) { memset(o, 0, sizeof(T_) * g * hd); continue; }                                   \
-        const int64_t Lp = (L + 15) & ~(int64_t)15;                                                     \
-        v16f* buf = (v16f*)aligned_alloc(64, sizeof(v16f) * (size_t)(g * Lp / 16 + 2 * g * hc));       \
-        if (!buf) { _Pragma("omp atomic write") failed = 1; continue; }                                 \
-        float* s = (float*)buf;                                                                         \
-        v16f *qf = buf + g * Lp / 16, *acc = qf + g * hc;                                               \
-        float mx[g], l[g];                                                                              \
-        const T_* kb = k + ((int64_t)slot[n] * nk + kh) * T * hd;                                       \
-        const T_* vb = v + ((int64_t)slot[n] * nk + kh) * T * hd;                                       \
-        for (int64_t h = 0; h < g; h++) {                                                               \
-            const T_* qr = q + n * q_row + (kh * g + h) * q_head;                                       \
-            for (int64_t c = 0; c < hc; c++) { qf[h * hc + c] = LD(qr + 16 * c) * scale; acc[h * hc + c] = (v16f){0}; } \
-            mx[h] = -3.0e38f; l[h] = 0.0f;                                                              \
+        v16f qf[g * hc];                                                                                \
+        for (int64_t h = 0; h < g; h++)                                                                 \
+            for (int64_t c = 0; c < hc; c++)                                                            \
+                qf[h * hc + c] = LD(q + n * q_row + (kh * g + h) * q_head + 16 * c) * scale;            \
+        const int64_t base = ((int64_t)slot[n] * nk + kh) * T * hd;                                     \
+        if (CORE_(k + base, v + base, anc, ctx[n], off[n], (int64_t)ctx[n] + cnt[n], g, hd, qf,         \
+                  out + (n * nq + kh * g) * hd)) {                                                      \
+            _Pragma("omp atomic write") failed = 1;                                                     \
         }                                                                                               \
-        v16f row[HC_MAX];                                                                               \
-        for (int64_t j = 0; j < L; j++) {                                                               \
-            const T_* kr = kb + KEYPOS(j) * hd;                                                         \
-            for (int64_t c = 0; c < hc; c++) row[c] = LD(kr + 16 * c);                                  \
-            for (int64_t h = 0; h < g; h++) {                                                           \
-                v16f a = qf[h * hc] * row[0];                                                           \
-                for (int64_t c = 1; c < hc; c++) a += qf[h * hc + c] * row[c];                          \
-                const float x = hsum(a);                                                                \
-                s[h * Lp + j] = x;                                                                      \
-                mx[h] = x > mx[h] ? x : mx[h];                                                          \
-            }                                                                                           \
-        }                                                                                               \
-        for (int64_t h = 0; h < g; h++) {                                                               \
-            float* sh = s + h * Lp;                                                                     \
-            for (int64_t j = L; j < Lp; j++) sh[j] = mx[h];                                             \
-            for (int64_t j = 0; j < Lp; j += 16) {                                                      \
-                v16f x; memcpy(&x, sh + j, sizeof x);                                                   \
-                x = exp_nonpos(x - mx[h]);                                                              \
-                memcpy(sh + j, &x, sizeof x);                                                           \
-            }                                                                                           \
-        }                                                                                               \
-        for (int64_t j = 0; j < L; j++) {                                                               \
-            const T_* vr = vb + KEYPOS(j) * hd;                                                         \
-            for (int64_t c = 0; c < hc; c++) row[c] = LD(vr + 16 * c);                                  \
-            for (int64_t h = 0; h < g; h++) {                                                           \
-                const float w = s[h * Lp + j];                                                          \
-                l[h] += w;                                                                              \
-                for (int64_t c = 0; c < hc; c++) acc[h * hc + c] += w * row[c];                         \
-            }                                                                                           \
-        }                                                                                               \
-        for (int64_t h = 0; h < g; h++) {                                                               \
-            const float r = 1.0f / l[h];                                                                \
-            for (int64_t c = 0; c < hc; c++) ST(o + h * hd + 16 * c, acc[h * hc + c] * r);              \
-        }                                                                                               \
-        free(buf);                                                                                      \
     }                                                                                                   \
     return failed;                                                                                      \
 }
 
-ATTEND(keylist_attend_bf16, uint16_t, ld_bf16, st_bf16)
-ATTEND(keylist_attend_f32, float, ld_f32, st_f32)
+/* One attention layer from the qkv projection on: RoPE on q and k, k and v written to
+   the cache where each row's go, then every row attends to the keys it names. */
+typedef struct {
+    int64_t N, nq, nk, hd, T, qkv_row;
+    const void *cos, *sin;                       /* [positions, hd] tables in the cache dtype, sin signed */
+    const int32_t *rope_pos, *wslot, *wpos;      /* per row: RoPE position; cache slot (< 0: none), position */
+    const int32_t *slot, *ctx, *off, *cnt, *anc; /* per row: the keys it attends to */
+    float scale;
+} layer_plan;
+
+#define LAYER(NAME, T_, LD, ST, ROPE_, CORE_)                                                           \
+int NAME(const layer_plan* P, const T_* qkv, T_* k, T_* v, T_* out) {                                  \
+    const int64_t N = P->N, nq = P->nq, nk = P->nk, hd = P->hd, T = P->T, hc = hd / 16, g = nq / nk;   \
+    const T_* cs = (const T_*)P->cos; const T_* sn = (const T_*)P->sin;                                \
+    int failed = 0;                                                                                     \
+    _Pragma("omp parallel for schedule(static)")                                                        \
+    for (int64_t task = 0; task < N * nk; task++) {                                                    \
+        const int64_t n = task / nk, kh = task % nk;                                                    \
+        if (P->wslot[n] < 0) continue;                                                                  \
+        const T_* x = qkv + n * P->qkv_row + (nq + kh) * hd;                                            \
+        const int64_t at = (((int64_t)P->wslot[n] * nk + kh) * T + P->wpos[n]) * hd;                   \
+        v16f kr[HC_MAX];                                                                                \
+        ROPE_(x, cs + (int64_t)P->rope_pos[n] * hd, sn + (int64_t)P->rope_pos[n] * hd, hd, 1.0f, kr);   \
+        for (int64_t c = 0; c < hc; c++) ST(k + at + 16 * c, kr[c]);                                    \
+        memcpy(v + at, x + nk * hd, sizeof(T_) * hd);                                                   \
+    }                                                                                                   \
+    _Pragma("omp parallel for schedule(static)")                                                        \
+    for (int64_t task = 0; task < N * nk; task++) {                                                    \
+        const int64_t n = task / nk, kh = task % nk;                                                    \
+        v16f qf[g * hc];                                                                                \
+        for (int64_t h = 0; h < g; h++)                                                                 \
+            ROPE_(qkv + n * P->qkv_row + (kh * g + h) * hd, cs + (int64_t)P->rope_pos[n] * hd,          \
+                  sn + (int64_t)P->rope_pos[n] * hd, hd, P->scale, qf + h * hc);                        \
+        const int64_t base = ((int64_t)P->slot[n] * nk + kh) * T * hd;                                  \
+        if (CORE_(k + base, v + base, P->anc, P->ctx[n], P->off[n], (int64_t)P->ctx[n] + P->cnt[n], g,  \
+                  hd, qf, out + (n * nq + kh * g) * hd)) {                                              \
+            _Pragma("omp atomic write") failed = 1;                                                     \
+        }                                                                                               \
+    }                                                                                                   \
+    return failed;                                                                                      \
+}
+
+CORE(core_bf16, uint16_t, ld_bf16, st_bf16)
+CORE(core_f32, float, ld_f32, st_f32)
+ROPE(rope_bf16, uint16_t, lds_bf16)
+ROPE(rope_f32, float, lds_f32)
+ATTEND(keylist_attend_bf16, uint16_t, ld_bf16, core_bf16)
+ATTEND(keylist_attend_f32, float, ld_f32, core_f32)
+LAYER(keylist_layer_bf16, uint16_t, ld_bf16, st_bf16, rope_bf16, core_bf16)
+LAYER(keylist_layer_f32, float, ld_f32, st_f32, rope_f32, core_f32)
+
+/* RMSNorm of fp32 rows x [N, H] with fp32 weights w, rounded to bf16: y = x / rms(x) * w,
+   the mean of squares summed in 16 lanes and reduced in a fixed order (H a multiple of 16). */
+void rmsnorm_bf16(const float* x, const float* w, uint16_t* y, int64_t N, int64_t H, float eps) {
+    _Pragma("omp parallel for schedule(static) if(N >= 8)")
+    for (int64_t n = 0; n < N; n++) {
+        const float* xr = x + n * H;
+        v16f a = (v16f){0};
+        for (int64_t c = 0; c < H; c += 16) { v16f v = ld_f32(xr + c); a += v * v; }
+        const float r = 1.0f / __builtin_sqrtf(hsum(a) / (float)H + eps);
+        for (int64_t c = 0; c < H; c += 16) st_bf16(y + n * H + c, ld_f32(xr + c) * r * ld_f32(w + c));
+    }
+}
 """
 
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
@@ -197,31 +293,114 @@ def _build(cc: str, target: Path) -> None:
         os.replace(lib, target)  # atomic: a concurrent builder's copy is as good as ours
 
 
+class _Plan(ctypes.Structure):
+    """``layer_plan`` of the C source."""
+
+    _fields_ = [(n, ctypes.c_int64) for n in ("N", "nq", "nk", "hd", "T", "qkv_row")] + \
+        [(n, ctypes.c_void_p) for n in ("cos", "sin", "rope_pos", "wslot", "wpos", "slot", "ctx", "off", "cnt",
+                                        "anc")] + [("scale", ctypes.c_float)]
+
+
+@dataclass
+class LayerPlan:
+    """One forward's rows for ``KeyListAttention.layer``, built once and used by every
+    layer (it keeps the tensors its pointers name alive)."""
+
+    rows: "RowKeys"
+    tensors: tuple
+    struct: _Plan
+    dtype: torch.dtype
+    shape: tuple  # (N, nq * hd, qkv row width)
+    cache: tuple  # (K buffer address, V buffer address, bytes per layer, layers)
+
+
 class KeyListAttention:
     """The loaded kernel (``load()``)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
         P, I = ctypes.c_void_p, ctypes.c_int64
-        self._fns = {}
-        for dt, name in ((torch.bfloat16, "keylist_attend_bf16"), (torch.float32, "keylist_attend_f32")):
-            fn = getattr(lib, name)
+        self._fns, self._layers = {}, {}
+        for dt, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            fn = getattr(lib, f"keylist_attend_{suffix}")
             fn.argtypes = [P, I, I, P, P, I, I, P, P, P, P, P, P, I, I, I, ctypes.c_float]
             fn.restype = ctypes.c_int
             self._fns[dt] = fn
+            fn = getattr(lib, f"keylist_layer_{suffix}")
+            fn.argtypes = [ctypes.POINTER(_Plan), P, P, P, P]
+            fn.restype = ctypes.c_int
+            self._layers[dt] = fn
+        self._rms = lib.rmsnorm_bf16
+        self._rms.argtypes = [P, P, P, I, I, ctypes.c_float]
+        self._rms.restype = None
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of fp32 rows x [N, H] (contiguous) with fp32 weights w [H], as bf16 [N, H]
+        (H a multiple of 16): each row's bits depend on that row alone."""
+        N, H = x.shape
+        if (x.dtype != torch.float32 or w.dtype != torch.float32 or not x.is_contiguous() or w.shape != (H,)
+                or H % 16):
+            raise ValueError(f"keylist rms_norm: unsupported input {tuple(x.shape)} {x.dtype}")
+        y = torch.empty(N, H, dtype=torch.bfloat16)
+        self._rms(x.data_ptr(), w.data_ptr(), y.data_ptr(), N, H, float(eps))
+        return y
+
+    def plan(self, rows: "RowKeys", rope_pos: torch.Tensor, wslot: torch.Tensor, wpos: torch.Tensor,
+             cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, n_heads: int,
+             scale: float) -> LayerPlan:
+        """A forward's rows for ``layer``: per row its RoPE position, where its K/V go
+        (``wslot`` < 0: nowhere; ``wpos``) and the keys it attends to (``rows``); ``cos`` /
+        ``sin`` [positions, hd]: the rotate-half tables (sin signed); ``k_buf`` / ``v_buf``:
+        the whole cache [layers, slots, nk, T, hd], contiguous, all in one dtype."""
+        N = rows.n
+        n_layers, n_slots, n_kv, T, hd = k_buf.shape
+        i32 = [t.to(torch.int32).contiguous() for t in (rope_pos, wslot, wpos)]
+        ok = (cos.dtype == sin.dtype == k_buf.dtype == v_buf.dtype and cos.dtype in self._layers
+              and cos.is_contiguous() and sin.is_contiguous() and k_buf.is_contiguous() and v_buf.is_contiguous()
+              and v_buf.shape == k_buf.shape and sin.shape == cos.shape and cos.shape[1] == hd
+              and hd % HEAD_DIM_MULTIPLE == 0 and hd <= 256 and n_heads % n_kv == 0
+              and all(t.shape == (N,) for t in i32))
+        if ok and N:
+            ok = (0 <= int(i32[0].min()) and int(i32[0].max()) < cos.shape[0]
+                  and int(i32[1].max()) < n_slots and (int(i32[2].min()) >= 0 and int(i32[2].max()) < T)
+                  and 0 <= int(rows.slot.min()) and int(rows.slot.max()) < n_slots
+                  and int((rows.ctx + rows.cnt).max()) <= T)
+        if not ok:
+            raise ValueError(f"keylist attention: unsupported plan (N {N}, tables {tuple(cos.shape)} {cos.dtype}, "
+                             f"cache {tuple(k_buf.shape)} {k_buf.dtype})")
+        st = _Plan(N, n_heads, n_kv, hd, T, (n_heads + 2 * n_kv) * hd, cos.data_ptr(), sin.data_ptr(),
+                   *(t.data_ptr() for t in i32), rows.slot.data_ptr(), rows.ctx.data_ptr(), rows.off.data_ptr(),
+                   rows.cnt.data_ptr(), rows.anc.data_ptr(), float(scale))
+        layer_bytes = k_buf[0].numel() * k_buf.element_size()
+        return LayerPlan(rows, (cos, sin, k_buf, v_buf, *i32), st, cos.dtype, (N, n_heads * hd, st.qkv_row),
+                         (k_buf.data_ptr(), v_buf.data_ptr(), layer_bytes, n_layers))
+
+    def layer(self, plan: LayerPlan, li: int, qkv: torch.Tensor) -> torch.Tensor:
+        """Layer ``li``'s attention from its qkv projection [N, (nq + 2 nk) * hd] (contiguous):
+        RoPE on q and k, k and v written to that layer's cache where each row's go, then
+        each row's attention over the keys it names: [N, nq * hd]."""
+        N, width, row = plan.shape
+        k0, v0, step, n_layers = plan.cache
+        if qkv.dtype != plan.dtype or not qkv.is_contiguous() or qkv.shape != (N, row) or not 0 <= li < n_layers:
+            raise ValueError(f"keylist attention: unsupported layer input (layer {li}, qkv {tuple(qkv.shape)} "
+                             f"{qkv.dtype})")
+        out = torch.empty(N, width, dtype=plan.dtype)
+        if self._layers[plan.dtype](ctypes.byref(plan.struct), qkv.data_ptr(), k0 + li * step, v0 + li * step,
+                                    out.data_ptr()):
+            raise MemoryError("keylist attention: out of memory for its score buffers")
+        return out
 
     def __call__(self, q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, rows: "RowKeys",
                  scale: float) -> torch.Tensor:
-        """q [N, nq, hd] (rows and heads may be strided, the head dimension contiguous);
-        k_layer / v_layer: one layer's cache [slots, nk, T, hd], contiguous; returns
-        [N, nq, hd] in q's dtype. A row with no keys gets zeros."""
+        """Attention alone (no RoPE, no cache writes): q [N, nq, hd] (rows and heads may be
+        strided, the head dimension contiguous) against one layer's cache [slots, nk, T, hd]
+        (contiguous); returns [N, nq, hd] in q's dtype. A row with no keys gets zeros."""
         N, nq, hd = q.shape
         S, nk, T, hd2 = k_layer.shape
         fn = self._fns.get(q.dtype)
         if (fn is None or hd2 != hd or q.stride(2) != 1 or k_layer.dtype != q.dtype or v_layer.dtype != q.dtype
                 or not (k_layer.is_contiguous() and v_layer.is_contiguous()) or nq % nk or rows.n != N
-                or hd % HEAD_DIM_MULTIPLE or hd > 256
-                or q.device.type != "cpu"):
+                or hd % HEAD_DIM_MULTIPLE or hd > 256 or q.device.type != "cpu"):
             raise ValueError("keylist attention: unsupported layout "
                              f"(q {tuple(q.shape)} {q.dtype} strides {q.stride()}, cache {tuple(k_layer.shape)})")
         out = torch.empty(N, nq, hd, dtype=q.dtype)
