@@ -5,8 +5,9 @@ For each engine (fp32 is the reference; bf16, int8, and int4 with group sizes 32
 by default: SmolLM2's hidden size 576 is no multiple of 128, so int4:128 would run most
 of its matrices in int8) on the prompts of the bench workloads:
 
-``int4:G`` is the int4 engine with group size G and its LM head in int8 (the default);
-``int4:G:head4`` puts the head in int4 too.
+``int4:G`` is the int4 engine with group size G and its default LM head (tied: the
+int4 screen whose top 64 logits per row are recomputed from the bf16 embedding table);
+``int4:G:head8`` puts the head in int8, ``int4:G:head4`` in plain int4.
 
 - greedy agreement: plain greedy decoding of ``--max-new-tokens`` tokens; how many
   generations equal fp32's token for token, and the mean common prefix (share of fp32's
@@ -49,8 +50,9 @@ from specmesh.verifier import EngineVerifier
 def _engine(model: str, spec: str, max_seq_len: int) -> LlamaEngine:
     dtype, *opts = spec.split(":")
     kw = {"int4_group": int(opts[0])} if opts else {}
-    if "head4" in opts[1:]:
-        kw["int4_head"] = True
+    heads = {"head4": "int4", "head8": "int8", "screen": "screen"}
+    for o in opts[1:]:
+        kw["int4_head"] = heads[o]
     return LlamaEngine.from_pretrained(model, dtype=dtype, n_slots=1, max_seq_len=max_seq_len, quiet=True, **kw)
 
 
@@ -66,8 +68,9 @@ def _all_logits(eng: LlamaEngine, ids: list[int]) -> torch.Tensor:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--engines", default="bf16,int8,int4:32,int4:64,int4:32:head4",
-                    help="dtype, int4:<group> or int4:<group>:head4 (the LM head in int4 too; default int8); "
+    ap.add_argument("--engines", default="bf16,int8,int4:32,int4:32:head8,int4:64,int4:32:head4",
+                    help="dtype, int4:<group>, int4:<group>:head8 / :head4 / :screen (the LM head in int8 / "
+                         "plain int4 / the int4 screen; default: screen for a tied head); "
                          "fp32 is always the reference")
     ap.add_argument("--workloads", default="", help="comma list (default: all)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per workload")

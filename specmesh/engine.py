@@ -85,6 +85,8 @@ DTYPE_NAMES = ("fp32", "bf16", "int8", "int4")  # what ``dtype=`` accepts (and t
 # ships (its minimum and maximum per block give back that grid, up to the bf16 rounding of
 # scale and zero); 64/128 halve/quarter the scale bytes (docs/int4.md has the measured cost).
 INT4_GROUP = 32
+INT4_HEADS = ("auto", "screen", "int8", "int4")  # the LM head of an int4 engine (LlamaEngine's int4_head)
+SCREEN_TOP = 64  # screen head: logits per row recomputed from the bf16 table (16 -> 64: KL to fp32 0.0099 -> 0.0056)
 
 # Batch-invariant forward, per dtype (measured on CPU, see the module docstring):
 # (min, max) rows per matmul call (max 0: any), (min, max) query rows per KV head of
@@ -282,7 +284,7 @@ class LlamaEngine:
     def __init__(self, config: dict, state_dict: dict, dtype: str = "fp32", n_slots: int = 4,
                  max_seq_len: int = 2048, device: str = "cpu", batch_invariant: Optional[bool] = None,
                  row_tiles: Optional[tuple[int, int]] = None, attn_rows: Optional[tuple[int, int]] = None,
-                 key_block: Optional[int] = None, int4_group: int = INT4_GROUP, int4_head: bool = False,
+                 key_block: Optional[int] = None, int4_group: int = INT4_GROUP, int4_head: str = "auto",
                  attention: Optional[str] = None):
         """``batch_invariant``: the forward whose rows do not depend on what else is
         scored (module docstring); default: on for bf16, int8 and int4 on CPU (greedy
@@ -291,9 +293,13 @@ class LlamaEngine:
         ``row_tiles`` / ``attn_rows`` / ``key_block`` override the per-dtype tiling
         (``ROW_TILES``, ``ATTN_ROWS``, ``KEY_BLOCK``). ``int4_group``: the int4 weights'
         group size along the input dimension (32, 64, 128; ``INT4_GROUP``). ``int4_head``:
-        the LM head in int4 too (default: int8 in int4 mode; the head is the tied
-        embedding table, which GGUF files keep at 8 bits or more, and 4 bits cost it 9%
-        relative weight error against int8's 1%: docs/int4.md). ``attention`` (the
+        the LM head of an int4 engine: ``"screen"``: the head in int4 as a screen, each
+        row's top ``SCREEN_TOP`` logits then recomputed exactly from the engine's bf16
+        embedding table (tied heads only: half the int8 head's bytes a step, and closer
+        to fp32 than it: docs/int4.md); ``"int8"`` (the head is the tied embedding table,
+        which GGUF files keep at 8 bits or more; int8 costs it 1% relative weight error);
+        ``"int4"`` (its top logits refined from its own int4 rows: 9% error); ``"auto"``
+        (default): screen for a tied head, else int8. ``attention`` (the
         batch-invariant forward's): ``"keylist"`` (each row attends to the keys it names,
         ``specmesh.keylist_attention``; the default where its kernel builds) or ``"sdpa"``
         (torch's SDPA on fixed query tiles, a tree one path at a time)."""
@@ -304,7 +310,10 @@ class LlamaEngine:
         if int4_group not in (32, 64, 128, 256):
             raise InvalidArgument("int4_group", f"must be 32, 64, 128 or 256, got {int4_group}")
         self.int4_group = int(int4_group)
-        self.int4_head = bool(int4_head)
+        if int4_head not in INT4_HEADS:
+            raise InvalidArgument("int4_head", f"must be one of {', '.join(INT4_HEADS)}, got {int4_head!r}")
+        self.int4_head = int4_head
+        self._screen = False  # set by the weight load (int4_head="screen" on a tied head)
         self.config = config
         self.dtype_name = dtype
         self.act_dtype = DTYPES[dtype]
@@ -466,8 +475,15 @@ class LlamaEngine:
             head = g("lm_head.weight")
         else:  # tied: fp32 shares the embedding table; other dtypes convert a full-precision read of it
             head = self.embed if self.embed.dtype == torch.float32 else g("embed_tokens.weight")
-        head_mode = "int8" if mode == "int4" and not self.int4_head else mode
-        self.head = Linear(head, None, head_mode, self.int4_group, keep_rows=True)
+        # screen: the int4 head ranks, the embedding table's rows (the tied head's own
+        # weights, in the engine's dtype) give the top logits their values
+        tied = "lm_head.weight" not in names or bool(self.config.get("tie_word_embeddings"))
+        choice = ("screen" if tied else "int8") if self.int4_head == "auto" else self.int4_head
+        if mode == "int4" and choice == "screen" and not tied:
+            raise InvalidArgument("int4_head", "'screen' needs a head tied to the embedding table")
+        self._screen = mode == "int4" and choice == "screen"
+        head_mode = "int8" if mode == "int4" and choice == "int8" else mode
+        self.head = Linear(head, None, head_mode, self.int4_group, keep_rows=not self._screen)
 
     # ------------------------------------------------------------------ sizes
     def weight_bytes(self) -> int:
@@ -483,9 +499,15 @@ class LlamaEngine:
         """Recompute the top-k logits of each row exactly (fp32 hidden x fp32 copy of the
         weight rows). A bf16 output is rounded to 1/8 at typical logit sizes, which
         turns near-ties into coin flips between a 1-token and a k-token forward;
-        exact top logits keep greedy choices consistent across the two."""
-        idx = topk_rows(logits, k)[1]  # [n, k]
-        exact = torch.einsum("nh,nkh->nk", hn, self.head.rows_fp32(idx))
+        exact top logits keep greedy choices consistent across the two. The screen head
+        (int4) recomputes its top ``SCREEN_TOP`` from the embedding table's rows."""
+        if self._screen:
+            idx = topk_rows(logits, min(SCREEN_TOP, logits.shape[-1]))[1]
+            rows = self.embed[idx].float()
+        else:
+            idx = topk_rows(logits, k)[1]  # [n, k]
+            rows = self.head.rows_fp32(idx)
+        exact = torch.einsum("nh,nkh->nk", hn, rows)
         return logits.scatter(-1, idx, exact)
 
     @torch.inference_mode()
@@ -843,14 +865,17 @@ class LlamaEngine:
         x = self._embed(ids)  # [N, H] residual stream, fp32 in every dtype mode
         ad, eps = self.act_dtype, self.eps
         hidden: dict[int, torch.Tensor] = {}
-        if keylist and ad == torch.bfloat16 and self.hidden % 16 == 0:  # the kernel's row-wise RMSNorm
-            norm = self._keylist.rms_norm
-        else:
-            def norm(x, w, eps):
-                return rms_norm(x, w, eps, ad)
+        # bf16 activations: the kernel's residual add + RMSNorm and SwiGLU product (row-wise);
+        # the residual add of a layer's MLP waits for the next layer's first norm
+        K = self._keylist if keylist and ad == torch.bfloat16 and self.hidden % 16 == 0 \
+            and self.layers[0].down.in_features % 16 == 0 else None
+        pending = None
         for li in range(n_layers):
             L = self.layers[li]
-            h = norm(x, L.ln1, eps)
+            if K is not None:
+                h, pending = K.add_rms_norm(x, pending, L.ln1, eps), None
+            else:
+                h = rms_norm(x, L.ln1, eps, ad)
             qkv = self._gate(self._mm(L.qkv, h), li, "qkv", h)  # [N, (nq + 2nk) * hd]
             if keylist:
                 a = self._keylist.layer(kplan, li, qkv)  # [N, nq * hd]
@@ -900,13 +925,24 @@ class LlamaEngine:
                     vc[:, base + e0: base + e1] = v[:, s + e0: s + e1]
             if not keylist:
                 a = a.reshape(N, nq * hd)
-            x = x + self._gate(self._mm(L.o, a), li, "o", a)
-            h = norm(x, L.ln2, eps)
-            g_, u_ = self._gate(self._mm(L.gate_up, h), li, "gate_up", h).chunk(2, -1)
-            m = F.silu(g_) * u_
-            x = x + self._gate(self._mm(L.down, m), li, "down", m)
+            o = self._gate(self._mm(L.o, a), li, "o", a)
+            if K is not None:
+                h = K.add_rms_norm(x, o, L.ln2, eps)
+                m = K.silu_mul(self._gate(self._mm(L.gate_up, h), li, "gate_up", h))
+            else:
+                x = x + o
+                h = rms_norm(x, L.ln2, eps, ad)
+                g_, u_ = self._gate(self._mm(L.gate_up, h), li, "gate_up", h).chunk(2, -1)
+                m = F.silu(g_) * u_
+            d = self._gate(self._mm(L.down, m), li, "down", m)
+            if K is None:
+                x = x + d
+            elif li in hidden_layers or li == n_layers - 1:
+                x.add_(d)  # x is updated in place from here on: the hidden states are copies
+            else:
+                pending = d
             if li in hidden_layers:
-                hidden[li] = x[:N0]
+                hidden[li] = x[:N0] if K is None else x[:N0].clone()
 
         n_sel = sel.shape[0]
         m = self._padded_rows(n_sel)

@@ -24,9 +24,9 @@ The engine calls it a layer at a time (``plan`` once per forward, then ``layer``
 from the layer's qkv projection the kernel applies the rotate-half RoPE to q and k
 (fp32 products, rounded to the cache dtype for k), writes each row's k and v to the
 cache position the plan names, then attends, so a layer's attention costs one call
-instead of a dozen torch ops. ``rms_norm`` is the row-wise RMSNorm (fp32 rows in,
-bf16 out, sum of squares in 16 lanes reduced in a fixed order) for the bf16 and
-int4/int8 engines. ``__call__`` is attention alone (q already rotated, keys already
+instead of a dozen torch ops. ``add_rms_norm`` is the residual add and row-wise RMSNorm (fp32
+rows in, bf16 out, sum of squares in 16 lanes reduced in a fixed order) and
+``silu_mul`` SwiGLU's product, for the bf16 and int4/int8 engines. ``__call__`` is attention alone (q already rotated, keys already
 in the cache).
 
 The kernel is built once per machine and compiler (``cc -O3 -march=native
@@ -252,16 +252,38 @@ ATTEND(keylist_attend_f32, float, ld_f32, core_f32)
 LAYER(keylist_layer_bf16, uint16_t, ld_bf16, st_bf16, rope_bf16, core_bf16)
 LAYER(keylist_layer_f32, float, ld_f32, st_f32, rope_f32, core_f32)
 
-/* RMSNorm of fp32 rows x [N, H] with fp32 weights w, rounded to bf16: y = x / rms(x) * w,
+/* The residual add and RMSNorm of fp32 rows x [N, H] (in place) with fp32 weights w:
+   x += d (bf16 rows, added in fp32; d NULL: nothing to add), then y = bf16(x / rms(x) * w),
    the mean of squares summed in 16 lanes and reduced in a fixed order (H a multiple of 16). */
-void rmsnorm_bf16(const float* x, const float* w, uint16_t* y, int64_t N, int64_t H, float eps) {
+void add_rmsnorm_bf16(float* x, const uint16_t* d, const float* w, uint16_t* y, int64_t N, int64_t H, float eps) {
     _Pragma("omp parallel for schedule(static) if(N >= 8)")
     for (int64_t n = 0; n < N; n++) {
-        const float* xr = x + n * H;
+        float* xr = x + n * H;
         v16f a = (v16f){0};
-        for (int64_t c = 0; c < H; c += 16) { v16f v = ld_f32(xr + c); a += v * v; }
+        for (int64_t c = 0; c < H; c += 16) {
+            v16f v = ld_f32(xr + c);
+            if (d) { v += ld_bf16(d + n * H + c); st_f32(xr + c, v); }
+            a += v * v;
+        }
         const float r = 1.0f / __builtin_sqrtf(hsum(a) / (float)H + eps);
         for (int64_t c = 0; c < H; c += 16) st_bf16(y + n * H + c, ld_f32(xr + c) * r * ld_f32(w + c));
+    }
+}
+
+/* The SwiGLU product of bf16 rows gu [N, 2I] = [g | u]: m = bf16(silu(g) * u) in fp32,
+   silu(g) = g * sigmoid(g) with e = e^-|g| (I a multiple of 16). */
+void silu_mul_bf16(const uint16_t* gu, uint16_t* m, int64_t N, int64_t I) {
+    _Pragma("omp parallel for schedule(static) if(N >= 8)")
+    for (int64_t n = 0; n < N; n++) {
+        const uint16_t* g = gu + n * 2 * I;
+        for (int64_t c = 0; c < I; c += 16) {
+            const v16f x = ld_bf16(g + c), u = ld_bf16(g + I + c);
+            const v16i neg = x < 0;
+            const v16f ax = (v16f)((v16i)x & ~(v16i)((v16u){0} + 0x80000000u));
+            const v16f e = exp_nonpos((v16f){0} - ax);
+            const v16f num = (v16f)(((v16i)e & neg) | ((v16i)((v16f){0} + 1.0f) & ~neg));
+            st_bf16(m + n * I + c, x * (num / (1.0f + e)) * u);
+        }
     }
 }
 """
@@ -330,20 +352,41 @@ class KeyListAttention:
             fn.argtypes = [ctypes.POINTER(_Plan), P, P, P, P]
             fn.restype = ctypes.c_int
             self._layers[dt] = fn
-        self._rms = lib.rmsnorm_bf16
-        self._rms.argtypes = [P, P, P, I, I, ctypes.c_float]
+        self._rms = lib.add_rmsnorm_bf16
+        self._rms.argtypes = [P, P, P, P, I, I, ctypes.c_float]
         self._rms.restype = None
+        self._silu = lib.silu_mul_bf16
+        self._silu.argtypes = [P, P, I, I]
+        self._silu.restype = None
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of fp32 rows x [N, H] (contiguous) with fp32 weights w [H], as bf16 [N, H]
-        (H a multiple of 16): each row's bits depend on that row alone."""
+    def add_rms_norm(self, x: torch.Tensor, d: Optional[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+        """The residual add and RMSNorm: x += d in place (x fp32 [N, H] contiguous, d bf16
+        [N, H] or None), then RMSNorm of x with fp32 weights w [H], as bf16 [N, H] (H a
+        multiple of 16). Each row's bits depend on that row alone; x's equal torch's
+        ``x + d``."""
         N, H = x.shape
         if (x.dtype != torch.float32 or w.dtype != torch.float32 or not x.is_contiguous() or w.shape != (H,)
-                or H % 16):
-            raise ValueError(f"keylist rms_norm: unsupported input {tuple(x.shape)} {x.dtype}")
+                or H % 16 or (d is not None and (d.dtype != torch.bfloat16 or d.shape != x.shape
+                                                 or not d.is_contiguous()))):
+            raise ValueError(f"keylist add_rms_norm: unsupported input {tuple(x.shape)} {x.dtype}")
         y = torch.empty(N, H, dtype=torch.bfloat16)
-        self._rms(x.data_ptr(), w.data_ptr(), y.data_ptr(), N, H, float(eps))
+        self._rms(x.data_ptr(), None if d is None else d.data_ptr(), w.data_ptr(), y.data_ptr(), N, H, float(eps))
         return y
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of fp32 rows x [N, H] (contiguous; not modified) as bf16 (``add_rms_norm``
+        with nothing to add)."""
+        return self.add_rms_norm(x, None, w, eps)
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's product of bf16 rows gu [N, 2I] = [gate | up] (contiguous, I a multiple
+        of 16): silu(gate) * up computed in fp32, rounded once to bf16 [N, I]."""
+        N, I2 = gu.shape
+        if gu.dtype != torch.bfloat16 or not gu.is_contiguous() or I2 % 32:
+            raise ValueError(f"keylist silu_mul: unsupported input {tuple(gu.shape)} {gu.dtype}")
+        m = torch.empty(N, I2 // 2, dtype=torch.bfloat16)
+        self._silu(gu.data_ptr(), m.data_ptr(), N, I2 // 2)
+        return m
 
     def plan(self, rows: "RowKeys", rope_pos: torch.Tensor, wslot: torch.Tensor, wpos: torch.Tensor,
              cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, n_heads: int,

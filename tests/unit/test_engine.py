@@ -130,12 +130,39 @@ def test_int4_reproduces_a_4bit_grid_model(group):
     ref = LlamaEngine(cfg, sd, dtype="fp32", n_slots=1, max_seq_len=64)
     low = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_group=group)
     assert all(lin.mode == "int4" for L in low.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
-    assert low.head.mode == "int8" and low.weight_bytes() < ref.weight_bytes() / 3
+    assert low.head.mode == "int4" and low._screen and low.weight_bytes() < ref.weight_bytes() / 3  # tied: screen
     ids = list(range(10, 30))
     a = ref.score(0, ids, list(range(-1, 19))).logits
     b = low.score(0, ids, list(range(-1, 19))).logits
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
+
+
+def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table():
+    """The int4 engine's default head on a tied model: int4 ranks, each row's top
+    ``SCREEN_TOP`` logits are the fp32 products with the bf16 embedding rows; "int8"
+    keeps the int8 head; "screen" on an untied head is refused."""
+    from specmesh.engine import SCREEN_TOP, InvalidArgument, LlamaEngine, rms_norm
+
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    scr = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64)
+    i8 = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head="int8")
+    assert scr.head.mode == "int4" and i8.head.mode == "int8" and scr.head.nbytes() < i8.head.nbytes()
+    ids = list(range(10, 30))
+    out = scr.score(0, ids, list(range(-1, 19)), hidden_layers=(cfg["num_hidden_layers"] - 1,))
+    hn = rms_norm(out.hidden[cfg["num_hidden_layers"] - 1].float(), scr.norm, scr.eps)
+    exact = hn @ scr.embed.float().T  # [n, V]
+    top = out.logits.topk(min(SCREEN_TOP, cfg["vocab_size"]) // 2, -1).indices
+    assert torch.allclose(out.logits.gather(-1, top), exact.gather(-1, top), atol=1e-4)
+    assert (out.logits.argmax(-1) == exact.argmax(-1)).all()
+    untied = dict(cfg, tie_word_embeddings=False)
+    sd2 = dict(sd, **{"lm_head.weight": sd["lm_head.weight"] + 0.01})
+    assert LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64).head.mode == "int8"  # auto: int8
+    with pytest.raises(InvalidArgument, match="tied"):
+        LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64, int4_head="screen")
+    with pytest.raises(InvalidArgument, match="int4_head"):
+        LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head="int2")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int4"])

@@ -96,6 +96,78 @@ def test_layouts_it_cannot_take_are_refused(kern):
         kern(q[:1], kc, vc, rows, 1.0)  # rows describe another count
 
 
+def _rope_tables(n_pos, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
+    emb = torch.cat([torch.outer(torch.arange(n_pos).float(), inv)] * 2, -1)
+    half = HD // 2
+    return emb.cos().to(dtype), torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), -1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_layer_is_rope_cache_writes_and_attention(kern, dtype):
+    """``layer``: RoPE on q and k, k and v written where the plan says, then attention —
+    against the same steps in torch (engine.rope, slice writes, exact softmax)."""
+    from specmesh.engine import rope
+
+    n_layers, N = 2, 4
+    g = torch.Generator().manual_seed(3)
+    kb = torch.randn(n_layers, S, NK, T, HD, generator=g).to(dtype)
+    vb = torch.randn(n_layers, S, NK, T, HD, generator=g).to(dtype)
+    k0, v0 = kb.clone(), vb.clone()
+    cos, sin = _rope_tables(T, dtype)
+    qkv = torch.randn(N, (NQ + 2 * NK) * HD, generator=g).to(dtype)
+    # a chain of 2 after 40 committed keys in slot 1, a 1-row tree node in slot 2, a padding row
+    pos = torch.tensor([40, 41, 7, 0])
+    wslot, wpos = torch.tensor([1, 1, 2, -1]), torch.tensor([40, 41, 9, 0])
+    rows = ka.RowKeys.build([(1, 41, ()), (1, 42, ()), (2, 7, (9,)), (0, 0, ())])
+    plan = kern.plan(rows, pos, wslot, wpos, cos, sin, kb, vb, NQ, HD ** -0.5)
+    out = kern.layer(plan, 1, qkv)
+    assert torch.equal(kb[0], k0[0]) and torch.equal(vb[0], v0[0])  # other layers untouched
+    qk = rope(qkv[:, : (NQ + NK) * HD].view(N, NQ + NK, HD).float(), cos[pos][:, None].float(),
+              sin[pos][:, None].float())
+    kref, vref = k0[1].clone(), v0[1].clone()
+    for i in range(3):
+        kref[wslot[i], :, wpos[i]] = qk[i, NQ:].to(dtype)
+        vref[wslot[i], :, wpos[i]] = qkv[i, (NQ + NK) * HD:].view(NK, HD)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    assert (kb[1].double() - kref.double()).abs().max().item() < tol and torch.equal(vb[1], vref)
+    for i, keys in enumerate([list(range(41)), list(range(42)), list(range(7)) + [9]]):
+        ref = _exact(qk[i, :NQ], kref, vref, int(wslot[i]), keys)
+        assert (out[i].view(NQ, HD).double() - ref).abs().max().item() < 2 * tol, i
+    assert not out[3].any()  # the padding row names no keys
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.layer(plan, n_layers, qkv)  # no such layer
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.plan(rows, pos, wslot, torch.tensor([40, 41, T, 0]), cos, sin, kb, vb, NQ, 1.0)  # past the cache
+
+
+def test_add_rms_norm_and_silu_mul_are_rowwise_and_close_to_torch(kern):
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(4)
+    H, I, N = 64, 96, 10
+    x = torch.randn(N, H, generator=g)
+    d = torch.randn(N, H, generator=g).bfloat16()
+    w = torch.rand(H, generator=g) + 0.5
+    xs = x.clone()
+    y = kern.add_rms_norm(xs, d, w, 1e-5)
+    assert torch.equal(xs, x + d)  # the residual stream exactly as torch adds it
+    ref = F.rms_norm(x + d, (H,), w, 1e-5)
+    assert (y.float() - ref).abs().max().item() < 2e-2
+    assert torch.equal(kern.rms_norm(xs, w, 1e-5), y) and torch.equal(xs, x + d)  # nothing to add: x unchanged
+    one = xs[3:4].clone()
+    assert torch.equal(kern.rms_norm(one, w, 1e-5)[0], y[3])  # a row's bits: its own
+    gu = (torch.randn(N, 2 * I, generator=g) * 4).bfloat16()
+    m = kern.silu_mul(gu)
+    mref = F.silu(gu[:, :I].float()) * gu[:, I:].float()
+    assert (m.float() - mref).abs().max().item() <= 1e-2 * mref.abs().max().item()
+    assert torch.equal(kern.silu_mul(gu[5:6].contiguous())[0], m[5])
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.add_rms_norm(xs, d.float(), w, 1e-5)
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.silu_mul(gu.float())
+
+
 def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setattr(ka, "_state", {})
     monkeypatch.setenv("SPECMESH_CPU_ATTENTION", "sdpa")
