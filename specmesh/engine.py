@@ -73,7 +73,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import trees
+from . import int4_matmul, trees
 from .rowops import topk_rows
 from .types import InvalidArgument, ResourceExhausted
 
@@ -188,6 +188,7 @@ class Linear:
         self.out_features, self.in_features = w.shape
         self.group = group
         self.q4 = None
+        self._k4 = None  # the int4 kernel (specmesh.int4_matmul) where it runs
         if mode == "int8":
             w = w.float()
             scale = (w.abs().amax(1) / 127.0).clamp_min(1e-8)
@@ -195,9 +196,16 @@ class Linear:
             self.scale = scale.to(torch.bfloat16)
         elif mode == "int4":
             q, scale, lo = quantize_int4(w, group)
-            # the kernel computes (q - 8) * scale + zero: zero = minimum + 8 * scale
-            self.scale = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
-            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            # both kernels compute (q - 8) * scale + zero: zero = minimum + 8 * scale
+            self._k4 = int4_matmul.load()
+            if self._k4 is not None:  # ours: cost grows slowly with the rows (specmesh.int4_matmul)
+                self.w = self._k4.pack(q, scale, lo + 8 * scale, group)  # scales inside
+            else:
+                self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+            if self._k4 is None or keep_rows:  # [K/group, N, 2]: torch's kernel's, and rows_fp32's
+                self.scale = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
+            else:
+                self.scale = torch.empty(0, dtype=torch.bfloat16)
             if keep_rows:
                 self.q4 = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [N, K/2]
         else:
@@ -206,7 +214,10 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "int4":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, self.group, self.scale)
+            if self._k4 is not None:
+                y = self._k4.mm(x if x.is_contiguous() else x.contiguous(), self.w, self.out_features, self.group)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, self.group, self.scale)
             return y if self.b is None else y + self.b
         if self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
@@ -495,6 +506,22 @@ class LlamaEngine:
     def kv_bytes_per_slot(self) -> int:
         return 2 * self.n_layers * self.n_kv * self.max_seq_len * self.head_dim * self.k_cache.element_size()
 
+    def _logits(self, hn: torch.Tensor, mm) -> torch.Tensor:
+        """fp32 logits [n, V] of normed fp32 rows hn [n, H]: the head matmul (through
+        ``mm(lin, x)``, e.g. the row tiles of ``_mm``; None: one call), then, below fp32,
+        the top logits recomputed exactly (``_refine_top``; the screen head in one kernel
+        call where the int4 kernel runs)."""
+        ad = self.act_dtype
+        if ad == torch.float32:
+            return (mm(self.head, hn) if mm else self.head(hn)).float()
+        hx = hn.to(ad)
+        raw = mm(self.head, hx) if mm else self.head(hx)
+        k4 = self.head._k4
+        if self._screen and k4 is not None:
+            return k4.screen(raw, hn if hn.is_contiguous() else hn.contiguous(), self.embed,
+                             min(SCREEN_TOP, raw.shape[-1]))
+        return self._refine_top(raw.float(), hn)
+
     def _refine_top(self, logits: torch.Tensor, hn: torch.Tensor, k: int = 4) -> torch.Tensor:
         """Recompute the top-k logits of each row exactly (fp32 hidden x fp32 copy of the
         weight rows). A bf16 output is rounded to 1/8 at typical logit sizes, which
@@ -521,10 +548,7 @@ class LlamaEngine:
             if m > n:
                 x = torch.cat([x, x[-1:].expand(m - n, -1)])
         hn = rms_norm(x.float(), self.norm, self.eps)
-        hx = hn.to(ad) if ad != torch.float32 else hn
-        logits = (self._mm(self.head, hx) if self.batch_invariant else self.head(hx)).float()
-        if ad != torch.float32:
-            logits = self._refine_top(logits, hn)
+        logits = self._logits(hn, self._mm if self.batch_invariant else None)
         return logits[:n]
 
     # ------------------------------------------------------------------ slot API
@@ -719,9 +743,7 @@ class LlamaEngine:
         # one head matmul for the chosen rows of every segment (reading the head's
         # weights once per forward, not once per session)
         hn = rms_norm(x[sel], self.norm, self.eps)
-        logits = self.head(hn.to(ad) if ad != torch.float32 else hn).float()
-        if ad != torch.float32:
-            logits = self._refine_top(logits, hn)
+        logits = self._logits(hn, None)
         return logits, hidden
 
     # ------------------------------------------------------------------ batch-invariant forward
@@ -949,7 +971,5 @@ class LlamaEngine:
         if m > n_sel:
             sel = torch.cat([sel, sel[-1:].expand(m - n_sel)])
         hn = rms_norm(x[sel], self.norm, eps)
-        logits = self._mm(self.head, hn.to(ad) if ad != torch.float32 else hn).float()
-        if ad != torch.float32:
-            logits = self._refine_top(logits, hn)
+        logits = self._logits(hn, self._mm)
         return logits[:n_sel], hidden

@@ -256,7 +256,7 @@ LAYER(keylist_layer_f32, float, ld_f32, st_f32, rope_f32, core_f32)
    x += d (bf16 rows, added in fp32; d NULL: nothing to add), then y = bf16(x / rms(x) * w),
    the mean of squares summed in 16 lanes and reduced in a fixed order (H a multiple of 16). */
 void add_rmsnorm_bf16(float* x, const uint16_t* d, const float* w, uint16_t* y, int64_t N, int64_t H, float eps) {
-    _Pragma("omp parallel for schedule(static) if(N >= 8)")
+    _Pragma("omp parallel for schedule(static) if(N * H >= 65536)")
     for (int64_t n = 0; n < N; n++) {
         float* xr = x + n * H;
         v16f a = (v16f){0};
@@ -273,7 +273,7 @@ void add_rmsnorm_bf16(float* x, const uint16_t* d, const float* w, uint16_t* y, 
 /* The SwiGLU product of bf16 rows gu [N, 2I] = [g | u]: m = bf16(silu(g) * u) in fp32,
    silu(g) = g * sigmoid(g) with e = e^-|g| (I a multiple of 16). */
 void silu_mul_bf16(const uint16_t* gu, uint16_t* m, int64_t N, int64_t I) {
-    _Pragma("omp parallel for schedule(static) if(N >= 8)")
+    _Pragma("omp parallel for schedule(static) if(N * I >= 65536)")
     for (int64_t n = 0; n < N; n++) {
         const uint16_t* g = gu + n * 2 * I;
         for (int64_t c = 0; c < I; c += 16) {
@@ -303,16 +303,34 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build(cc: str, target: Path) -> None:
+def _build(cc: str, target: Path, source: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        src = Path(tmp) / "keylist.c"
-        src.write_text(_SOURCE)
+        src = Path(tmp) / (target.stem + ".c")
+        src.write_text(source)
         lib = Path(tmp) / target.name
         r = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
         os.replace(lib, target)  # atomic: a concurrent builder's copy is as good as ours
+
+
+def compile_library(name: str, source: str) -> tuple[ctypes.CDLL, Path]:
+    """C ``source`` built once per machine and compiler (``cc -O3 -march=native -fopenmp``)
+    into the kernel cache as ``<name>-<hash>.so`` and loaded (torch first, so the library
+    shares its OpenMP runtime). Raises where there is no compiler or the build fails."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise RuntimeError("no C compiler (cc / gcc / $CC) on PATH")
+    ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256("\0".join([source, " ".join(_FLAGS), ver, _cpu_id()]).encode()).hexdigest()[:16]
+    root = Path(os.environ.get("SPECMESH_KERNEL_CACHE") or Path.home() / ".cache" / "specmesh" / "kernels")
+    target = root / f"{name}-{key}.so"
+    if not target.exists():
+        _build(cc, target, source)
+    import torch as _t  # noqa: F401 - torch (and its OpenMP runtime) loads first: the kernel shares it
+
+    return ctypes.CDLL(str(target)), target
 
 
 class _Plan(ctypes.Structure):
@@ -491,18 +509,7 @@ def load() -> Optional[KeyListAttention]:
         try:
             if os.environ.get("SPECMESH_CPU_ATTENTION", "keylist").lower() == "sdpa":
                 raise RuntimeError("SPECMESH_CPU_ATTENTION=sdpa")
-            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            if not cc:
-                raise RuntimeError("no C compiler (cc / gcc / $CC) on PATH")
-            ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-            key = hashlib.sha256("\0".join([_SOURCE, " ".join(_FLAGS), ver, _cpu_id()]).encode()).hexdigest()[:16]
-            root = Path(os.environ.get("SPECMESH_KERNEL_CACHE") or Path.home() / ".cache" / "specmesh" / "kernels")
-            target = root / f"keylist-{key}.so"
-            if not target.exists():
-                _build(cc, target)
-            import torch as _t  # noqa: F401 - torch (and its OpenMP runtime) loads first: the kernel shares it
-
-            kernel = KeyListAttention(ctypes.CDLL(str(target)), target)
+            kernel = KeyListAttention(*compile_library("keylist", _SOURCE))
         except Exception as e:  # noqa: BLE001 - any failure: the engine keeps SDPA tiles
             err = f"{type(e).__name__}: {e}"
         _state["kernel"], _state["error"] = kernel, err

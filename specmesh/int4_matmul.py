@@ -1,0 +1,285 @@
+"""Group-wise int4 weight-only matmul on the CPU with bf16 activations, whose cost grows
+slowly with the number of rows: a small C kernel (AVX-512 BF16) that unpacks each
+block of weights once and applies it to every row of the call.
+
+Why it exists: torch's ``_weight_int4pack_mm_for_cpu`` is as fast as the memory for one
+row, but its time grows about linearly past 4 rows (measured: 3.5x the one-row time at
+8 rows, 7x at 16, for SmolLM2's MLP), so verifying a draft of 8-16 tokens in int4 cost
+several decode steps and speculation did not pay. Here a block of 16 output channels
+and one group of inputs is unpacked to bf16 once (nibbles through a 16-entry table to
+``q - 8``) and multiplied into up to 8 rows at a time with ``vdpbf16ps``.
+
+The arithmetic, per row and output: for each group g, ``t_g = sum (q_i - 8) x_i`` (bf16
+products summed in fp32 pairs, in input order), then ``acc += t_g * s_g`` and
+``acc += z_g * sum_g x`` (the group's input sum, fp32 in a fixed order), rounded to
+bf16 at the end: the weights ``(q - 8) s + z`` of the int4 engine's quantisation
+(``engine.quantize_int4``; scale and zero in bf16, as torch's kernel takes them). Every
+step of a row's sum is the same whatever the other rows of the call, and a block of
+outputs is computed by one thread, so a row's bits depend on that row alone (the
+batch-invariant engine needs that).
+
+Layout (``pack``): per block of 16 outputs and per group, the group's nibbles (byte j of
+input pair p holds output j's inputs 2p and 2p+1) followed by the 16 scales and 16
+zeros in bf16: one stream per block, the same bytes as torch's packing plus scales.
+
+Built like the key-list kernel (``keylist_attention.compile_library``) where the CPU
+has AVX-512 BF16 (``-march=native`` defines ``__AVX512BF16__``); elsewhere ``load()``
+returns None and the engine keeps torch's int4 kernel. ``SPECMESH_INT4_KERNEL=torch``
+turns it off. ``screen`` is the int4 engine's screen head in one call: its bf16 logits
+to fp32 with each row's top k recomputed from the tied embedding table (a heap per row;
+torch's ``topk`` over a 49k vocabulary costs ~0.5 ms for 8 rows here). Knows nothing
+about models: weights, scales, rows and a table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define MC 8  /* rows per pass over a block's weights */
+
+int int4_available(void) { return 1; }
+
+/* 16 bytes of nibble pairs -> 32 bf16 values q - 8, in the pair order dpbf16 takes */
+static inline __m512i unpack(const uint8_t* p, __m512i table) {
+    __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+    __m512i idx = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xF)),
+                                  _mm512_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(0xF0)), 12));
+    return _mm512_permutexvar_epi16(idx, table);
+}
+
+static inline __attribute__((always_inline)) void rows(const int mc, const uint16_t* x, int64_t K, const float* xs,
+        int64_t G, const uint8_t* blk, int64_t gstride, int64_t group, __m512i table, uint16_t* y, int64_t N) {
+    __m512 acc[MC];
+    for (int r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t pairs = group / 2;
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t* gb = blk + g * gstride;
+        __m512 t[MC];
+        for (int r = 0; r < mc; r++) t[r] = _mm512_setzero_ps();
+        for (int64_t p = 0; p < pairs; p++) {
+            const __m512i w = unpack(gb + 16 * p, table);
+            const int64_t k = g * group + 2 * p;
+            for (int r = 0; r < mc; r++) {
+                uint32_t xp; memcpy(&xp, x + r * K + k, 4);
+                t[r] = _mm512_dpbf16_ps(t[r], (__m512bh)w, (__m512bh)_mm512_set1_epi32((int)xp));
+            }
+        }
+        const __m256i sb = _mm256_loadu_si256((const __m256i*)(gb + 16 * pairs));
+        const __m256i zb = _mm256_loadu_si256((const __m256i*)(gb + 16 * pairs + 32));
+        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+        const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(zb), 16));
+        for (int r = 0; r < mc; r++) {
+            acc[r] = _mm512_fmadd_ps(t[r], s, acc[r]);
+            acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mc; r++) {  /* round to nearest even */
+        __m512i u = _mm512_castps_si512(acc[r]);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+        _mm256_storeu_si256((__m256i*)(y + r * N), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    }
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 times the packed weight (pack()); xs: scratch [M, G] fp32 */
+int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+            float* xs, uint16_t* y) {
+    const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {  /* the group's input sum, fp32, in input order */
+            float a = 0.0f;
+            for (int64_t i = 0; i < group; i++) {
+                uint32_t u = (uint32_t)x[m * K + g * group + i] << 16; float f; memcpy(&f, &u, 4);
+                a += f;
+            }
+            xs[m * G + g] = a;
+        }
+    uint16_t tw[32];
+    for (int i = 0; i < 32; i++) {  /* bf16 of i - 8 (exact) */
+        float f = (float)((i & 15) - 8); uint32_t u; memcpy(&u, &f, 4); tw[i] = (uint16_t)(u >> 16);
+    }
+    __m512i table; memcpy(&table, tw, 64);
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* blk = P + b * G * gstride;
+        const int64_t nc = (M + MC - 1) / MC;  /* balanced passes of at most MC rows */
+        for (int64_t c = 0, m0 = 0; c < nc; c++) {
+            const int64_t mc = M / nc + (c < M % nc);
+            const uint16_t* xr = x + m0 * K; const float* xsr = xs + m0 * G; uint16_t* yr = y + m0 * N + b * 16;
+            switch (mc) {
+                case 1: rows(1, xr, K, xsr, G, blk, gstride, group, table, yr, N); break;
+                case 2: rows(2, xr, K, xsr, G, blk, gstride, group, table, yr, N); break;
+                case 3: rows(3, xr, K, xsr, G, blk, gstride, group, table, yr, N); break;
+                case 4: rows(4, xr, K, xsr, G, blk, gstride, group, table, yr, N); break;
+                case 5: rows(5, xr, K, xsr, G, blk, gstride, group, table, yr, N); break;
+                case 6: rows(6, xr, K, xsr, G, blk, gstride, group, table, yr, N); break;
+                case 7: rows(7, xr, K, xsr, G, blk, gstride, group, table, yr, N); break;
+                default: rows(8, xr, K, xsr, G, blk, gstride, group, table, yr, N); break;
+            }
+            m0 += mc;
+        }
+    }
+    return 0;
+}
+
+/* The screen head's logits: lg bf16 [n, V] (the int4 head's) -> out fp32 [n, V], each row's
+   k largest (ties: the lower index) recomputed exactly as hn . table[v] (fp32 hidden [n, H],
+   bf16 table [V, H]: the tied embedding), summed in input order. k <= 256. */
+int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, const uint16_t* table,
+                  int64_t H, int64_t k, float* out) {
+    if (k < 1 || k > 256 || k > V) return 1;
+    _Pragma("omp parallel for schedule(static) if(n >= 2)")
+    for (int64_t r = 0; r < n; r++) {
+        float* o = out + r * V;
+        const uint16_t* l = lg + r * V;
+        for (int64_t v = 0; v < V; v++) { uint32_t u = (uint32_t)l[v] << 16; memcpy(o + v, &u, 4); }
+        /* a min-heap of (value, index) ordered by value, then the higher index first (so
+           among equal values the lower indices stay); v only grows, so a new entry
+           enters iff its value beats the root's */
+#define LESS(av, ai, bv, bi) ((av) < (bv) || ((av) == (bv) && (ai) > (bi)))
+        float hv[256]; int32_t hi[256];
+        int64_t m = 0;
+        for (int64_t v = 0; v < V; v++) {
+            const float f = o[v];
+            if (m == k && !(f > hv[0])) continue;
+            int64_t i;
+            if (m < k) {  /* sift up */
+                i = m++;
+                while (i > 0) {
+                    const int64_t p = (i - 1) / 2;
+                    if (!LESS(f, v, hv[p], hi[p])) break;
+                    hv[i] = hv[p]; hi[i] = hi[p]; i = p;
+                }
+            } else {  /* replace the root, sift down */
+                i = 0;
+                for (;;) {
+                    int64_t c = 2 * i + 1;
+                    if (c >= k) break;
+                    if (c + 1 < k && LESS(hv[c + 1], hi[c + 1], hv[c], hi[c])) c++;
+                    if (!LESS(hv[c], hi[c], f, v)) break;
+                    hv[i] = hv[c]; hi[i] = hi[c]; i = c;
+                }
+            }
+            hv[i] = f; hi[i] = (int32_t)v;
+        }
+#undef LESS
+        const float* h = hn + r * H;
+        for (int64_t j = 0; j < m; j++) {
+            const uint16_t* t = table + (int64_t)hi[j] * H;
+            float a = 0.0f;
+            for (int64_t d = 0; d < H; d++) { uint32_t u = (uint32_t)t[d] << 16; float w; memcpy(&w, &u, 4); a += h[d] * w; }
+            o[hi[j]] = a;
+        }
+    }
+    return 0;
+}
+#else
+int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, const uint16_t* table,
+                  int64_t H, int64_t k, float* out) { return 1; }
+int int4_available(void) { return 0; }
+int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+            float* xs, uint16_t* y) { return 1; }
+#endif
+"""
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+class Int4Matmul:
+    """The loaded kernel (``load()``)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        P, I = ctypes.c_void_p, ctypes.c_int64
+        self._mm = lib.int4_mm
+        self._mm.argtypes = [P, I, I, P, I, I, P, P]
+        self._mm.restype = ctypes.c_int
+        self._screen = lib.screen_refine
+        self._screen.argtypes = [P, I, I, P, P, I, I, P]
+        self._screen.restype = ctypes.c_int
+
+    def screen(self, logits: torch.Tensor, hn: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
+        """A screen head's output: logits bf16 [n, V] -> fp32 [n, V] with each row's k
+        largest (the lower index first among equals) replaced by the exact ``hn . table[v]``
+        (hn fp32 [n, H], table bf16 [V, H], all contiguous; k <= 256)."""
+        n, V = logits.shape
+        H = hn.shape[1]
+        if (logits.dtype != torch.bfloat16 or hn.dtype != torch.float32 or table.dtype != torch.bfloat16
+                or table.shape != (V, H) or hn.shape[0] != n or not (logits.is_contiguous() and hn.is_contiguous()
+                                                                     and table.is_contiguous()) or not 1 <= k <= min(256, V)):
+            raise ValueError(f"screen: unsupported input {tuple(logits.shape)} {logits.dtype}, hn {tuple(hn.shape)}, "
+                             f"table {tuple(table.shape)} {table.dtype}, k {k}")
+        out = torch.empty(n, V, dtype=torch.float32)
+        if n and self._screen(logits.data_ptr(), n, V, hn.data_ptr(), table.data_ptr(), H, k, out.data_ptr()):
+            raise RuntimeError("screen: the kernel refused its input")
+        return out
+
+    @staticmethod
+    def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+        """q [N, K] in 0..15 (uint8), scale / zero [N, K/group] (the weight is (q - 8) *
+        scale + zero, both taken in bf16) -> the kernel's layout, uint8 [N/16, K/group,
+        group * 8 + 64]. N a multiple of 16, group of 32."""
+        N, K = q.shape
+        G = K // group
+        if N % 16 or K % group or group % 32 or scale.shape != (N, G) or zero.shape != (N, G):
+            raise ValueError(f"int4 pack: unsupported shape {tuple(q.shape)} group {group}")
+        q = q.to(torch.uint8).reshape(N // 16, 16, G, group // 2, 2)
+        nib = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(N // 16, G, group * 8)
+
+        def sc(t):
+            return t.to(torch.bfloat16).reshape(N // 16, 16, G).permute(0, 2, 1).contiguous().view(torch.uint8)
+
+        return torch.cat([nib, sc(scale), sc(zero)], -1).contiguous()
+
+    def mm(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, group: int) -> torch.Tensor:
+        """x [M, K] bf16 (contiguous) times the packed weight: [M, n_out] bf16."""
+        M, K = x.shape
+        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or packed.dtype != torch.uint8
+                or packed.shape != (n_out // 16, K // group, group * 8 + 64) or K % group):
+            raise ValueError(f"int4 mm: unsupported input {tuple(x.shape)} {x.dtype} for packed "
+                             f"{tuple(packed.shape)}")
+        y = torch.empty(M, n_out, dtype=torch.bfloat16)
+        xs = torch.empty(max(M, 1), K // group, dtype=torch.float32)
+        if M and self._mm(x.data_ptr(), M, K, packed.data_ptr(), n_out, group, xs.data_ptr(), y.data_ptr()):
+            raise RuntimeError("int4 mm: the kernel was built without AVX-512 BF16")
+        return y
+
+
+def load() -> Optional[Int4Matmul]:
+    """The kernel, built on first use; None where the CPU lacks AVX-512 BF16, there is no
+    compiler, or ``SPECMESH_INT4_KERNEL=torch`` (``load_error()`` says why)."""
+    with _lock:
+        if "kernel" in _state:
+            return _state["kernel"]
+        kernel, err = None, ""
+        try:
+            if os.environ.get("SPECMESH_INT4_KERNEL", "specmesh").lower() == "torch":
+                raise RuntimeError("SPECMESH_INT4_KERNEL=torch")
+            from .keylist_attention import compile_library
+
+            lib, path = compile_library("int4mm", _SOURCE)
+            lib.int4_available.restype = ctypes.c_int
+            if not lib.int4_available():
+                raise RuntimeError("this CPU has no AVX-512 BF16 (the kernel's vdpbf16ps)")
+            kernel = Int4Matmul(lib, path)
+        except Exception as e:  # noqa: BLE001 - any failure: the engine keeps torch's int4 kernel
+            err = f"{type(e).__name__}: {e}"
+        _state["kernel"], _state["error"] = kernel, err
+        return kernel
+
+
+def load_error() -> str:
+    """Why ``load()`` returned None ("" when it did not, or before it ran)."""
+    return _state.get("error", "")

@@ -1,0 +1,101 @@
+"""The int4 weight-only matmul kernel (``specmesh.int4_matmul``): the int4 engine's
+weights ``(q - 8) * scale + zero`` applied to bf16 rows, close to the exact product and
+to torch's int4 kernel; a row's bits depend on that row alone (not on how many rows
+share the call, where it sits, or the thread count); the screen head's top logits are
+the exact table products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh import int4_matmul as im
+from specmesh.engine import quantize_int4
+
+
+@pytest.fixture(scope="module")
+def kern():
+    k = im.load()
+    if k is None:
+        pytest.skip(f"the int4 kernel does not run here: {im.load_error()}")
+    return k
+
+
+def _weight(N, K, group, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05
+    q, scale, lo = quantize_int4(w, group)
+    zero = lo + 8 * scale
+    s, z = scale.bfloat16().float(), zero.bfloat16().float()  # what both kernels take
+    deq = ((q.float() - 8).reshape(N, K // group, group) * s[..., None] + z[..., None]).reshape(N, K)
+    return q, scale, zero, deq
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_matches_the_dequantised_product_and_torchs_kernel(kern, group):
+    N, K = 96, 192
+    q, scale, zero, deq = _weight(N, K, group)
+    P = kern.pack(q, scale, zero, group)
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y = kern.mm(x, P, N, group)
+    ref = x.double() @ deq.double().T
+    assert y.dtype == torch.bfloat16 and y.shape == (11, N)
+    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()  # bf16 rounding of a close sum
+    sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()
+    w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    yt = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w4, group, sz)
+    assert (y.float() - yt.float()).abs().max().item() <= 2e-2 * ref.abs().max().item()
+
+
+def test_a_rows_bits_depend_on_that_row_alone(kern):
+    N, K, group = 64, 128, 32
+    q, scale, zero, _ = _weight(N, K, group, seed=2)
+    P = kern.pack(q, scale, zero, group)
+    x = torch.randn(19, K, generator=torch.Generator().manual_seed(3)).bfloat16()
+    full = kern.mm(x, P, N, group)
+    for m in (1, 2, 5, 8, 9, 16):
+        part = kern.mm(x[19 - m:].contiguous(), P, N, group)  # the last m rows, at other places
+        assert torch.equal(part, full[19 - m:]), m
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kern.mm(x, P, N, group)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, full)
+
+
+def test_bad_input_is_refused(kern):
+    q, scale, zero, _ = _weight(32, 64, 32)
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.pack(q[:24], scale[:24], zero[:24], 32)  # outputs not a multiple of 16
+    P = kern.pack(q, scale, zero, 32)
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.mm(torch.randn(2, 64), P, 32, 32)  # fp32 rows
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.mm(torch.randn(2, 96).bfloat16(), P, 32, 32)  # another input width
+
+
+def test_screen_recomputes_each_rows_top_k_from_the_table(kern):
+    g = torch.Generator().manual_seed(5)
+    n, V, H, k = 3, 512, 64, 16
+    table = torch.randn(V, H, generator=g).bfloat16()
+    hn = torch.randn(n, H, generator=g)
+    logits = (hn @ table.float().T + 0.3 * torch.randn(n, V, generator=g)).bfloat16()  # a noisy screen
+    out = kern.screen(logits, hn, table, k)
+    exact = hn.double() @ table.double().T
+    for r in range(n):
+        top = logits[r].float().sort(descending=True, stable=True).indices[:k]  # ties: the lower index
+        assert (out[r, top].double() - exact[r, top]).abs().max().item() < 1e-4
+        rest = torch.ones(V, dtype=torch.bool)
+        rest[top] = False
+        assert torch.equal(out[r, rest], logits[r, rest].float())  # the others: the screen's own
+    assert torch.equal(kern.screen(logits[1:2].contiguous(), hn[1:2].contiguous(), table, k)[0], out[1])
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.screen(logits, hn, table, 257)
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setattr(im, "_state", {})
+    monkeypatch.setenv("SPECMESH_INT4_KERNEL", "torch")
+    assert im.load() is None and "SPECMESH_INT4_KERNEL" in im.load_error()
