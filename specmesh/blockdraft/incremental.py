@@ -81,9 +81,16 @@ class ContextCache:
 
 
 class FoldedDrafter:
-    def __init__(self, model: BlockDrafter, dtype: Optional[torch.dtype] = None):
+    def __init__(self, model: BlockDrafter, dtype: Optional[torch.dtype] = None, weights: str = "float"):
         """``dtype``: compute dtype (default: the model's). Weights are folded in float32,
-        then cast."""
+        then cast. ``weights="int4"`` (bf16 compute, CPU): the ten matrices as the int4
+        engine's group-wise weights (``engine.Linear``; its kernel's cost grows slowly
+        with the rows, where bf16's small-row products are slow), for an int4 target: a
+        draft changes speed only, never the output."""
+        if weights not in ("float", "int4"):
+            raise ValueError(f"weights must be 'float' or 'int4', got {weights!r}")
+        if weights == "int4":
+            dtype = torch.bfloat16
         cfg = model.cfg
         self.cfg = cfg
         self.dtype = dtype = dtype or model.feat_proj.weight.dtype
@@ -114,6 +121,21 @@ class FoldedDrafter:
             base[0] = 0.0
             self.block_base = (base + f(model.pos_emb)).to(dtype)  # [B, H]: slot 0 still needs the anchor
         self.device = self.w_in.device
+        self.weights = weights
+        if weights == "int4":
+            from ..engine import Linear
+
+            def q4(w):
+                return Linear(w.float(), None, "int4")
+
+            self.w_in, self.head = q4(self.w_in), q4(self.head)
+            for w in self.layers:
+                for k in ("qkv", "o", "gate_up", "down"):
+                    w[k] = q4(w[k])
+
+    def _lin(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x @ w.T for a folded matrix (a tensor, or an int4 ``Linear``)."""
+        return x @ w.T if isinstance(w, torch.Tensor) else w(x.contiguous())
 
     def new_cache(self) -> ContextCache:
         c = self.cfg
@@ -147,7 +169,7 @@ class FoldedDrafter:
         if new:
             feats = read(cache.end, length).to(device=self.device, dtype=self.dtype)
             cache.feats[lo: lo + new] = feats
-            y = self._rms(feats, None) @ self.w_in.T
+            y = self._lin(self._rms(feats, None), self.w_in)
             ctx_new = y[:, :H]
             if cache.fused is not None:
                 fused = y[:, H:] * torch.rsqrt(ctx_new.float().pow(2).mean(-1, keepdim=True) + cfg.eps).to(self.dtype)
@@ -162,13 +184,13 @@ class FoldedDrafter:
             rows = self._rms(x, w["ln1"])
             if ctx_new is not None:
                 rows = torch.cat([self._rms(ctx_new, w["ln_ctx"]), rows])
-            out = rows @ w["qkv"].T  # [new + B, 3H]
+            out = self._lin(rows, w["qkv"])  # [new + B, 3H]
             kv = cache.kv[i]  # [2, nh, rows, hd]
             kv[:, :, lo: lo + new + cfg.block] = out[:, H:].view(-1, 2, self.nh, self.hd).permute(1, 2, 0, 3)
             q = out[new:, :H].view(cfg.block, self.nh, self.hd).transpose(0, 1)
             k, v = kv[:, :, cache.off: cache.off + T]
             a = F.scaled_dot_product_attention(q, k, v)  # [nh, B, hd]
-            x = x + a.transpose(0, 1).reshape(cfg.block, H) @ w["o"].T
-            g, u = (self._rms(x, None) @ w["gate_up"].T).chunk(2, -1)
-            x = x + (F.silu(g) * u) @ w["down"].T
-        return (self._rms(x[1:], None) @ self.head.T).float()
+            x = x + self._lin(a.transpose(0, 1).reshape(cfg.block, H), w["o"])
+            g, u = self._lin(self._rms(x, None), w["gate_up"]).chunk(2, -1)
+            x = x + self._lin(F.silu(g) * u, w["down"])
+        return self._lin(self._rms(x[1:], None), self.head).float()

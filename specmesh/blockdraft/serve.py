@@ -161,7 +161,11 @@ class BlockSelfDrafter(BlockProposer):
     def __init__(self, verifier, model: BlockDrafter, tree: bool = False, tree_width: int = 6,
                  calibration: Optional[Scorer] = None, top_k: int = 8, amp: bool = True,
                  folded: Optional[FoldedDrafter] = None):
-        """See ``BlockProposer``; ``verifier`` keeps the hidden states it reads."""
+        """See ``BlockProposer``; ``verifier`` keeps the hidden states it reads. On an
+        int4 engine the drafter's matrices are int4 too (``FoldedDrafter(weights="int4")``:
+        a draft 4.3 -> ~2 ms where the target's step is ~6 ms)."""
+        if folded is None and amp and getattr(verifier.engine, "dtype_name", "") == "int4":
+            folded = FoldedDrafter(model.to(torch.bfloat16).eval(), weights="int4")
         super().__init__(model, tree, tree_width, calibration, top_k, amp, folded)
         self.verifier = verifier
         self._ctx: dict[int, ContextCache] = {}  # slot -> the drafter's state of its context

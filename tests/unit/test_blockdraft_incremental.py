@@ -80,3 +80,17 @@ def test_cache_survives_many_rounds_in_a_small_buffer():
         got = fd.draft(cache, 5, length, lambda a, b: feats[a:b].clone())
         torch.testing.assert_close(got, _reference(m, feats, 5, length), rtol=1e-4, atol=1e-4)
     assert cache.n == 5 and cache.end == 399
+
+
+def test_int4_weights_draft_close_to_the_float_pass():
+    """``weights="int4"`` (an int4 target's drafter): the same pass on group-wise int4
+    matrices (int8 where a shape does not take int4) is close to the float one."""
+    m = _model(True, False).to(torch.bfloat16)
+    ref, q4 = FoldedDrafter(m), FoldedDrafter(m, weights="int4")
+    assert {type(q4.head).__name__, type(q4.layers[0]["qkv"]).__name__} == {"Linear"}
+    feats = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    a = ref.draft(ref.new_cache(), 17, 12, lambda x, y: feats[x:y])
+    b = q4.draft(q4.new_cache(), 17, 12, lambda x, y: feats[x:y])
+    assert a.shape == b.shape and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.95
+    with pytest.raises(ValueError, match="weights"):
+        FoldedDrafter(m, weights="int2")
