@@ -1,7 +1,8 @@
 """Llama-family forward written for serving: preallocated KV cache and slot API.
 
 The engine holds the target's weights (fp32, bf16, or int8 / int4 weight-only with
-bf16 activations, torch's CPU kernels ``_weight_int8pack_mm`` /
+bf16 activations: torch's CPU kernel ``_weight_int8pack_mm``; for int4
+``specmesh.int4_matmul`` where the CPU has AVX-512 BF16, else torch's
 ``_weight_int4pack_mm_for_cpu``) and a KV
 cache of ``n_slots`` rows of ``max_seq_len`` positions. A slot holds one
 sequence's committed tokens; callers (the verifier's session pool) decide which
@@ -99,7 +100,8 @@ SCREEN_TOP = 64  # screen head: logits per row recomputed from the bf16 table (1
 # ATTN_ROWS) over keys padded to 64 (bf16, int8, int4) or 512 (fp32, its key block),
 # each query padded to the block of its own last key (one call per block).
 # int4 (``_weight_int4pack_mm_for_cpu``, bf16 activations) gives a row the same bits for
-# every M too (measured for 1..300 rows on the engine's shapes).
+# every M too (measured for 1..300 rows on the engine's shapes), and ``int4_matmul``'s
+# kernel does by construction (a row's sums never depend on the others).
 # Attention: one fixed tile of 12 query rows in every dtype. A range was measured to hold
 # on one CPU (bf16 2-32 rows) but not on another (an AVX2-only CPU whose bf16 SDPA gave
 # a query other bits in a tile of 3 rows than in one of 9, for some inputs and not for
@@ -174,8 +176,9 @@ def probe_tiles(engine, row_default: tuple[int, int]) -> tuple[int, int]:
 class Linear:
     """y = x @ W.T (+ b). int8 mode: per-output-channel symmetric weight-only quantisation
     run by ``aten._weight_int8pack_mm`` with bf16 activations. int4 mode: group-wise
-    asymmetric 4-bit weights (``quantize_int4``) run by ``aten._weight_int4pack_mm_for_cpu``
-    with bf16 activations, scales and zeros; a weight torch's pack cannot take (out
+    asymmetric 4-bit weights (``quantize_int4``) run by ``specmesh.int4_matmul`` (AVX-512
+    BF16) or ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations, scales and
+    zeros; a weight torch's pack cannot take (out
     features not a multiple of 16, in features not of the group) falls back to int8.
     ``keep_rows`` (int4): keep a plain nibble copy so ``rows_fp32`` can dequantise rows
     (the packed layout is the kernel's own)."""
