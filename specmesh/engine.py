@@ -545,7 +545,7 @@ class LlamaEngine:
         """[n, H] residual stream (a ``hidden`` output of ``score_batch``) -> [n, V] float32
         logits through the final norm and head as the forward applies them: the logits
         a forward exiting after that layer (``n_layers``, layer-skip) returns for those rows."""
-        n, ad = x.shape[0], self.act_dtype
+        n = x.shape[0]
         if self.batch_invariant:
             m = self._padded_rows(n)
             if m > n:
