@@ -307,13 +307,13 @@ class LlamaEngine:
         ``row_tiles`` / ``attn_rows`` / ``key_block`` override the per-dtype tiling
         (``ROW_TILES``, ``ATTN_ROWS``, ``KEY_BLOCK``). ``int4_group``: the int4 weights'
         group size along the input dimension (32, 64, 128; ``INT4_GROUP``). ``int4_head``:
-        the LM head of an int4 engine: ``"screen"``: the head in int4 as a screen, each
-        row's top ``SCREEN_TOP`` logits then recomputed exactly from the engine's bf16
-        embedding table (tied heads only: half the int8 head's bytes a step, and closer
-        to fp32 than it: docs/int4.md); ``"int8"`` (the head is the tied embedding table,
-        which GGUF files keep at 8 bits or more; int8 costs it 1% relative weight error);
-        ``"int4"`` (its top logits refined from its own int4 rows: 9% error); ``"auto"``
-        (default): screen for a tied head, else int8. ``attention`` (the
+        the LM head of an int4 engine: ``"screen"`` (= ``"auto"``, the default): the head
+        in int4 as a screen, each row's top ``SCREEN_TOP`` logits then recomputed exactly
+        from the engine's bf16 embedding table (a tied head: half the int8 head's bytes a
+        step, and closer to fp32 than it: docs/int4.md) or from an int8 copy of an untied
+        head (its rows are read only for those logits); ``"int8"`` (GGUF files keep the
+        head at 8 bits or more; int8 costs it 1% relative weight error); ``"int4"`` (its
+        top logits refined from its own int4 rows: 9% error). ``attention`` (the
         batch-invariant forward's): ``"keylist"`` (each row attends to the keys it names,
         ``specmesh.keylist_attention``; the default where its kernel builds) or ``"sdpa"``
         (torch's SDPA on fixed query tiles, a tree one path at a time)."""
@@ -327,7 +327,8 @@ class LlamaEngine:
         if int4_head not in INT4_HEADS:
             raise InvalidArgument("int4_head", f"must be one of {', '.join(INT4_HEADS)}, got {int4_head!r}")
         self.int4_head = int4_head
-        self._screen = False  # set by the weight load (int4_head="screen" on a tied head)
+        self._screen = False  # set by the weight load (int4_head "screen" / "auto")
+        self._screen_rows = None  # an untied screen head's int8 rows
         self.config = config
         self.dtype_name = dtype
         self.act_dtype = DTYPES[dtype]
@@ -489,19 +490,21 @@ class LlamaEngine:
             head = g("lm_head.weight")
         else:  # tied: fp32 shares the embedding table; other dtypes convert a full-precision read of it
             head = self.embed if self.embed.dtype == torch.float32 else g("embed_tokens.weight")
-        # screen: the int4 head ranks, the embedding table's rows (the tied head's own
-        # weights, in the engine's dtype) give the top logits their values
+        # screen: the int4 head ranks; the rows of the embedding table (the tied head's own
+        # weights, in the engine's dtype)
+        # (tied) or of an int8 copy of the head (untied) give the top logits their values
         tied = "lm_head.weight" not in names or bool(self.config.get("tie_word_embeddings"))
-        choice = ("screen" if tied else "int8") if self.int4_head == "auto" else self.int4_head
-        if mode == "int4" and choice == "screen" and not tied:
-            raise InvalidArgument("int4_head", "'screen' needs a head tied to the embedding table")
+        choice = "screen" if self.int4_head == "auto" else self.int4_head
         self._screen = mode == "int4" and choice == "screen"
+        self._screen_rows = None if tied or not self._screen else Linear(head, None, "int8")
         head_mode = "int8" if mode == "int4" and choice == "int8" else mode
         self.head = Linear(head, None, head_mode, self.int4_group, keep_rows=not self._screen)
 
     # ------------------------------------------------------------------ sizes
     def weight_bytes(self) -> int:
         n = self.embed.numel() * self.embed.element_size() + self.head.nbytes()
+        if self._screen_rows is not None:
+            n += self._screen_rows.nbytes()
         for L in self.layers:
             n += L.qkv.nbytes() + L.o.nbytes() + L.gate_up.nbytes() + L.down.nbytes()
         return n
@@ -521,8 +524,11 @@ class LlamaEngine:
         raw = mm(self.head, hx) if mm else self.head(hx)
         k4 = self.head._k4
         if self._screen and k4 is not None:
-            return k4.screen(raw, hn if hn.is_contiguous() else hn.contiguous(), self.embed,
-                             min(SCREEN_TOP, raw.shape[-1]))
+            hc, k = hn if hn.is_contiguous() else hn.contiguous(), min(SCREEN_TOP, raw.shape[-1])
+            rows = self._screen_rows
+            if rows is None:
+                return k4.screen(raw, hc, self.embed, k)
+            return k4.screen(raw, hc, rows.w, k, rows.scale)
         return self._refine_top(raw.float(), hn)
 
     def _refine_top(self, logits: torch.Tensor, hn: torch.Tensor, k: int = 4) -> torch.Tensor:
@@ -533,7 +539,7 @@ class LlamaEngine:
         (int4) recomputes its top ``SCREEN_TOP`` from the embedding table's rows."""
         if self._screen:
             idx = topk_rows(logits, min(SCREEN_TOP, logits.shape[-1]))[1]
-            rows = self.embed[idx].float()
+            rows = self.embed[idx].float() if self._screen_rows is None else self._screen_rows.rows_fp32(idx)
         else:
             idx = topk_rows(logits, k)[1]  # [n, k]
             rows = self.head.rows_fp32(idx)

@@ -134,10 +134,11 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
 }
 
 /* The screen head's logits: lg bf16 [n, V] (the int4 head's) -> out fp32 [n, V], each row's
-   k largest (ties: the lower index) recomputed exactly as hn . table[v] (fp32 hidden [n, H],
-   bf16 table [V, H]: the tied embedding), summed in input order. k <= 256. */
-int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, const uint16_t* table,
-                  int64_t H, int64_t k, float* out) {
+   k largest (ties: the lower index) recomputed exactly as hn . table[v] (fp32 hidden [n, H]),
+   summed in input order: table bf16 [V, H] (the tied embedding; scales NULL), or int8 [V, H]
+   times its row's bf16 scale (an untied head's int8 copy). k <= 256. */
+int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, const void* table,
+                  const uint16_t* scales, int64_t H, int64_t k, float* out) {
     if (k < 1 || k > 256 || k > V) return 1;
     _Pragma("omp parallel for schedule(static) if(n >= 2)")
     for (int64_t r = 0; r < n; r++) {
@@ -176,17 +177,24 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
 #undef LESS
         const float* h = hn + r * H;
         for (int64_t j = 0; j < m; j++) {
-            const uint16_t* t = table + (int64_t)hi[j] * H;
             float a = 0.0f;
-            for (int64_t d = 0; d < H; d++) { uint32_t u = (uint32_t)t[d] << 16; float w; memcpy(&w, &u, 4); a += h[d] * w; }
+            if (scales) {
+                const int8_t* t = (const int8_t*)table + (int64_t)hi[j] * H;
+                for (int64_t d = 0; d < H; d++) a += h[d] * (float)t[d];
+                uint32_t u = (uint32_t)scales[hi[j]] << 16; float sc; memcpy(&sc, &u, 4);
+                a *= sc;
+            } else {
+                const uint16_t* t = (const uint16_t*)table + (int64_t)hi[j] * H;
+                for (int64_t d = 0; d < H; d++) { uint32_t u = (uint32_t)t[d] << 16; float w; memcpy(&w, &u, 4); a += h[d] * w; }
+            }
             o[hi[j]] = a;
         }
     }
     return 0;
 }
 #else
-int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, const uint16_t* table,
-                  int64_t H, int64_t k, float* out) { return 1; }
+int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, const void* table,
+                  const uint16_t* scales, int64_t H, int64_t k, float* out) { return 1; }
 int int4_available(void) { return 0; }
 int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
             float* xs, uint16_t* y) { return 1; }
@@ -207,22 +215,31 @@ class Int4Matmul:
         self._mm.argtypes = [P, I, I, P, I, I, P, P]
         self._mm.restype = ctypes.c_int
         self._screen = lib.screen_refine
-        self._screen.argtypes = [P, I, I, P, P, I, I, P]
+        self._screen.argtypes = [P, I, I, P, P, P, I, I, P]
         self._screen.restype = ctypes.c_int
 
-    def screen(self, logits: torch.Tensor, hn: torch.Tensor, table: torch.Tensor, k: int) -> torch.Tensor:
+    def screen(self, logits: torch.Tensor, hn: torch.Tensor, table: torch.Tensor, k: int,
+               scales: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A screen head's output: logits bf16 [n, V] -> fp32 [n, V] with each row's k
         largest (the lower index first among equals) replaced by the exact ``hn . table[v]``
-        (hn fp32 [n, H], table bf16 [V, H], all contiguous; k <= 256)."""
+        (hn fp32 [n, H]; table bf16 [V, H], or int8 [V, H] times ``scales`` bf16 [V]; all
+        contiguous; k <= 256)."""
         n, V = logits.shape
         H = hn.shape[1]
-        if (logits.dtype != torch.bfloat16 or hn.dtype != torch.float32 or table.dtype != torch.bfloat16
-                or table.shape != (V, H) or hn.shape[0] != n or not (logits.is_contiguous() and hn.is_contiguous()
-                                                                     and table.is_contiguous()) or not 1 <= k <= min(256, V)):
+        ok = (logits.dtype == torch.bfloat16 and hn.dtype == torch.float32 and table.shape == (V, H)
+              and hn.shape[0] == n and logits.is_contiguous() and hn.is_contiguous() and table.is_contiguous()
+              and 1 <= k <= min(256, V))
+        if scales is None:
+            ok = ok and table.dtype == torch.bfloat16
+        else:
+            ok = ok and table.dtype == torch.int8 and scales.dtype == torch.bfloat16 and scales.shape == (V,) \
+                and scales.is_contiguous()
+        if not ok:
             raise ValueError(f"screen: unsupported input {tuple(logits.shape)} {logits.dtype}, hn {tuple(hn.shape)}, "
                              f"table {tuple(table.shape)} {table.dtype}, k {k}")
         out = torch.empty(n, V, dtype=torch.float32)
-        if n and self._screen(logits.data_ptr(), n, V, hn.data_ptr(), table.data_ptr(), H, k, out.data_ptr()):
+        if n and self._screen(logits.data_ptr(), n, V, hn.data_ptr(), table.data_ptr(),
+                              None if scales is None else scales.data_ptr(), H, k, out.data_ptr()):
             raise RuntimeError("screen: the kernel refused its input")
         return out
 

@@ -140,8 +140,8 @@ def test_int4_reproduces_a_4bit_grid_model(group):
 
 def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table():
     """The int4 engine's default head on a tied model: int4 ranks, each row's top
-    ``SCREEN_TOP`` logits are the fp32 products with the bf16 embedding rows; "int8"
-    keeps the int8 head; "screen" on an untied head is refused."""
+    ``SCREEN_TOP`` logits are the fp32 products with the bf16 embedding rows (an untied
+    head: with its int8 copy's rows); "int8" keeps the int8 head."""
     from specmesh.engine import SCREEN_TOP, InvalidArgument, LlamaEngine, rms_norm
 
     model, cfg = tiny_hf()
@@ -156,11 +156,16 @@ def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table():
     top = out.logits.topk(min(SCREEN_TOP, cfg["vocab_size"]) // 2, -1).indices
     assert torch.allclose(out.logits.gather(-1, top), exact.gather(-1, top), atol=1e-4)
     assert (out.logits.argmax(-1) == exact.argmax(-1)).all()
+    # an untied head: the int4 screen ranks, an int8 copy of the head gives the top values
     untied = dict(cfg, tie_word_embeddings=False)
-    sd2 = dict(sd, **{"lm_head.weight": sd["lm_head.weight"] + 0.01})
-    assert LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64).head.mode == "int8"  # auto: int8
-    with pytest.raises(InvalidArgument, match="tied"):
-        LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64, int4_head="screen")
+    sd2 = dict(sd, **{"lm_head.weight": sd["lm_head.weight"] + 0.1 * torch.randn_like(sd["lm_head.weight"])})
+    u = LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64)
+    assert u.head.mode == "int4" and u._screen_rows.mode == "int8"
+    out = u.score(0, ids, list(range(-1, 19)), hidden_layers=(cfg["num_hidden_layers"] - 1,))
+    hn = rms_norm(out.hidden[cfg["num_hidden_layers"] - 1].float(), u.norm, u.eps)
+    exact = hn @ (u._screen_rows.w.float() * u._screen_rows.scale.float()[:, None]).T
+    top = out.logits.topk(min(SCREEN_TOP, cfg["vocab_size"]) // 2, -1).indices
+    assert torch.allclose(out.logits.gather(-1, top), exact.gather(-1, top), atol=1e-3)
     with pytest.raises(InvalidArgument, match="int4_head"):
         LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head="int2")
 

@@ -93,6 +93,15 @@ def test_screen_recomputes_each_rows_top_k_from_the_table(kern):
     assert torch.equal(kern.screen(logits[1:2].contiguous(), hn[1:2].contiguous(), table, k)[0], out[1])
     with pytest.raises(ValueError, match="unsupported"):
         kern.screen(logits, hn, table, 257)
+    # an int8 table with a bf16 scale per row (an untied head's int8 copy)
+    t8 = torch.randint(-127, 128, (V, H), generator=g, dtype=torch.int8)
+    sc = (torch.rand(V, generator=g) * 0.01 + 0.001).bfloat16()
+    out8 = kern.screen(logits, hn, t8, k, sc)
+    exact8 = hn.double() @ (t8.double() * sc.double()[:, None]).T
+    top = logits[0].float().sort(descending=True, stable=True).indices[:k]
+    assert (out8[0, top].double() - exact8[0, top]).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.screen(logits, hn, t8, k)  # an int8 table needs its scales
 
 
 def test_turned_off_by_the_environment(monkeypatch):
