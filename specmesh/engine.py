@@ -410,7 +410,6 @@ class LlamaEngine:
         # tile axis [1, nk, T, hd], made once here, not by indexing in every layer of every step
         self._kv_views = [[(kb[li, sl], vb[li, sl], kb[li, sl].unsqueeze(0), vb[li, sl].unsqueeze(0))
                            for sl in range(slots)] for li in range(self.n_layers)]
-        self._kv_layers = [(kb[li], vb[li]) for li in range(self.n_layers)]  # [slots, nk, T, hd] each
         self.k_cache = kb[:, :, :, : self.max_seq_len]  # [layers, slots, nk, max_seq_len, hd]
         self.v_cache = vb[:, :, :, : self.max_seq_len]
 

@@ -276,25 +276,20 @@ class Int4Matmul:
 
 def load() -> Optional[Int4Matmul]:
     """The kernel, built on first use; None where the CPU lacks AVX-512 BF16, there is no
-    compiler, or ``SPECMESH_INT4_KERNEL=torch`` (``load_error()`` says why)."""
-    with _lock:
-        if "kernel" in _state:
-            return _state["kernel"]
-        kernel, err = None, ""
-        try:
-            if os.environ.get("SPECMESH_INT4_KERNEL", "specmesh").lower() == "torch":
-                raise RuntimeError("SPECMESH_INT4_KERNEL=torch")
-            from .keylist_attention import compile_library
+    compiler, or ``SPECMESH_INT4_KERNEL=torch`` (``load_error()`` says why; the engine
+    then keeps torch's int4 kernel)."""
+    from .keylist_attention import cached_load, compile_library
 
-            lib, path = compile_library("int4mm", _SOURCE)
-            lib.int4_available.restype = ctypes.c_int
-            if not lib.int4_available():
-                raise RuntimeError("this CPU has no AVX-512 BF16 (the kernel's vdpbf16ps)")
-            kernel = Int4Matmul(lib, path)
-        except Exception as e:  # noqa: BLE001 - any failure: the engine keeps torch's int4 kernel
-            err = f"{type(e).__name__}: {e}"
-        _state["kernel"], _state["error"] = kernel, err
-        return kernel
+    def make() -> Int4Matmul:
+        if os.environ.get("SPECMESH_INT4_KERNEL", "specmesh").lower() == "torch":
+            raise RuntimeError("SPECMESH_INT4_KERNEL=torch")
+        lib, path = compile_library("int4mm", _SOURCE)
+        lib.int4_available.restype = ctypes.c_int
+        if not lib.int4_available():
+            raise RuntimeError("this CPU has no AVX-512 BF16 (the kernel's vdpbf16ps)")
+        return Int4Matmul(lib, path)
+
+    return cached_load(_state, _lock, make)
 
 
 def load_error() -> str:

@@ -51,7 +51,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -391,11 +391,6 @@ class KeyListAttention:
         self._rms(x.data_ptr(), None if d is None else d.data_ptr(), w.data_ptr(), y.data_ptr(), N, H, float(eps))
         return y
 
-    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of fp32 rows x [N, H] (contiguous; not modified) as bf16 (``add_rms_norm``
-        with nothing to add)."""
-        return self.add_rms_norm(x, None, w, eps)
-
     def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
         """SwiGLU's product of bf16 rows gu [N, 2I] = [gate | up] (contiguous, I a multiple
         of 16): silu(gate) * up computed in fp32, rounded once to bf16 [N, I]."""
@@ -499,21 +494,30 @@ class RowKeys:
         return cls(i32(slot), i32(ctx), i32(off), i32(cnt), i32(anc), len(rows))
 
 
+def cached_load(state: dict, lock: threading.Lock, make: Callable[[], object]) -> Optional[object]:
+    """``make()`` once per process under ``lock``, kept in ``state`` (``"kernel"``; None and
+    the reason in ``"error"`` where it raised): the loaders' shared memo."""
+    with lock:
+        if "kernel" not in state:
+            kernel, err = None, ""
+            try:
+                kernel = make()
+            except Exception as e:  # noqa: BLE001 - any failure: the caller keeps its torch path
+                err = f"{type(e).__name__}: {e}"
+            state["kernel"], state["error"] = kernel, err
+        return state["kernel"]
+
+
 def load() -> Optional[KeyListAttention]:
-    """The kernel, built on first use (None where it cannot be: ``load_error()`` says why).
-    ``SPECMESH_CPU_ATTENTION=sdpa`` turns it off."""
-    with _lock:
-        if "kernel" in _state:
-            return _state["kernel"]
-        kernel, err = None, ""
-        try:
-            if os.environ.get("SPECMESH_CPU_ATTENTION", "keylist").lower() == "sdpa":
-                raise RuntimeError("SPECMESH_CPU_ATTENTION=sdpa")
-            kernel = KeyListAttention(*compile_library("keylist", _SOURCE))
-        except Exception as e:  # noqa: BLE001 - any failure: the engine keeps SDPA tiles
-            err = f"{type(e).__name__}: {e}"
-        _state["kernel"], _state["error"] = kernel, err
-        return kernel
+    """The kernel, built on first use (None where it cannot be: ``load_error()`` says why;
+    the engine then keeps SDPA tiles). ``SPECMESH_CPU_ATTENTION=sdpa`` turns it off."""
+
+    def make() -> KeyListAttention:
+        if os.environ.get("SPECMESH_CPU_ATTENTION", "keylist").lower() == "sdpa":
+            raise RuntimeError("SPECMESH_CPU_ATTENTION=sdpa")
+        return KeyListAttention(*compile_library("keylist", _SOURCE))
+
+    return cached_load(_state, _lock, make)
 
 
 def load_error() -> str:

@@ -57,6 +57,14 @@ TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_lay
             tie_word_embeddings=True, rope_theta=10000.0)
 
 
+def kernel_or_skip(module, what: str):
+    """A CPU kernel module's ``load()``, or a skip naming why it cannot run here."""
+    k = module.load()
+    if k is None:
+        pytest.skip(f"the {what} does not run here: {module.load_error()}")
+    return k
+
+
 def tiny_hf(kind: str = "llama", seed: int = 0):
     """A random-weight Hugging Face model (fp32, eval) and its config dict."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -11,14 +11,12 @@ import torch
 
 from specmesh import int4_matmul as im
 from specmesh.engine import quantize_int4
+from tests.support import kernel_or_skip
 
 
 @pytest.fixture(scope="module")
 def kern():
-    k = im.load()
-    if k is None:
-        pytest.skip(f"the int4 kernel does not run here: {im.load_error()}")
-    return k
+    return kernel_or_skip(im, "int4 kernel")
 
 
 def _weight(N, K, group, seed=0):
