@@ -114,14 +114,23 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
             for k, v in kv:
                 F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
+    def step_per_call():  # the int4 engine's layers one kernel call at a time (fused_stack off)
+        eng.fused_stack = False
+        try:
+            step()
+        finally:
+            eng.fused_stack = True
+
+    parts = {"step": step, "matmuls": matmuls, "attention": attention}
+    if eng._int4_stack() is not None:
+        parts["step, per-call layers"] = step_per_call
     with torch.inference_mode():
-        for f in (step, matmuls, attention):
+        for f in parts.values():
             f()
-        res = {"step": [], "matmuls": [], "attention": []}
-        for _ in range(reps):  # alternate, so drift hits all three alike
-            res["step"].append(_median_ms(step, 3))
-            res["matmuls"].append(_median_ms(matmuls, 3))
-            res["attention"].append(_median_ms(attention, 3))
+        res = {k: [] for k in parts}
+        for _ in range(reps):  # alternate, so drift hits all alike
+            for k, f in parts.items():
+                res[k].append(_median_ms(f, 3))
     out = {k: statistics.median(v) for k, v in res.items()}
     out["rest"] = out["step"] - out["matmuls"] - out["attention"]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -206,6 +215,9 @@ def main() -> None:
     for k in ("matmuls", "attention", "rest"):
         print(f"| {k} | {s[k]:.2f} | {s[k] / s['step']:.1%} |")
     print(f"| **step** | **{s['step']:.2f}** | 100% |")
+    if "step, per-call layers" in s:  # the same step with the int4 layers one kernel call at a time
+        print(f"| step, per-call layers (`fused_stack` off) | {s['step, per-call layers']:.2f} | "
+              f"{s['step, per-call layers'] / s['step']:.0%} |")
     print(f"\n{s['top_level_ops']} top-level torch ops per step; most frequent: "
           + ", ".join(f"{n.removeprefix('aten::')} {c}" for n, c in s["ops"]))
     if a.drafter:

@@ -356,6 +356,10 @@ class LlamaEngine:
         if self.key_block < 1:
             raise InvalidArgument("key_block", "must be positive")
         self._keylist = None  # the key-list kernel, when the invariant forward attends with it
+        # int4: the layer stack in one C call (``specmesh.int4_stack``) where it applies;
+        # False keeps the per-call path (same bits: tested)
+        self.fused_stack = True
+        self._stack = None  # (cache address, kernel, Stack or None), built on first use
         self.set_attention(attention)
         self._load(state_dict)
         # the matmul kernel classes, measured on this machine for these shapes unless given
@@ -862,6 +866,19 @@ class LlamaEngine:
         out += [(0, 0, ())] * (n_rows - len(out))
         return RowKeys.build(out)
 
+    def _int4_stack(self):
+        """The ``int4_stack.Stack`` bound to these weights and the current cache, or None
+        (not int4 on the int4 kernel, ``fused_stack`` off, no key-list kernel)."""
+        if not self.fused_stack or self.dtype_name != "int4" or self._keylist is None:
+            return None
+        key = (self._k_buf.data_ptr(), id(self._keylist))
+        if self._stack is None or self._stack[0] != key:
+            from . import int4_stack
+
+            self._stack = (key, int4_stack.build(self.layers, self._keylist, self._k_buf, self._v_buf,
+                                                 self.n_heads, self.head_dim, self.eps))
+        return self._stack[1]
+
     def _keylist_plan(self, segs, n_rows: int, posi: torch.Tensor):
         """The key-list kernel's plan for one forward (``KeyListAttention.plan``): per row
         its RoPE position, where its K/V go (segment row i at ``base + i`` of its slot;
@@ -900,6 +917,15 @@ class LlamaEngine:
         K = self._keylist if keylist and ad == torch.bfloat16 and self.hidden % 16 == 0 \
             and self.layers[0].down.in_features % 16 == 0 else None
         pending = None
+        stack = self._int4_stack() if K is not None and self._gi is None else None
+        if stack is not None:  # the same kernels, called from C (int4_stack), split where hidden states are kept
+            l0 = 0
+            for li in sorted({i for i in hidden_layers if i < n_layers - 1}) + [n_layers - 1]:
+                stack.run(kplan, l0, li + 1, x)
+                if li in hidden_layers:
+                    hidden[li] = x[:N0].clone()
+                l0 = li + 1
+            n_layers = 0  # nothing left for the per-call loop
         for li in range(n_layers):
             L = self.layers[li]
             if K is not None:
