@@ -6,7 +6,9 @@ verifier calls it), split three ways by replaying its pieces alone, in the same
 process, alternating with the full step:
 
 - matmuls: every weight matmul of the step (per layer qkv, o, gate_up, down; the LM
-  head) on inputs of the step's shapes, back to back;
+  head) on inputs of the step's shapes, back to back (where the int4 layers run in one
+  C call, ``int4_stack``, the layer matmuls are replayed as bare kernel calls, as the
+  driver makes them);
 - attention: the step's attention calls (one per layer: the key-list kernel, which
   also applies RoPE and writes the K/V cache, or SDPA on its padded key length with
   ``SPECMESH_CPU_ATTENTION=sdpa``);
@@ -80,6 +82,20 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
             L.gate_up(x_h)
             L.down(x_d)
         eng.head(x_h)
+
+    if eng._int4_stack() is not None:  # the fused step calls the kernel from C: replay it with no Python wrapper
+        calls = []
+        for L in eng.layers:
+            for lin, x in ((L.qkv, x_h), (L.o, x_o), (L.gate_up, x_h), (L.down, x_d)):
+                y = torch.empty(n, lin.out_features, dtype=ad)
+                xs = torch.empty(n, lin.in_features // lin.group)
+                calls.append((lin._k4._mm, (x.data_ptr(), n, lin.in_features, lin.w.data_ptr(), lin.out_features,
+                                            lin.group, xs.data_ptr(), y.data_ptr()), (x, y, xs)))
+
+        def matmuls():  # noqa: F811 - the int4 stack's matmuls, as the driver makes them
+            for fn, args, _ in calls:
+                fn(*args)
+            eng.head(x_h)
 
     # the step's attention, one call per layer as the forward makes it
     nk = eng.n_kv
