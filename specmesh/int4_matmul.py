@@ -75,6 +75,9 @@ static inline __attribute__((always_inline)) void rows(const int mc, const int n
         for (int r = 0; r < nbk * mc; r++) t[r] = _mm512_setzero_ps();
         for (int64_t p = 0; p < pairs; p++) {
             const int64_t k = g * group + 2 * p;
+            if (!(p & 3))  /* the next pass's blocks, while these are read */
+                for (int b = 0; b < nbk; b++)
+                    _mm_prefetch((const char*)(blk + (nbk + b) * bstride + g * gstride + 16 * p), _MM_HINT_T0);
             for (int b = 0; b < nbk; b++) {
                 const __m512i w = unpack(blk + b * bstride + g * gstride + 16 * p, table);
                 for (int r = 0; r < mc; r++) {
@@ -154,6 +157,117 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
     return 0;
 }
 
+
+/* AMX (Intel): a block's group of 32 inputs unpacked once into a B tile (16 input pairs x
+   16 outputs, the dpbf16 pair order is the tile's VNNI layout) and multiplied into up to
+   16 rows at once with one tdpbf16ps; the group's sum t_g (M x 16 fp32, from the tile)
+   then enters acc as in the AVX-512 path. Each C row depends on its own A row only, so a
+   row's bits do not depend on the others; they differ from the AVX-512 path's (the
+   tile's own order of the 32 products), so one process uses one of the two. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+int int4_amx(void) { return 1; }
+int int4_amx_enable(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+
+typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
+
+int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                float* xs, uint16_t* y) {
+    const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride, chunks = group / 32;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float a = 0.0f;
+            for (int64_t i = 0; i < group; i++) {
+                uint32_t u = (uint32_t)x[m * K + g * group + i] << 16; float f; memcpy(&f, &u, 4);
+                a += f;
+            }
+            xs[m * G + g] = a;
+        }
+    uint16_t tw[32];
+    for (int i = 0; i < 32; i++) {
+        float f = (float)((i & 15) - 8); uint32_t u; memcpy(&u, &f, 4); tw[i] = (uint16_t)(u >> 16);
+    }
+    __m512i table; memcpy(&table, tw, 64);
+    const int64_t nc = (M + 15) / 16;  /* balanced passes of at most 16 rows (a tile's rows) */
+    for (int64_t c = 0, m0 = 0; c < nc; c++) {
+        const int64_t mc = M / nc + (c < M % nc);
+        int failed = 0;
+        _Pragma("omp parallel")
+        {
+            tilecfg cfg; memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            for (int t = 0; t < 2; t++) {  /* two sets, so one group's tile work overlaps the next's */
+                cfg.rows[3 * t] = (uint8_t)mc; cfg.colsb[3 * t] = 64;      /* C: mc x 16 fp32 */
+                cfg.rows[3 * t + 1] = (uint8_t)mc; cfg.colsb[3 * t + 1] = 64;  /* A: mc x 32 bf16 */
+                cfg.rows[3 * t + 2] = 16; cfg.colsb[3 * t + 2] = 64;       /* B: 16 pairs x 16 outputs x 2 */
+            }
+            _tile_loadconfig(&cfg);
+            /* per thread: a block's unpacked B tiles (all groups, written before any is
+               loaded) and its groups' sums */
+            uint16_t* bt = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 512 * G * chunks);
+            float* ct = (float*)aligned_alloc(64, sizeof(float) * 256 * G);
+            if (!bt || !ct) { _Pragma("omp atomic write") failed = 1; }
+            _Pragma("omp for schedule(static)")
+            for (int64_t b = 0; b < nb; b++) {
+                if (!bt || !ct) continue;
+                const uint8_t* blk = P + b * bstride;
+                for (int64_t g = 0; g < G; g++) {
+                    for (int64_t q = 0; q < 16 * chunks; q += 4)  /* the next block, while this one unpacks */
+                        _mm_prefetch((const char*)(blk + bstride + g * gstride + 16 * q), _MM_HINT_T0);
+                    for (int64_t q = 0; q < 16 * chunks; q++)
+                        _mm512_store_si512((__m512i*)(bt + 32 * (g * 16 * chunks + q)),
+                                           unpack(blk + g * gstride + 16 * q, table));
+                }
+                for (int64_t g = 0; g < G; g++) {
+                    const uint16_t* xg = x + m0 * K + g * group;
+                    const uint16_t* bg = bt + 512 * chunks * g;
+#define TILE_GROUP(C_, A_, B_)                                                                    \
+                    _tile_zero(C_);                                                               \
+                    for (int64_t ch = 0; ch < chunks; ch++) {                                     \
+                        _tile_loadd(A_, xg + 32 * ch, K * 2);                                     \
+                        _tile_loadd(B_, bg + 512 * ch, 64);                                       \
+                        _tile_dpbf16ps(C_, A_, B_);                                               \
+                    }                                                                             \
+                    _tile_stored(C_, ct + 256 * g, 64);
+                    if (g & 1) { TILE_GROUP(3, 4, 5) } else { TILE_GROUP(0, 1, 2) }
+#undef TILE_GROUP
+                }
+                __m512 acc[16];
+                for (int64_t r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
+                for (int64_t g = 0; g < G; g++) {
+                    const uint8_t* gb = blk + g * gstride;
+                    const __m256i sb = _mm256_loadu_si256((const __m256i*)(gb + group * 8));
+                    const __m256i zb = _mm256_loadu_si256((const __m256i*)(gb + group * 8 + 32));
+                    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+                    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(zb), 16));
+                    for (int64_t r = 0; r < mc; r++) {
+                        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ct + 256 * g + 16 * r), s, acc[r]);
+                        acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * G + g]), acc[r]);
+                    }
+                }
+                for (int64_t r = 0; r < mc; r++) {
+                    __m512i u = _mm512_castps_si512(acc[r]);
+                    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+                    _mm256_storeu_si256((__m256i*)(y + (m0 + r) * N + b * 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+                }
+            }
+            free(bt); free(ct);
+            _tile_release();
+        }
+        if (failed) return 2;
+        m0 += mc;
+    }
+    return 0;
+}
+#else
+int int4_amx(void) { return 0; }
+int int4_amx_enable(void) { return 0; }
+int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                float* xs, uint16_t* y) { return 1; }
+#endif
+
 /* The screen head's logits: lg bf16 [n, V] (the int4 head's) -> out fp32 [n, V], each row's
    k largest (ties: the lower index) recomputed exactly as hn . table[v] (fp32 hidden [n, H]),
    summed in input order: table bf16 [V, H] (the tied embedding; scales NULL), or int8 [V, H]
@@ -219,20 +333,28 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
 int int4_available(void) { return 0; }
 int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
             float* xs, uint16_t* y) { return 1; }
+int int4_amx(void) { return 0; }
+int int4_amx_enable(void) { return 0; }
+int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                float* xs, uint16_t* y) { return 1; }
 #endif
 """
 
 _lock = threading.Lock()
 _state: dict = {}
+# SPECMESH_INT4_KERNEL: "specmesh" (the default: AVX-512 BF16), "amx" (AMX-BF16 tiles: flat
+# in the rows, dearer for one row; docs/int4.md), "torch" (torch's kernel)
+KERNEL_CHOICES = ("specmesh", "amx", "torch")
 
 
 class Int4Matmul:
     """The loaded kernel (``load()``)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path):
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL, path: Path, amx: bool = False):
+        self.lib, self.path = lib, path
         P, I = ctypes.c_void_p, ctypes.c_int64
-        self._mm = lib.int4_mm
+        self.amx = bool(amx)  # the matmul runs on AMX tiles (else AVX-512 BF16): each has its own bits
+        self._mm = lib.int4_mm_amx if self.amx else lib.int4_mm
         self._mm.argtypes = [P, I, I, P, I, I, P, P]
         self._mm.restype = ctypes.c_int
         self._screen = lib.screen_refine
@@ -290,7 +412,10 @@ class Int4Matmul:
                              f"{tuple(packed.shape)}")
         y = torch.empty(M, n_out, dtype=torch.bfloat16)
         xs = torch.empty(max(M, 1), K // group, dtype=torch.float32)
-        if M and self._mm(x.data_ptr(), M, K, packed.data_ptr(), n_out, group, xs.data_ptr(), y.data_ptr()):
+        rc = self._mm(x.data_ptr(), M, K, packed.data_ptr(), n_out, group, xs.data_ptr(), y.data_ptr()) if M else 0
+        if rc == 2:
+            raise MemoryError("int4 mm: out of memory for the AMX kernel's tile buffers")
+        if rc:
             raise RuntimeError("int4 mm: the kernel was built without AVX-512 BF16")
         return y
 
@@ -302,15 +427,30 @@ def load() -> Optional[Int4Matmul]:
     from .keylist_attention import cached_load, compile_library
 
     def make() -> Int4Matmul:
-        if os.environ.get("SPECMESH_INT4_KERNEL", "specmesh").lower() == "torch":
+        choice = os.environ.get("SPECMESH_INT4_KERNEL", "specmesh").lower()
+        if choice not in KERNEL_CHOICES:
+            raise RuntimeError(f"SPECMESH_INT4_KERNEL={choice!r}: one of {', '.join(KERNEL_CHOICES)}")
+        if choice == "torch":
             raise RuntimeError("SPECMESH_INT4_KERNEL=torch")
         lib, path = compile_library("int4mm", _SOURCE)
         lib.int4_available.restype = ctypes.c_int
         if not lib.int4_available():
             raise RuntimeError("this CPU has no AVX-512 BF16 (the kernel's vdpbf16ps)")
+        if choice == "amx":
+            return amx_variant(lib, path)
         return Int4Matmul(lib, path)
 
     return cached_load(_state, _lock, make)
+
+
+def amx_variant(lib: ctypes.CDLL, path: Path) -> Int4Matmul:
+    """The AMX matmul of the built library (the process's permission for the tile state
+    asked once); RuntimeError where the CPU or the build has no AMX-BF16."""
+    for fn in (lib.int4_amx, lib.int4_amx_enable):
+        fn.restype = ctypes.c_int
+    if not lib.int4_amx() or not lib.int4_amx_enable():
+        raise RuntimeError("SPECMESH_INT4_KERNEL=amx: this CPU or kernel has no AMX-BF16")
+    return Int4Matmul(lib, path, amx=True)
 
 
 def load_error() -> str:

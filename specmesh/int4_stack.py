@@ -146,7 +146,7 @@ class Stack:
         if rc == 2:
             raise MemoryError("keylist attention: out of memory for its score buffers")
         if rc:
-            raise RuntimeError("int4 stack: a matmul refused its input")
+            raise RuntimeError("int4 stack: a matmul failed (no kernel for this CPU, or out of memory)")
 
 
 def _library():

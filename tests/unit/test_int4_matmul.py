@@ -2,7 +2,7 @@
 weights ``(q - 8) * scale + zero`` applied to bf16 rows, close to the exact product and
 to torch's int4 kernel; a row's bits depend on that row alone (not on how many rows
 share the call, where it sits, or the thread count); the screen head's top logits are
-the exact table products."""
+the exact table products. Both matmuls: AVX-512 BF16 (the default) and AMX tiles."""
 
 from __future__ import annotations
 
@@ -14,9 +14,15 @@ from specmesh.engine import quantize_int4
 from tests.support import kernel_or_skip
 
 
-@pytest.fixture(scope="module")
-def kern():
-    return kernel_or_skip(im, "int4 kernel")
+@pytest.fixture(scope="module", params=["avx512", "amx"])
+def kern(request):
+    k = kernel_or_skip(im, "int4 kernel")
+    if request.param == "avx512":
+        return k
+    try:  # the AMX matmul (SPECMESH_INT4_KERNEL=amx) of the same library, where the CPU has it
+        return im.amx_variant(k.lib, k.path)
+    except RuntimeError as e:
+        pytest.skip(str(e))
 
 
 def _weight(N, K, group, seed=0):
@@ -107,3 +113,13 @@ def test_turned_off_by_the_environment(monkeypatch):
     monkeypatch.setattr(im, "_state", {})
     monkeypatch.setenv("SPECMESH_INT4_KERNEL", "torch")
     assert im.load() is None and "SPECMESH_INT4_KERNEL" in im.load_error()
+
+
+def test_the_environment_names_the_kernel(monkeypatch):
+    monkeypatch.setattr(im, "_state", {})
+    monkeypatch.setenv("SPECMESH_INT4_KERNEL", "int2")
+    assert im.load() is None and "int2" in im.load_error()
+    monkeypatch.setattr(im, "_state", {})
+    monkeypatch.setenv("SPECMESH_INT4_KERNEL", "amx")
+    k = im.load()
+    assert (k is not None and k.amx) or "AMX" in im.load_error() or "AVX-512" in im.load_error()
