@@ -203,47 +203,52 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
                 cfg.rows[3 * t + 2] = 16; cfg.colsb[3 * t + 2] = 64;       /* B: 16 pairs x 16 outputs x 2 */
             }
             _tile_loadconfig(&cfg);
-            /* per thread: a block's unpacked B tiles (all groups, written before any is
-               loaded) and its groups' sums */
-            uint16_t* bt = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 512 * G * chunks);
-            float* ct = (float*)aligned_alloc(64, sizeof(float) * 256 * G);
+            /* per thread: the unpacked B tiles of GC groups of a block (all written before
+               any is loaded, and within L1) and those groups' sums */
+            enum { GC = 8 };
+            uint16_t* bt = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 512 * GC * chunks);
+            float* ct = (float*)aligned_alloc(64, sizeof(float) * 256 * GC);
             if (!bt || !ct) { _Pragma("omp atomic write") failed = 1; }
             _Pragma("omp for schedule(static)")
             for (int64_t b = 0; b < nb; b++) {
                 if (!bt || !ct) continue;
                 const uint8_t* blk = P + b * bstride;
-                for (int64_t g = 0; g < G; g++) {
-                    for (int64_t q = 0; q < 16 * chunks; q += 4)  /* the next block, while this one unpacks */
-                        _mm_prefetch((const char*)(blk + bstride + g * gstride + 16 * q), _MM_HINT_T0);
-                    for (int64_t q = 0; q < 16 * chunks; q++)
-                        _mm512_store_si512((__m512i*)(bt + 32 * (g * 16 * chunks + q)),
-                                           unpack(blk + g * gstride + 16 * q, table));
-                }
-                for (int64_t g = 0; g < G; g++) {
-                    const uint16_t* xg = x + m0 * K + g * group;
-                    const uint16_t* bg = bt + 512 * chunks * g;
-#define TILE_GROUP(C_, A_, B_)                                                                    \
-                    _tile_zero(C_);                                                               \
-                    for (int64_t ch = 0; ch < chunks; ch++) {                                     \
-                        _tile_loadd(A_, xg + 32 * ch, K * 2);                                     \
-                        _tile_loadd(B_, bg + 512 * ch, 64);                                       \
-                        _tile_dpbf16ps(C_, A_, B_);                                               \
-                    }                                                                             \
-                    _tile_stored(C_, ct + 256 * g, 64);
-                    if (g & 1) { TILE_GROUP(3, 4, 5) } else { TILE_GROUP(0, 1, 2) }
-#undef TILE_GROUP
-                }
                 __m512 acc[16];
                 for (int64_t r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
-                for (int64_t g = 0; g < G; g++) {
-                    const uint8_t* gb = blk + g * gstride;
-                    const __m256i sb = _mm256_loadu_si256((const __m256i*)(gb + group * 8));
-                    const __m256i zb = _mm256_loadu_si256((const __m256i*)(gb + group * 8 + 32));
-                    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
-                    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(zb), 16));
-                    for (int64_t r = 0; r < mc; r++) {
-                        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ct + 256 * g + 16 * r), s, acc[r]);
-                        acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * G + g]), acc[r]);
+                for (int64_t g0 = 0; g0 < G; g0 += GC) {
+                    const int64_t ng = G - g0 < GC ? G - g0 : GC;
+                    for (int64_t i = 0; i < ng; i++) {
+                        const uint8_t* gb = blk + (g0 + i) * gstride;
+                        for (int64_t q = 0; q < 16 * chunks; q += 4)  /* the weights of a later block */
+                            _mm_prefetch((const char*)(gb + 2 * bstride + 16 * q), _MM_HINT_T0);
+                        for (int64_t q = 0; q < 16 * chunks; q++)
+                            _mm512_store_si512((__m512i*)(bt + 32 * (i * 16 * chunks + q)), unpack(gb + 16 * q, table));
+                    }
+                    for (int64_t i = 0; i < ng; i++) {
+                        const uint16_t* xg = x + m0 * K + (g0 + i) * group;
+                        const uint16_t* bg = bt + 512 * chunks * i;
+#define TILE_GROUP(C_, A_, B_)                                                                    \
+                        _tile_zero(C_);                                                           \
+                        for (int64_t ch = 0; ch < chunks; ch++) {                                 \
+                            _tile_loadd(A_, xg + 32 * ch, K * 2);                                 \
+                            _tile_loadd(B_, bg + 512 * ch, 64);                                   \
+                            _tile_dpbf16ps(C_, A_, B_);                                           \
+                        }                                                                         \
+                        _tile_stored(C_, ct + 256 * i, 64);
+                        if (i & 1) { TILE_GROUP(3, 4, 5) } else { TILE_GROUP(0, 1, 2) }
+#undef TILE_GROUP
+                    }
+                    for (int64_t i = 0; i < ng; i++) {
+                        const int64_t g = g0 + i;
+                        const uint8_t* gb = blk + g * gstride;
+                        const __m256i sb = _mm256_loadu_si256((const __m256i*)(gb + group * 8));
+                        const __m256i zb = _mm256_loadu_si256((const __m256i*)(gb + group * 8 + 32));
+                        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+                        const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(zb), 16));
+                        for (int64_t r = 0; r < mc; r++) {
+                            acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ct + 256 * i + 16 * r), s, acc[r]);
+                            acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * G + g]), acc[r]);
+                        }
                     }
                 }
                 for (int64_t r = 0; r < mc; r++) {
@@ -342,9 +347,11 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
 
 _lock = threading.Lock()
 _state: dict = {}
-# SPECMESH_INT4_KERNEL: "specmesh" (the default: AVX-512 BF16), "amx" (AMX-BF16 tiles: flat
-# in the rows, dearer for one row; docs/int4.md), "torch" (torch's kernel)
-KERNEL_CHOICES = ("specmesh", "amx", "torch")
+# SPECMESH_INT4_KERNEL: "specmesh" (the default: AMX-BF16 tiles where the CPU has them, else
+# AVX-512 BF16), "amx" (AMX or nothing), "avx512" (never AMX), "torch" (torch's kernel).
+# AMX costs about the same from 1 to 16 rows (a row ~1.1-1.3x AVX-512's, 8 rows ~0.6x): on
+# the bench it was the faster of the two for the best system of 5 of 6 workloads (docs/int4.md)
+KERNEL_CHOICES = ("specmesh", "amx", "avx512", "torch")
 
 
 class Int4Matmul:
@@ -438,6 +445,11 @@ def load() -> Optional[Int4Matmul]:
             raise RuntimeError("this CPU has no AVX-512 BF16 (the kernel's vdpbf16ps)")
         if choice == "amx":
             return amx_variant(lib, path)
+        if choice == "specmesh":
+            try:
+                return amx_variant(lib, path)
+            except RuntimeError:
+                pass  # no AMX here: AVX-512 BF16
         return Int4Matmul(lib, path)
 
     return cached_load(_state, _lock, make)

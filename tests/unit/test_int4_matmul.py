@@ -17,9 +17,9 @@ from tests.support import kernel_or_skip
 @pytest.fixture(scope="module", params=["avx512", "amx"])
 def kern(request):
     k = kernel_or_skip(im, "int4 kernel")
-    if request.param == "avx512":
-        return k
-    try:  # the AMX matmul (SPECMESH_INT4_KERNEL=amx) of the same library, where the CPU has it
+    if request.param == "avx512":  # the AVX-512 BF16 matmul of the same library
+        return im.Int4Matmul(k.lib, k.path)
+    try:  # the AMX matmul (SPECMESH_INT4_KERNEL=amx), where the CPU has it
         return im.amx_variant(k.lib, k.path)
     except RuntimeError as e:
         pytest.skip(str(e))
@@ -123,3 +123,7 @@ def test_the_environment_names_the_kernel(monkeypatch):
     monkeypatch.setenv("SPECMESH_INT4_KERNEL", "amx")
     k = im.load()
     assert (k is not None and k.amx) or "AMX" in im.load_error() or "AVX-512" in im.load_error()
+    monkeypatch.setattr(im, "_state", {})
+    monkeypatch.setenv("SPECMESH_INT4_KERNEL", "avx512")
+    k = im.load()
+    assert (k is not None and not k.amx) or "AVX-512" in im.load_error()
