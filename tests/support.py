@@ -626,29 +626,39 @@ SMALL_TARGET = small_weights(0, 0.4)
 SMALL_DRAFT = small_weights(1, 0.6, layers=1)  # a different, sharper model: q far from p
 
 
-def small_target_engine(n_slots: int = 4) -> LlamaEngine:
+# the int4 case: shapes every int4 matrix takes (hd 16 for the key-list kernel, inputs a
+# multiple of the group of 32); the 6-row head falls back to int8
+SMALL_TARGET_INT4 = small_weights(2, 0.4, hidden=64, inter=64)
+
+
+def small_target_engine(n_slots: int = 4, dtype: str = "fp32") -> LlamaEngine:
+    """``SMALL_TARGET`` in fp32; with ``dtype="int4"``, ``SMALL_TARGET_INT4`` in int4."""
+    if dtype == "int4":
+        return LlamaEngine(*SMALL_TARGET_INT4, dtype="int4", n_slots=n_slots, max_seq_len=64)
     return LlamaEngine(*SMALL_TARGET, n_slots=n_slots, max_seq_len=64)
 
 
 @functools.cache
-def small_block_model():
-    """A block drafter for ``SMALL_TARGET`` trained for a few seconds on the target's own
-    samples (an untrained one always proposes the same token, which the target rarely picks)."""
+def small_block_model(dtype: str = "fp32"):
+    """A block drafter for ``small_target_engine(dtype=dtype)`` trained for a few seconds
+    on the target's own samples (an untrained one always proposes the same token, which
+    the target rarely picks)."""
     from specmesh.blockdraft.model import BlockDrafterConfig
     from specmesh.blockdraft.train import new_model, prepare, train
     from specmesh.loop import generate_tokens
 
-    eng = small_target_engine(1)
+    eng = small_target_engine(1, dtype)
     records = []
     for s in range(24):
         prompt = SMALL_PROMPT[s % 4:]
-        out, _ = generate_tokens(None, EngineVerifier(small_target_engine(1)), prompt,
+        out, _ = generate_tokens(None, EngineVerifier(small_target_engine(1, dtype)), prompt,
                                  sampling=SamplingParams(temperature=1.0, seed=500 + s), max_new_tokens=12)
         records.append({"prompt_ids": prompt, "response_ids": out})
     torch.manual_seed(5)
-    cfg = BlockDrafterConfig(block=4, n_layers=1, hidden=32, n_heads=4, ffn=48, feature_layers=[0, 1],
-                             context_window=16, vocab_size=SMALL_V, n_keep=SMALL_V)
-    model = new_model(cfg, SMALL_TARGET[1], torch.arange(SMALL_V))
+    wide = dtype == "int4"  # the drafter's matrices int4 too (inputs a multiple of 32)
+    cfg = BlockDrafterConfig(block=4, n_layers=1, hidden=64 if wide else 32, n_heads=4, ffn=64 if wide else 48,
+                             feature_layers=[0, 1], context_window=16, vocab_size=SMALL_V, n_keep=SMALL_V)
+    model = new_model(cfg, (SMALL_TARGET_INT4 if wide else SMALL_TARGET)[1], torch.arange(SMALL_V))
     train(model, prepare(eng, records, cfg.feature_layers, quiet=True), steps=80, lr=3e-3, batch=4,
           anchors_per_seq=8, quiet=True)
     return model.eval()
@@ -682,14 +692,16 @@ def small_uno_adapter():
     return train_tiny_uno(*SMALL_TARGET, records, block=3, steps=60, rank=4, readout=16)
 
 
-def exact_joint(prompt: Sequence[int], slots: Sequence[Optional[int]], sampling: SamplingParams) -> dict:
-    """P(sampled tokens) of plain sampling on ``SMALL_TARGET``: ``slots`` lists the new
-    positions, None = sampled from the target, an int = a token the procedure forces there."""
+def exact_joint(prompt: Sequence[int], slots: Sequence[Optional[int]], sampling: SamplingParams,
+                dtype: str = "fp32") -> dict:
+    """P(sampled tokens) of plain sampling on ``small_target_engine(dtype=dtype)``: ``slots``
+    lists the new positions, None = sampled from the target, an int = a token the
+    procedure forces there."""
     import itertools
 
     from specmesh import acceptance as acc
 
-    eng = small_target_engine(1)
+    eng = small_target_engine(1, dtype)
     cache: dict[tuple, torch.Tensor] = {}
 
     def dist(prefix: tuple) -> torch.Tensor:
