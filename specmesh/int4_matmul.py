@@ -9,8 +9,9 @@ several decode steps and speculation did not pay. Here a block of 16 output chan
 and one group of inputs is unpacked to bf16 once (nibbles through a 16-entry table to
 ``q - 8``) and multiplied into up to 8 rows at a time with ``vdpbf16ps``. With 1-2
 rows a pass takes 4 blocks (3-4 rows: 2), so it keeps several accumulator chains and
-weight streams going: a decode step's matmuls went 13.6 -> 8.9 ms on an Intel Xeon
-(same bits: each output's sum is the same sequence of operations).
+weight streams going, and prefetches the next pass's weights: a decode step went 13.6 ->
+8.9 ms on an Intel Xeon (same bits: each output's sum is the same sequence of operations).
+Where the CPU has AMX-BF16, ``int4_mm_amx`` (the default there; comment in the source).
 
 The arithmetic, per row and output: for each group g, ``t_g = sum (q_i - 8) x_i`` (bf16
 products summed in fp32 pairs, in input order), then ``acc += t_g * s_g`` and
