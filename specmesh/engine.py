@@ -359,7 +359,7 @@ class LlamaEngine:
         # int4: the layer stack in one C call (``specmesh.int4_stack``) where it applies;
         # False keeps the per-call path (same bits: tested)
         self.fused_stack = True
-        self._stack = None  # (cache address, kernel, Stack or None), built on first use
+        self._stack = None  # ((cache address, kernel id), Stack or None), built on first use
         self.set_attention(attention)
         self._load(state_dict)
         # the matmul kernel classes, measured on this machine for these shapes unless given
