@@ -108,12 +108,11 @@ static inline __attribute__((always_inline)) void rows(const int mc, const int n
         }
 }
 
-/* y [M, N] bf16 = x [M, K] bf16 times the packed weight (pack()); xs: scratch [M, G] fp32 */
-int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
-            float* xs, uint16_t* y) {
-    const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride;
+/* Both matmuls' first step: each row's group input sums xs [M, G] (fp32, in input order),
+   and the unpacking table (bf16 of i - 8, exact) */
+static __m512i prologue(const uint16_t* x, int64_t M, int64_t K, int64_t G, int64_t group, float* xs) {
     for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {  /* the group's input sum, fp32, in input order */
+        for (int64_t g = 0; g < G; g++) {
             float a = 0.0f;
             for (int64_t i = 0; i < group; i++) {
                 uint32_t u = (uint32_t)x[m * K + g * group + i] << 16; float f; memcpy(&f, &u, 4);
@@ -122,10 +121,18 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
             xs[m * G + g] = a;
         }
     uint16_t tw[32];
-    for (int i = 0; i < 32; i++) {  /* bf16 of i - 8 (exact) */
+    for (int i = 0; i < 32; i++) {
         float f = (float)((i & 15) - 8); uint32_t u; memcpy(&u, &f, 4); tw[i] = (uint16_t)(u >> 16);
     }
     __m512i table; memcpy(&table, tw, 64);
+    return table;
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 times the packed weight (pack()); xs: scratch [M, G] fp32 */
+int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+            float* xs, uint16_t* y) {
+    const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride;
+    const __m512i table = prologue(x, M, K, G, group, xs);
     const int64_t nc = (M + MC - 1) / MC;  /* balanced passes of at most MC rows */
     const int64_t rows0 = M / nc + (M % nc != 0);  /* the widest pass */
     const int64_t NBK = rows0 <= 2 ? 4 : rows0 <= 4 ? 2 : 1;  /* blocks per pass: nbk * rows <= MC */
@@ -176,20 +183,7 @@ typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; ui
 int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                 float* xs, uint16_t* y) {
     const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride, chunks = group / 32;
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            float a = 0.0f;
-            for (int64_t i = 0; i < group; i++) {
-                uint32_t u = (uint32_t)x[m * K + g * group + i] << 16; float f; memcpy(&f, &u, 4);
-                a += f;
-            }
-            xs[m * G + g] = a;
-        }
-    uint16_t tw[32];
-    for (int i = 0; i < 32; i++) {
-        float f = (float)((i & 15) - 8); uint32_t u; memcpy(&u, &f, 4); tw[i] = (uint16_t)(u >> 16);
-    }
-    __m512i table; memcpy(&table, tw, 64);
+    const __m512i table = prologue(x, M, K, G, group, xs);
     const int64_t nc = (M + 15) / 16;  /* balanced passes of at most 16 rows (a tile's rows) */
     for (int64_t c = 0, m0 = 0; c < nc; c++) {
         const int64_t mc = M / nc + (c < M % nc);
