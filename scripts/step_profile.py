@@ -6,8 +6,8 @@ verifier calls it), split three ways by replaying its pieces alone, in the same
 process, alternating with the full step:
 
 - matmuls: every weight matmul of the step (per layer qkv, o, gate_up, down; the LM
-  head) on inputs of the step's shapes, back to back (where the int4 layers run in one
-  C call, ``int4_stack``, the layer matmuls are replayed as bare kernel calls, as the
+  head) on inputs of the step's shapes, back to back (where the int4 or bf16 layers run in one
+  C call, ``layer_stack``, the layer matmuls are replayed as bare kernel calls, as the
   driver makes them);
 - attention: the step's attention calls (one per layer: the key-list kernel, which
   also applies RoPE and writes the K/V cache, or SDPA on its padded key length with
@@ -83,16 +83,22 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
             L.down(x_d)
         eng.head(x_h)
 
-    if eng._int4_stack() is not None:  # the fused step calls the kernel from C: replay it with no Python wrapper
+    if eng._layer_stack() is not None:  # the fused step calls the kernel from C: replay it with no Python wrapper
         calls = []
         for L in eng.layers:
             for lin, x in ((L.qkv, x_h), (L.o, x_o), (L.gate_up, x_h), (L.down, x_d)):
                 y = torch.empty(n, lin.out_features, dtype=ad)
-                xs = torch.empty(n, lin.in_features // lin.group)
-                calls.append((lin._k4._mm, (x.data_ptr(), n, lin.in_features, lin.w.data_ptr(), lin.out_features,
-                                            lin.group, xs.data_ptr(), y.data_ptr()), (x, y, xs)))
+                if lin._k4 is not None:  # int4_mm
+                    xs = torch.empty(n, lin.in_features // lin.group)
+                    calls.append((lin._k4._mm, (x.data_ptr(), n, lin.in_features, lin.w.data_ptr(), lin.out_features,
+                                                lin.group, xs.data_ptr(), y.data_ptr()), (x, y, xs)))
+                else:  # bf16_mm (AMX where the matrix's inputs allow, as Linear picks it)
+                    k = lin._kb
+                    fn = k._amx if k.amx and lin.in_features % 32 == 0 else k._avx
+                    calls.append((fn, (x.data_ptr(), n, lin.in_features, lin.w.data_ptr(), lin.out_features,
+                                       y.data_ptr()), (x, y)))
 
-        def matmuls():  # noqa: F811 - the int4 stack's matmuls, as the driver makes them
+        def matmuls():  # noqa: F811 - the stack's matmuls, as the driver makes them
             for fn, args, _ in calls:
                 fn(*args)
             eng.head(x_h)
@@ -130,7 +136,7 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
             for k, v in kv:
                 F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
-    def step_per_call():  # the int4 engine's layers one kernel call at a time (fused_stack off)
+    def step_per_call():  # the layers one kernel call at a time (fused_stack off)
         eng.fused_stack = False
         try:
             step()
@@ -138,7 +144,7 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
             eng.fused_stack = True
 
     parts = {"step": step, "matmuls": matmuls, "attention": attention}
-    if eng._int4_stack() is not None:
+    if eng._layer_stack() is not None:
         parts["step, per-call layers"] = step_per_call
     with torch.inference_mode():
         for f in parts.values():
@@ -231,7 +237,7 @@ def main() -> None:
     for k in ("matmuls", "attention", "rest"):
         print(f"| {k} | {s[k]:.2f} | {s[k] / s['step']:.1%} |")
     print(f"| **step** | **{s['step']:.2f}** | 100% |")
-    if "step, per-call layers" in s:  # the same step with the int4 layers one kernel call at a time
+    if "step, per-call layers" in s:  # the same step with the layers one kernel call at a time
         print(f"| step, per-call layers (`fused_stack` off) | {s['step, per-call layers']:.2f} | "
               f"{s['step, per-call layers'] / s['step']:.0%} |")
     print(f"\n{s['top_level_ops']} top-level torch ops per step; most frequent: "

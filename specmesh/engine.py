@@ -74,7 +74,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import int4_matmul, trees
+from . import bf16_matmul, int4_matmul, trees
 from .rowops import topk_rows
 from .types import InvalidArgument, ResourceExhausted
 
@@ -111,6 +111,11 @@ SCREEN_TOP = 64  # screen head: logits per row recomputed from the bf16 table (1
 ROW_TILES = {"fp32": (8, 8), "bf16": (2, 32), "int8": (1, 0), "int4": (1, 0)}
 ATTN_ROWS = {"fp32": (12, 12), "bf16": (12, 12), "int8": (12, 12), "int4": (12, 12)}
 KEY_BLOCK = {"fp32": 512, "bf16": 64, "int8": 64, "int4": 64}
+
+
+def bf16_kernel():
+    """The bf16 matmul kernel (``specmesh.bf16_matmul``) where it runs here, else None."""
+    return bf16_matmul.load()
 
 
 def int4_supported(out_features: int, in_features: int, group: int = INT4_GROUP) -> bool:
@@ -192,6 +197,8 @@ class Linear:
         self.group = group
         self.q4 = None
         self._k4 = None  # the int4 kernel (specmesh.int4_matmul) where it runs
+        self._kb = None  # the bf16 kernel (specmesh.bf16_matmul) where it runs
+        self.plain = None  # bf16 on that kernel, keep_rows: the weight as [out, in] for rows_fp32
         if mode == "int8":
             w = w.float()
             scale = (w.abs().amax(1) / 127.0).clamp_min(1e-8)
@@ -212,7 +219,14 @@ class Linear:
             if keep_rows:
                 self.q4 = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [N, K/2]
         else:
-            self.w = w.to(DTYPES[mode]).contiguous()
+            kb = bf16_kernel() if mode == "bf16" and w.device.type == "cpu" and bf16_matmul.supported(*w.shape) \
+                else None
+            if kb is not None:  # ours: the weights in its pair order, one call for any rows
+                self._kb = kb
+                self.w = kb.pack(w)
+                self.plain = w.to(torch.bfloat16).contiguous() if keep_rows else None
+            else:
+                self.w = w.to(DTYPES[mode]).contiguous()
         self.b = None if b is None else b.to(DTYPES[mode])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -224,6 +238,9 @@ class Linear:
             return y if self.b is None else y + self.b
         if self.mode == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
+            return y if self.b is None else y + self.b
+        if self._kb is not None:
+            y = self._kb.mm(x if x.is_contiguous() else x.contiguous(), self.w)
             return y if self.b is None else y + self.b
         return F.linear(x, self.w, self.b)
 
@@ -241,10 +258,16 @@ class Linear:
             s, z = sz[..., 0].movedim(0, -1), sz[..., 1].movedim(0, -1)  # [..., K/group]
             q = q.unflatten(-1, (-1, self.group))
             return ((q - 8) * s[..., None] + z[..., None]).flatten(-2)
+        if self._kb is not None:
+            if self.plain is None:
+                raise InvalidArgument("rows", "this bf16 weight keeps no row copy (keep_rows=False)")
+            return self.plain[idx].float()
         return self.w[idx].float()
 
     def nbytes(self) -> int:
         n = self.w.numel() * self.w.element_size()
+        if self.plain is not None:
+            n += self.plain.numel() * self.plain.element_size()
         return n + (self.scale.numel() * 2 if self.mode in ("int8", "int4") else 0)
 
 
@@ -347,7 +370,10 @@ class LlamaEngine:
         if batch_invariant and self.device.type != "cpu":
             raise InvalidArgument("batch_invariant", "the batch-invariant forward runs on the CPU only")
         self.batch_invariant = bool(batch_invariant)
-        self.row_tiles = tuple(int(v) for v in (row_tiles or ROW_TILES[dtype]))
+        # bf16 on our kernel: a row's bits are its own at any row count, like int4's (one call)
+        tiles = ROW_TILES[dtype] if dtype != "bf16" or torch.device(device).type != "cpu" \
+            or bf16_kernel() is None else (1, 0)
+        self.row_tiles = tuple(int(v) for v in (row_tiles or tiles))
         self.attn_rows = tuple(int(v) for v in (attn_rows or ATTN_ROWS[dtype]))
         self.key_block = int(key_block or KEY_BLOCK[dtype])
         for name, (lo, hi) in (("row_tiles", self.row_tiles), ("attn_rows", self.attn_rows)):
@@ -356,7 +382,7 @@ class LlamaEngine:
         if self.key_block < 1:
             raise InvalidArgument("key_block", "must be positive")
         self._keylist = None  # the key-list kernel, when the invariant forward attends with it
-        # int4: the layer stack in one C call (``specmesh.int4_stack``) where it applies;
+        # int4 / bf16: the layer stack in one C call (``specmesh.layer_stack``) where it applies;
         # False keeps the per-call path (same bits: tested)
         self.fused_stack = True
         self._stack = None  # ((cache address, kernel id), Stack or None), built on first use
@@ -866,17 +892,17 @@ class LlamaEngine:
         out += [(0, 0, ())] * (n_rows - len(out))
         return RowKeys.build(out)
 
-    def _int4_stack(self):
-        """The ``int4_stack.Stack`` bound to these weights and the current cache, or None
-        (not int4 on the int4 kernel, ``fused_stack`` off, no key-list kernel)."""
-        if not self.fused_stack or self.dtype_name != "int4" or self._keylist is None:
+    def _layer_stack(self):
+        """The ``layer_stack.Stack`` bound to these weights and the current cache, or None
+        (not int4 / bf16 on our kernels, ``fused_stack`` off, no key-list kernel)."""
+        if not self.fused_stack or self.dtype_name not in ("int4", "bf16") or self._keylist is None:
             return None
         key = (self._k_buf.data_ptr(), id(self._keylist))
         if self._stack is None or self._stack[0] != key:
-            from . import int4_stack
+            from . import layer_stack
 
-            self._stack = (key, int4_stack.build(self.layers, self._keylist, self._k_buf, self._v_buf,
-                                                 self.n_heads, self.head_dim, self.eps))
+            self._stack = (key, layer_stack.build(self.layers, self._keylist, self._k_buf, self._v_buf,
+                                                  self.n_heads, self.head_dim, self.eps))
         return self._stack[1]
 
     def _keylist_plan(self, segs, n_rows: int, posi: torch.Tensor):
@@ -917,8 +943,8 @@ class LlamaEngine:
         K = self._keylist if keylist and ad == torch.bfloat16 and self.hidden % 16 == 0 \
             and self.layers[0].down.in_features % 16 == 0 else None
         pending = None
-        stack = self._int4_stack() if K is not None and self._gi is None else None
-        if stack is not None:  # the same kernels, called from C (int4_stack), split where hidden states are kept
+        stack = self._layer_stack() if K is not None and self._gi is None else None
+        if stack is not None:  # the same kernels, called from C (layer_stack), split where hidden states are kept
             l0 = 0
             for li in sorted({i for i in hidden_layers if i < n_layers - 1}) + [n_layers - 1]:
                 stack.run(kplan, l0, li + 1, x)

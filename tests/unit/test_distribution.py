@@ -182,7 +182,7 @@ def test_sampled_speculation_on_an_int4_target_matches_its_distribution(name, sa
     sampling = SAMPLINGS[samp]
     ver = EngineVerifier(target_engine(4, "int4"))
     if int4_matmul.load() is not None and ver.engine.attention == "keylist":
-        assert ver.engine._int4_stack() is not None  # the layers in one C call
+        assert ver.engine._layer_stack() is not None  # the layers in one C call
     drafter = BlockSelfDrafter(ver, small_block_model("int4"), tree=name == "block_tree")  # amp: the int4 weights
     assert drafter.folded.weights == "int4"
     assert any(m.mode == "int4" for m in (drafter.folded.layers[0]["qkv"], drafter.folded.layers[0]["down"]))

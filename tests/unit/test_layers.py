@@ -39,7 +39,7 @@ LAYERS = [
                 "specmesh.errors",
                 "specmesh.kernels", "specmesh.v1"]),
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.keylist_attention", "specmesh.int4_matmul",
-                  "specmesh.int4_stack",
+                  "specmesh.layer_stack", "specmesh.bf16_matmul",
                   "specmesh.cudagraph", "specmesh.device",
                   "specmesh.models", "specmesh.specialist"]),
     ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive"]),

@@ -1,7 +1,8 @@
-"""The int4 engine's layers in one C call (``specmesh.int4_stack``): the same bits as
-the per-call path (``fused_stack`` off) for prompts, decode steps, trees, several
-slots, kept hidden states, layer-skip exits and biased (Qwen2) projections; the K/V
-cache written alike; it stands aside where it does not apply; bad input is refused."""
+"""The int4 and bf16 engines' layers in one C call (``specmesh.layer_stack``): the same
+bits as the per-call path (``fused_stack`` off) for prompts, decode steps, trees,
+several slots, kept hidden states, layer-skip exits and biased (Qwen2) projections;
+the K/V cache written alike; it stands aside where it does not apply; bad input is
+refused."""
 
 from __future__ import annotations
 
@@ -10,9 +11,19 @@ import dataclasses
 import pytest
 import torch
 
-from specmesh import int4_matmul, int4_stack
+from specmesh import bf16_matmul, int4_matmul, layer_stack
 from specmesh.engine import Linear
 from tests.support import kernel_or_skip, tiny_engine
+
+KERNELS = {"int4": (int4_matmul, "int4 kernel"), "bf16": (bf16_matmul, "bf16 kernel")}
+
+
+def _engine(dtype: str, kind: str = "llama"):
+    kernel_or_skip(*KERNELS[dtype])
+    eng, _ = tiny_engine(dtype, kind=kind)
+    if eng.attention != "keylist":
+        pytest.skip("the key-list kernel does not run here")
+    return eng
 
 
 def _run(eng, fused: bool):
@@ -34,13 +45,11 @@ def _run(eng, fused: bool):
     return outs, eng.k_cache[:, 0, :, :L].clone(), eng.v_cache[:, 0, :, :L].clone()
 
 
+@pytest.mark.parametrize("dtype", ["int4", "bf16"])
 @pytest.mark.parametrize("kind", ["llama", "qwen"])
-def test_one_call_gives_the_per_call_bits(kind):
-    kernel_or_skip(int4_matmul, "int4 kernel")
-    eng, _ = tiny_engine("int4", kind=kind)
-    if eng.attention != "keylist":
-        pytest.skip("the key-list kernel does not run here")
-    assert eng._int4_stack() is not None
+def test_one_call_gives_the_per_call_bits(dtype, kind):
+    eng = _engine(dtype, kind)
+    assert eng._layer_stack() is not None
     if kind == "qwen":
         assert eng.layers[0].qkv.b is not None  # the driver's bias path is exercised
     a, ka, va = _run(eng, True)
@@ -51,38 +60,33 @@ def test_one_call_gives_the_per_call_bits(kind):
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-def test_stands_aside_where_it_does_not_apply():
-    kernel_or_skip(int4_matmul, "int4 kernel")
-    eng, _ = tiny_engine("int4")
-    if eng.attention != "keylist":
-        pytest.skip("the key-list kernel does not run here")
+@pytest.mark.parametrize("dtype", ["int4", "bf16"])
+def test_stands_aside_where_it_does_not_apply(dtype):
+    eng = _engine(dtype)
     eng.fused_stack = False
-    assert eng._int4_stack() is None
+    assert eng._layer_stack() is None
     eng.fused_stack = True
     kl = eng._keylist
     layers = list(eng.layers)
     w = torch.randn(eng.hidden, eng.n_heads * eng.head_dim)
-    layers[1] = dataclasses.replace(layers[1], o=Linear(w, None, "int8"))  # one matrix not int4
-    assert int4_stack.build(layers, kl, eng._k_buf, eng._v_buf, eng.n_heads, eng.head_dim, eng.eps) is None
-    assert int4_stack.build(eng.layers, None, eng._k_buf, eng._v_buf, eng.n_heads, eng.head_dim, eng.eps) is None
+    layers[1] = dataclasses.replace(layers[1], o=Linear(w, None, "int8"))  # one matrix on torch's kernel
+    assert layer_stack.build(layers, kl, eng._k_buf, eng._v_buf, eng.n_heads, eng.head_dim, eng.eps) is None
+    assert layer_stack.build(eng.layers, None, eng._k_buf, eng._v_buf, eng.n_heads, eng.head_dim, eng.eps) is None
     fp, _ = tiny_engine("fp32")
-    assert fp._int4_stack() is None
+    assert fp._layer_stack() is None
 
 
 def test_refuses_bad_input():
-    kernel_or_skip(int4_matmul, "int4 kernel")
-    eng, _ = tiny_engine("int4")
-    stack = eng._int4_stack()
-    if stack is None:
-        pytest.skip("the key-list kernel does not run here")
+    eng = _engine("int4")
+    stack = eng._layer_stack()
     posi = torch.tensor([0, 1])
     plan = eng._keylist_plan([(0, 0, 2, 0, [-1, 0])], 2, posi)
     x = torch.zeros(2, eng.hidden)
-    with pytest.raises(ValueError, match="int4 stack"):
+    with pytest.raises(ValueError, match="layer stack"):
         stack.run(plan, 0, 1, x.to(torch.bfloat16))
-    with pytest.raises(ValueError, match="int4 stack"):
+    with pytest.raises(ValueError, match="layer stack"):
         stack.run(plan, 0, eng.n_layers + 1, x)
-    with pytest.raises(ValueError, match="int4 stack"):
+    with pytest.raises(ValueError, match="layer stack"):
         stack.run(plan, 0, 1, torch.zeros(3, eng.hidden))
     before = x.clone()
     stack.run(plan, 0, 0, x)  # an empty range changes nothing

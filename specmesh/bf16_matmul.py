@@ -1,0 +1,256 @@
+"""bf16 matmul on the CPU for the bf16 engine: a small C kernel (AVX-512 BF16) that
+streams the weights once per call, whatever the number of rows up to 8 a pass.
+
+Why it exists: torch's CPU bf16 ``linear`` read a decode step's weights at ~13 GB/s
+on a 2-core Intel Xeon where the memory gives ~23 GB/s (a bf16 step of SmolLM2 took
+26 ms), and the batch-invariant engine padded every matmul to row tiles of its
+kernel classes. Here the weights are stored in ``vdpbf16ps``'s pair order (``pack``:
+per block of 16 outputs and input pair, 64 bytes), and each row's outputs are one
+chain of ``vdpbf16ps`` over the inputs in order, fp32, rounded once to bf16 (nearest
+even). A row's bits depend on that row alone (any row count, any thread count: the
+blocks of outputs are split over threads, a row's sum never is), so the engine runs
+one call for any rows. With 1-2 rows a pass covers 4 blocks (3-4 rows: 2), to keep
+several accumulator chains and weight streams going, and it prefetches the next
+pass's weights.
+
+Where the CPU has AMX-BF16 (the default there), a matrix whose inputs are a multiple of
+32 runs on AMX tiles instead: the packed layout is already the B tiles', so they load
+straight from the weights, and one ``tdpbf16ps`` covers 32 inputs of up to 16 rows (2
+Intel Xeon cores, 3072 x 576, us: 1 row 106 against AVX-512's 125 and torch's 263;
+16 rows 123 against 323 and 279; 64 rows 265 against 1241). Its bits differ from the
+AVX-512 path's; the choice is the matrix's, the same for every call.
+
+Built like the key-list kernel (``keylist_attention.compile_library``) where the CPU
+has AVX-512 BF16; elsewhere ``load()`` returns None and the engine keeps torch's
+``linear``. ``SPECMESH_BF16_KERNEL=avx512`` keeps AMX off, ``=torch`` the kernel. Knows
+nothing about models.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+_SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define MC 8  /* accumulator chains per pass: rows x blocks */
+
+int bf16_available(void) { return 1; }
+
+static inline __attribute__((always_inline)) void rows(const int mc, const int nbk, const uint16_t* x, int64_t K,
+        const uint16_t* blk, int64_t bstride, uint16_t* y, int64_t N) {
+    __m512 t[MC];
+    for (int r = 0; r < nbk * mc; r++) t[r] = _mm512_setzero_ps();
+    const int64_t pairs = K / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        for (int b = 0; b < nbk; b++)  /* the next pass's blocks, a line a pair */
+            _mm_prefetch((const char*)(blk + (nbk + b) * bstride + 32 * p), _MM_HINT_T0);
+        for (int b = 0; b < nbk; b++) {
+            const __m512i w = _mm512_loadu_si512((const void*)(blk + b * bstride + 32 * p));
+            for (int r = 0; r < mc; r++) {
+                uint32_t xp; memcpy(&xp, x + r * K + 2 * p, 4);
+                t[b * mc + r] = _mm512_dpbf16_ps(t[b * mc + r], (__m512bh)w, (__m512bh)_mm512_set1_epi32((int)xp));
+            }
+        }
+    }
+    for (int b = 0; b < nbk; b++)
+        for (int r = 0; r < mc; r++) {  /* round to nearest even */
+            __m512i u = _mm512_castps_si512(t[b * mc + r]);
+            u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+            _mm256_storeu_si256((__m256i*)(y + r * N + 16 * b), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        }
+}
+
+/* y [M, N] bf16 = x [M, K] bf16 times the packed weight P [N/16, K/2, 16, 2] (pack()) */
+int bf16_mm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) {
+    const int64_t nb = N / 16, bstride = K * 16;
+    const int64_t nc = (M + MC - 1) / MC;  /* balanced passes of at most MC rows */
+    const int64_t rows0 = M / nc + (M % nc != 0);
+    const int64_t NBK = rows0 <= 2 ? 4 : rows0 <= 4 ? 2 : 1;
+    const int64_t units = (nb + NBK - 1) / NBK;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t un = 0; un < units; un++) {
+        const int64_t b0 = un * NBK, nbk = nb - b0 < NBK ? nb - b0 : NBK;
+        const uint16_t* blk = P + b0 * bstride;
+        for (int64_t c = 0, m0 = 0; c < nc; c++) {
+            const int64_t mc = M / nc + (c < M % nc);
+            const uint16_t* xr = x + m0 * K; uint16_t* yr = y + m0 * N + b0 * 16;
+#define R_(m_, k_) rows(m_, k_, xr, K, blk, bstride, yr, N)
+            if (nbk == 4) { if (mc == 1) R_(1, 4); else R_(2, 4); }
+            else if (nbk == 3) { if (mc == 1) R_(1, 3); else R_(2, 3); }
+            else if (nbk == 2) {
+                switch (mc) { case 1: R_(1, 2); break; case 2: R_(2, 2); break; case 3: R_(3, 2); break;
+                              default: R_(4, 2); break; }
+            } else {
+                switch (mc) {
+                    case 1: R_(1, 1); break; case 2: R_(2, 1); break; case 3: R_(3, 1); break;
+                    case 4: R_(4, 1); break; case 5: R_(5, 1); break; case 6: R_(6, 1); break;
+                    case 7: R_(7, 1); break; default: R_(8, 1); break;
+                }
+            }
+#undef R_
+            m0 += mc;
+        }
+    }
+    return 0;
+}
+
+/* AMX: the packed layout is already the B tiles' (16 input pairs x 16 outputs x 2 per
+   32 inputs), so tiles load straight from the weights; one C tile per block of 16
+   outputs accumulates the whole K (32 inputs a tdpbf16ps), up to 16 rows a pass; two
+   blocks at a time. A C row depends on its A row only: a row's bits are its own (they
+   differ from the AVX-512 path's, so a matrix uses one of the two for every call). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+int bf16_amx(void) { return 1; }
+int bf16_amx_enable(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
+typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
+
+int bf16_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) {
+    if (K % 32) return 1;
+    const int64_t nb = N / 16, bstride = K * 16, chunks = K / 32;
+    const int64_t nc = (M + 15) / 16;
+    for (int64_t c = 0, m0 = 0; c < nc; c++) {
+        const int64_t mc = M / nc + (c < M % nc);
+        _Pragma("omp parallel")
+        {
+            tilecfg cfg; memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            cfg.rows[0] = (uint8_t)mc; cfg.colsb[0] = 64;   /* C, block 0 */
+            cfg.rows[1] = (uint8_t)mc; cfg.colsb[1] = 64;   /* C, block 1 */
+            cfg.rows[2] = (uint8_t)mc; cfg.colsb[2] = 64;   /* A: mc x 32 bf16 */
+            cfg.rows[3] = 16; cfg.colsb[3] = 64;            /* B, block 0 */
+            cfg.rows[4] = 16; cfg.colsb[4] = 64;            /* B, block 1 */
+            _tile_loadconfig(&cfg);
+            __attribute__((aligned(64))) float ct[2 * 16 * 16];
+            const int64_t units = (nb + 1) / 2;
+            _Pragma("omp for schedule(static)")
+            for (int64_t un = 0; un < units; un++) {
+                const int64_t b0 = 2 * un, two = b0 + 1 < nb;
+                const uint16_t* xr = x + m0 * K;
+                const uint16_t* B0 = P + b0 * bstride;
+                _tile_zero(0);
+                if (two) _tile_zero(1);
+                for (int64_t ch = 0; ch < chunks; ch++) {
+                    _tile_loadd(2, xr + 32 * ch, K * 2);
+                    _tile_loadd(3, B0 + 512 * ch, 64);
+                    _tile_dpbf16ps(0, 2, 3);
+                    if (two) {
+                        _tile_loadd(4, B0 + bstride + 512 * ch, 64);
+                        _tile_dpbf16ps(1, 2, 4);
+                    }
+                }
+                _tile_stored(0, ct, 64);
+                if (two) _tile_stored(1, ct + 256, 64);
+                for (int64_t b = 0; b <= two; b++)
+                    for (int64_t r = 0; r < mc; r++) {
+                        __m512i u = _mm512_castps_si512(_mm512_load_ps(ct + 256 * b + 16 * r));
+                        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+                        _mm256_storeu_si256((__m256i*)(y + (m0 + r) * N + (b0 + b) * 16),
+                                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+                    }
+            }
+            _tile_release();
+        }
+        m0 += mc;
+    }
+    return 0;
+}
+#else
+int bf16_amx(void) { return 0; }
+int bf16_amx_enable(void) { return 0; }
+int bf16_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) { return 1; }
+#endif
+#else
+int bf16_available(void) { return 0; }
+int bf16_mm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) { return 1; }
+int bf16_amx(void) { return 0; }
+int bf16_amx_enable(void) { return 0; }
+int bf16_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) { return 1; }
+#endif
+"""
+
+_lock = threading.Lock()
+_state: dict = {}
+# SPECMESH_BF16_KERNEL: "specmesh" (default: AMX-BF16 tiles where the CPU has them, for
+# matrices whose inputs are a multiple of 32, else AVX-512 BF16), "avx512", "torch"
+KERNEL_CHOICES = ("specmesh", "avx512", "torch")
+
+
+def supported(out_features: int, in_features: int) -> bool:
+    """Whether ``pack`` takes a [out, in] weight (out a multiple of 16, in even)."""
+    return out_features % 16 == 0 and in_features % 2 == 0 and out_features > 0 and in_features > 0
+
+
+class Bf16Matmul:
+    """The loaded kernel (``load()``)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path, amx: bool = False):
+        self.lib, self.path = lib, path
+        self.amx = bool(amx)  # matrices whose inputs are a multiple of 32 run on AMX tiles
+        P, I = ctypes.c_void_p, ctypes.c_int64
+        self._avx, self._amx = lib.bf16_mm, lib.bf16_mm_amx
+        for fn in (self._avx, self._amx):
+            fn.argtypes = [P, I, I, P, I, P]
+            fn.restype = ctypes.c_int
+
+    @staticmethod
+    def pack(w: torch.Tensor) -> torch.Tensor:
+        """w [N, K] -> bf16 [N/16, K/2, 16, 2]: per block of 16 outputs and input pair, the
+        16 outputs' two weights (the kernel's layout)."""
+        N, K = w.shape
+        if not supported(N, K):
+            raise ValueError(f"bf16 pack: unsupported shape {tuple(w.shape)}")
+        return w.to(torch.bfloat16).reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+    def mm(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """x [M, K] bf16 (contiguous) times the packed weight: [M, N] bf16."""
+        M, K = x.shape
+        nb = packed.shape[0]
+        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or packed.dtype != torch.bfloat16
+                or packed.dim() != 4 or packed.shape[1:] != (K // 2, 16, 2) or K % 2):
+            raise ValueError(f"bf16 mm: unsupported input {tuple(x.shape)} {x.dtype} for packed "
+                             f"{tuple(packed.shape)}")
+        y = torch.empty(M, nb * 16, dtype=torch.bfloat16)
+        fn = self._amx if self.amx and K % 32 == 0 else self._avx  # by the matrix alone: the same for every M
+        if M and fn(x.data_ptr(), M, K, packed.data_ptr(), nb * 16, y.data_ptr()):
+            raise RuntimeError("bf16 mm: the kernel was built without AVX-512 BF16")
+        return y
+
+
+def load() -> Optional[Bf16Matmul]:
+    """The kernel, built on first use; None where the CPU lacks AVX-512 BF16, there is no
+    compiler, or ``SPECMESH_BF16_KERNEL=torch`` (``load_error()`` says why)."""
+    from .keylist_attention import cached_load, compile_library
+
+    def make() -> Bf16Matmul:
+        choice = os.environ.get("SPECMESH_BF16_KERNEL", "specmesh").lower()
+        if choice not in KERNEL_CHOICES:
+            raise RuntimeError(f"SPECMESH_BF16_KERNEL={choice!r}: one of {', '.join(KERNEL_CHOICES)}")
+        if choice == "torch":
+            raise RuntimeError("SPECMESH_BF16_KERNEL=torch")
+        lib, path = compile_library("bf16mm", _SOURCE)
+        for fn in (lib.bf16_available, lib.bf16_amx, lib.bf16_amx_enable):
+            fn.restype = ctypes.c_int
+        if not lib.bf16_available():
+            raise RuntimeError("this CPU has no AVX-512 BF16 (the kernel's vdpbf16ps)")
+        amx = choice == "specmesh" and bool(lib.bf16_amx()) and bool(lib.bf16_amx_enable())
+        return Bf16Matmul(lib, path, amx)
+
+    return cached_load(_state, _lock, make)
+
+
+def load_error() -> str:
+    """Why ``load()`` returned None ("" when it did not, or before it ran)."""
+    return _state.get("error", "")

@@ -1,0 +1,92 @@
+"""The bf16 matmul kernel (``specmesh.bf16_matmul``), both its AVX-512 BF16 and its AMX
+paths: close to the exact product, a row's bits depend on that row alone (not on how
+many rows share the call, where it sits, or the thread count), bad input refused, the
+environment turns it off; the engine's bf16 ``Linear`` runs on it and keeps its rows
+for the head's refinement."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh import bf16_matmul as bm
+from specmesh.engine import Linear
+from specmesh.types import InvalidArgument
+from tests.support import kernel_or_skip
+
+
+@pytest.fixture(scope="module", params=["avx512", "amx"])
+def kern(request):
+    k = kernel_or_skip(bm, "bf16 kernel")
+    if request.param == "avx512":
+        return bm.Bf16Matmul(k.lib, k.path)
+    if not k.amx:
+        pytest.skip("no AMX-BF16 here (or SPECMESH_BF16_KERNEL=avx512)")
+    return k
+
+
+def _w(N, K, seed=0):
+    return torch.randn(N, K, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+@pytest.mark.parametrize("K", [64, 96, 48])  # 48: not a multiple of 32, the AVX-512 path on AMX too
+def test_matches_the_exact_product(kern, K):
+    N = 80
+    W = _w(N, K)
+    x = torch.randn(11, K, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y = kern.mm(x, kern.pack(W))
+    ref = x.double() @ W.double().T
+    assert y.dtype == torch.bfloat16 and y.shape == (11, N)
+    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2).all()
+
+
+@pytest.mark.parametrize("N", [64, 80, 112])  # 4, 5, 7 blocks of 16: passes of 4 or 2 blocks, and tails
+@pytest.mark.parametrize("K", [64, 48])
+def test_a_rows_bits_depend_on_that_row_alone(kern, N, K):
+    P = kern.pack(_w(N, K, seed=2))
+    x = torch.randn(37, K, generator=torch.Generator().manual_seed(3)).bfloat16()
+    full = kern.mm(x, P)
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33):
+        part = kern.mm(x[37 - m:].contiguous(), P)  # the last m rows, at other places
+        assert torch.equal(part, full[37 - m:]), m
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kern.mm(x, P)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, full)
+
+
+def test_bad_input_is_refused(kern):
+    P = kern.pack(_w(32, 64))
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.mm(torch.randn(2, 64), P)  # fp32 rows
+    with pytest.raises(ValueError, match="unsupported"):
+        kern.mm(torch.randn(2, 62).bfloat16(), P)  # the wrong inner size
+    with pytest.raises(ValueError, match="unsupported"):
+        bm.Bf16Matmul.pack(torch.randn(40, 64))  # outputs not a multiple of 16
+
+
+def test_the_engine_linear_runs_on_it_and_keeps_rows_for_the_head():
+    k = kernel_or_skip(bm, "bf16 kernel")
+    w = torch.randn(48, 64)
+    lin = Linear(w, None, "bf16", keep_rows=True)
+    assert lin._kb is k and lin.w.shape == (3, 32, 16, 2)
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(lin(x), k.mm(x, lin.w))
+    idx = torch.tensor([[0, 7], [47, 3]])
+    assert torch.equal(lin.rows_fp32(idx), w.bfloat16().float()[idx])
+    with pytest.raises(InvalidArgument, match="rows"):
+        Linear(w, None, "bf16").rows_fp32(idx)
+    odd = Linear(torch.randn(6, 64), None, "bf16")  # 6 outputs: torch's linear
+    assert odd._kb is None and odd.w.shape == (6, 64)
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setattr(bm, "_state", {})
+    monkeypatch.setenv("SPECMESH_BF16_KERNEL", "torch")
+    assert bm.load() is None and "SPECMESH_BF16_KERNEL" in bm.load_error()
+    monkeypatch.setattr(bm, "_state", {})
+    monkeypatch.setenv("SPECMESH_BF16_KERNEL", "int2")
+    assert bm.load() is None and "int2" in bm.load_error()
