@@ -3,7 +3,7 @@
 The engine holds the target's weights (fp32, bf16, or int8 / int4 weight-only with
 bf16 activations: torch's CPU kernel ``_weight_int8pack_mm``; for int4
 ``specmesh.int4_matmul`` where the CPU has AVX-512 BF16, else torch's
-``_weight_int4pack_mm_for_cpu``) and a KV
+``_weight_int4pack_mm_for_cpu``; bf16 on ``specmesh.bf16_matmul`` where it builds) and a KV
 cache of ``n_slots`` rows of ``max_seq_len`` positions. A slot holds one
 sequence's committed tokens; callers (the verifier's session pool) decide which
 sequence lives in which slot.
@@ -31,7 +31,7 @@ depends on the key length and on whether its query block has a single row; and
 tree nodes, which see their ancestors at other key indices than the same tokens
 in a chain. The invariant forward runs every matmul on row tiles whose size stays
 inside one kernel class (``row_tiles`` = (min, max) rows; padding rows where a call
-has fewer), and attention as SDPA over query tiles whose row count (a KV head's
+has fewer; our int4 and bf16 kernels are one class for any rows: ``(1, 0)``), and attention as SDPA over query tiles whose row count (a KV head's
 query heads folded into the rows, ``attn_rows``) stays inside one kernel class,
 against keys padded to a multiple of ``key_block`` aligned at key 0 (the padding
 masked): a query's keys are padded to the block of its own last key, so a chain that
