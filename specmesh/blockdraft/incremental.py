@@ -86,10 +86,12 @@ class FoldedDrafter:
         then cast. ``weights="int4"`` (bf16 compute, CPU): the ten matrices as the int4
         engine's group-wise weights (``engine.Linear``; its kernel's cost grows slowly
         with the rows, where bf16's small-row products are slow), for an int4 target: a
-        draft changes speed only, never the output."""
-        if weights not in ("float", "int4"):
-            raise ValueError(f"weights must be 'float' or 'int4', got {weights!r}")
-        if weights == "int4":
+        draft changes speed only, never the output. ``weights="bf16"`` (CPU): the ten
+        matrices as the bf16 engine's ``Linear`` (``specmesh.bf16_matmul`` where it
+        builds: the 8 rows of a draft cost about one), for a bf16 target."""
+        if weights not in ("float", "int4", "bf16"):
+            raise ValueError(f"weights must be 'float', 'int4' or 'bf16', got {weights!r}")
+        if weights in ("int4", "bf16"):
             dtype = torch.bfloat16
         cfg = model.cfg
         self.cfg = cfg
@@ -122,11 +124,11 @@ class FoldedDrafter:
             self.block_base = (base + f(model.pos_emb)).to(dtype)  # [B, H]: slot 0 still needs the anchor
         self.device = self.w_in.device
         self.weights = weights
-        if weights == "int4":
+        if weights in ("int4", "bf16"):
             from ..engine import Linear
 
             def q4(w):
-                return Linear(w.float(), None, "int4")
+                return Linear(w.float(), None, weights)
 
             self.w_in, self.head = q4(self.w_in), q4(self.head)
             for w in self.layers:
@@ -134,7 +136,7 @@ class FoldedDrafter:
                     w[k] = q4(w[k])
 
     def _lin(self, x: torch.Tensor, w) -> torch.Tensor:
-        """x @ w.T for a folded matrix (a tensor, or an int4 ``Linear``)."""
+        """x @ w.T for a folded matrix (a tensor, or an int4 / bf16 ``Linear``)."""
         return x @ w.T if isinstance(w, torch.Tensor) else w(x.contiguous())
 
     def new_cache(self) -> ContextCache:

@@ -31,6 +31,7 @@ from typing import Optional
 
 import torch
 
+from .. import bf16_matmul
 from ..drafters.base import DrafterBase
 from ..loop import TreeSchedule
 from ..seeding import draft_generator
@@ -163,9 +164,14 @@ class BlockSelfDrafter(BlockProposer):
                  folded: Optional[FoldedDrafter] = None):
         """See ``BlockProposer``; ``verifier`` keeps the hidden states it reads. On an
         int4 engine the drafter's matrices are int4 too (``FoldedDrafter(weights="int4")``:
-        a draft 4.3 -> ~2 ms where the target's step is ~6 ms)."""
-        if folded is None and amp and getattr(verifier.engine, "dtype_name", "") == "int4":
+        a draft 4.3 -> ~2 ms where the target's step is ~6 ms); on a CPU bf16 engine they
+        run on the bf16 kernel (``weights="bf16"``) where it builds."""
+        name = getattr(verifier.engine, "dtype_name", "")
+        if folded is None and amp and name == "int4":
             folded = FoldedDrafter(model.to(torch.bfloat16).eval(), weights="int4")
+        elif folded is None and amp and name == "bf16" and getattr(verifier.engine, "device", None) is not None \
+                and verifier.engine.device.type == "cpu" and bf16_matmul.load() is not None:
+            folded = FoldedDrafter(model.to(torch.bfloat16).eval(), weights="bf16")  # the bf16 kernel: ~1 row's cost
         super().__init__(model, tree, tree_width, calibration, top_k, amp, folded)
         self.verifier = verifier
         self._ctx: dict[int, ContextCache] = {}  # slot -> the drafter's state of its context

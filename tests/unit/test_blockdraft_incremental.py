@@ -94,3 +94,24 @@ def test_int4_weights_draft_close_to_the_float_pass():
     assert a.shape == b.shape and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.95
     with pytest.raises(ValueError, match="weights"):
         FoldedDrafter(m, weights="int2")
+
+
+def test_bf16_kernel_weights_draft_close_to_the_float_pass():
+    """``weights="bf16"`` (a CPU bf16 target's drafter): the same pass with the matrices
+    on the engine's bf16 ``Linear`` (its kernel where it builds) is close to the float
+    one; ``BlockSelfDrafter`` picks it on a bf16 engine when the kernel runs."""
+    from specmesh import bf16_matmul
+    from specmesh.blockdraft.serve import BlockSelfDrafter
+    from specmesh.verifier import EngineVerifier
+    from tests.support import tiny_engine
+
+    m = _model(True, False).to(torch.bfloat16)
+    ref, kb = FoldedDrafter(m), FoldedDrafter(m, weights="bf16")
+    assert {type(kb.head).__name__, type(kb.layers[0]["qkv"]).__name__} == {"Linear"}
+    feats = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    a = ref.draft(ref.new_cache(), 17, 12, lambda x, y: feats[x:y])
+    b = kb.draft(kb.new_cache(), 17, 12, lambda x, y: feats[x:y])
+    assert a.shape == b.shape and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
+    eng, _ = tiny_engine("bf16")
+    d = BlockSelfDrafter(EngineVerifier(eng), _model(True, False))
+    assert d.folded.weights == ("bf16" if bf16_matmul.load() is not None else "float")
