@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from .int4_matmul import ROW_DISPATCH
+
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -85,18 +87,7 @@ int bf16_mm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t 
             const int64_t mc = M / nc + (c < M % nc);
             const uint16_t* xr = x + m0 * K; uint16_t* yr = y + m0 * N + b0 * 16;
 #define R_(m_, k_) rows(m_, k_, xr, K, blk, bstride, yr, N)
-            if (nbk == 4) { if (mc == 1) R_(1, 4); else R_(2, 4); }
-            else if (nbk == 3) { if (mc == 1) R_(1, 3); else R_(2, 3); }
-            else if (nbk == 2) {
-                switch (mc) { case 1: R_(1, 2); break; case 2: R_(2, 2); break; case 3: R_(3, 2); break;
-                              default: R_(4, 2); break; }
-            } else {
-                switch (mc) {
-                    case 1: R_(1, 1); break; case 2: R_(2, 1); break; case 3: R_(3, 1); break;
-                    case 4: R_(4, 1); break; case 5: R_(5, 1); break; case 6: R_(6, 1); break;
-                    case 7: R_(7, 1); break; default: R_(8, 1); break;
-                }
-            }
+/*ROW_DISPATCH*/
 #undef R_
             m0 += mc;
         }
@@ -179,7 +170,7 @@ int bf16_amx(void) { return 0; }
 int bf16_amx_enable(void) { return 0; }
 int bf16_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) { return 1; }
 #endif
-"""
+""".replace("/*ROW_DISPATCH*/", ROW_DISPATCH)
 
 _lock = threading.Lock()
 _state: dict = {}

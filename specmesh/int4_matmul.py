@@ -45,6 +45,23 @@ from typing import Optional
 
 import torch
 
+# The pass dispatch both row kernels share (this one and ``bf16_matmul``'s): a pass of mc
+# rows over nbk blocks (nbk * mc <= 8) to the ``rows`` instance of those constants;
+# the including source defines ``R_(mc, nbk)``.
+ROW_DISPATCH = r"""
+            if (nbk == 4) { if (mc == 1) R_(1, 4); else R_(2, 4); }
+            else if (nbk == 3) { if (mc == 1) R_(1, 3); else R_(2, 3); }
+            else if (nbk == 2) {
+                switch (mc) { case 1: R_(1, 2); break; case 2: R_(2, 2); break; case 3: R_(3, 2); break;
+                              default: R_(4, 2); break; }
+            } else {
+                switch (mc) {
+                    case 1: R_(1, 1); break; case 2: R_(2, 1); break; case 3: R_(3, 1); break;
+                    case 4: R_(4, 1); break; case 5: R_(5, 1); break; case 6: R_(6, 1); break;
+                    case 7: R_(7, 1); break; default: R_(8, 1); break;
+                }
+            }"""
+
 _SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
@@ -145,19 +162,7 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
             const int64_t mc = M / nc + (c < M % nc);
             const uint16_t* xr = x + m0 * K; const float* xsr = xs + m0 * G; uint16_t* yr = y + m0 * N + b0 * 16;
 #define R_(m_, k_) rows(m_, k_, xr, K, xsr, G, blk, bstride, gstride, group, table, yr, N)
-            if (nbk == 4) { if (mc == 1) R_(1, 4); else R_(2, 4); }
-            else if (nbk == 2) {
-                switch (mc) { case 1: R_(1, 2); break; case 2: R_(2, 2); break; case 3: R_(3, 2); break;
-                              default: R_(4, 2); break; }
-            } else if (nbk == 3) {
-                switch (mc) { case 1: R_(1, 3); break; default: R_(2, 3); break; }
-            } else {
-                switch (mc) {
-                    case 1: R_(1, 1); break; case 2: R_(2, 1); break; case 3: R_(3, 1); break;
-                    case 4: R_(4, 1); break; case 5: R_(5, 1); break; case 6: R_(6, 1); break;
-                    case 7: R_(7, 1); break; default: R_(8, 1); break;
-                }
-            }
+/*ROW_DISPATCH*/
 #undef R_
             m0 += mc;
         }
@@ -338,7 +343,7 @@ int int4_amx_enable(void) { return 0; }
 int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                 float* xs, uint16_t* y) { return 1; }
 #endif
-"""
+""".replace("/*ROW_DISPATCH*/", ROW_DISPATCH)
 
 _lock = threading.Lock()
 _state: dict = {}
