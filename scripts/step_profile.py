@@ -93,9 +93,7 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
                     calls.append((lin._k4._mm, (x.data_ptr(), n, lin.in_features, lin.w.data_ptr(), lin.out_features,
                                                 lin.group, xs.data_ptr(), y.data_ptr()), (x, y, xs)))
                 else:  # bf16_mm (AMX where the matrix's inputs allow, as Linear picks it)
-                    k = lin._kb
-                    fn = k._amx if k.amx and lin.in_features % 32 == 0 else k._avx
-                    calls.append((fn, (x.data_ptr(), n, lin.in_features, lin.w.data_ptr(), lin.out_features,
+                    calls.append((lin._kb.fn(lin.in_features), (x.data_ptr(), n, lin.in_features, lin.w.data_ptr(), lin.out_features,
                                        y.data_ptr()), (x, y)))
 
         def matmuls():  # noqa: F811 - the stack's matmuls, as the driver makes them

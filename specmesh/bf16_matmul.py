@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from .int4_matmul import ROW_DISPATCH
+from .int4_matmul import AMX_PREAMBLE, ROW_PASSES
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -75,23 +75,9 @@ static inline __attribute__((always_inline)) void rows(const int mc, const int n
 /* y [M, N] bf16 = x [M, K] bf16 times the packed weight P [N/16, K/2, 16, 2] (pack()) */
 int bf16_mm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) {
     const int64_t nb = N / 16, bstride = K * 16;
-    const int64_t nc = (M + MC - 1) / MC;  /* balanced passes of at most MC rows */
-    const int64_t rows0 = M / nc + (M % nc != 0);
-    const int64_t NBK = rows0 <= 2 ? 4 : rows0 <= 4 ? 2 : 1;
-    const int64_t units = (nb + NBK - 1) / NBK;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t un = 0; un < units; un++) {
-        const int64_t b0 = un * NBK, nbk = nb - b0 < NBK ? nb - b0 : NBK;
-        const uint16_t* blk = P + b0 * bstride;
-        for (int64_t c = 0, m0 = 0; c < nc; c++) {
-            const int64_t mc = M / nc + (c < M % nc);
-            const uint16_t* xr = x + m0 * K; uint16_t* yr = y + m0 * N + b0 * 16;
-#define R_(m_, k_) rows(m_, k_, xr, K, blk, bstride, yr, N)
-/*ROW_DISPATCH*/
+#define R_(m_, k_) rows(m_, k_, x + m0 * K, K, blk, bstride, y + m0 * N + b0 * 16, N)
+/*ROW_PASSES*/
 #undef R_
-            m0 += mc;
-        }
-    }
     return 0;
 }
 
@@ -101,11 +87,9 @@ int bf16_mm(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t 
    blocks at a time. A C row depends on its A row only: a row's bits are its own (they
    differ from the AVX-512 path's, so a matrix uses one of the two for every call). */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+/*AMX_PREAMBLE*/
 int bf16_amx(void) { return 1; }
-int bf16_amx_enable(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
-typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
+int bf16_amx_enable(void) { return amx_permission(); }
 
 int bf16_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) {
     if (K % 32) return 1;
@@ -170,7 +154,7 @@ int bf16_amx(void) { return 0; }
 int bf16_amx_enable(void) { return 0; }
 int bf16_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint16_t* P, int64_t N, uint16_t* y) { return 1; }
 #endif
-""".replace("/*ROW_DISPATCH*/", ROW_DISPATCH)
+""".replace("/*ROW_PASSES*/", ROW_PASSES).replace("/*AMX_PREAMBLE*/", AMX_PREAMBLE)
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -196,6 +180,12 @@ class Bf16Matmul:
             fn.argtypes = [P, I, I, P, I, P]
             fn.restype = ctypes.c_int
 
+    def fn(self, in_features: int):
+        """The C matmul a matrix of ``in_features`` inputs runs on, ``(x, M, K, packed, N,
+        y)``: AMX where enabled and K is a multiple of 32, else AVX-512. The matrix's
+        alone, the same for every row count (its bits depend on it)."""
+        return self._amx if self.amx and in_features % 32 == 0 else self._avx
+
     @staticmethod
     def pack(w: torch.Tensor) -> torch.Tensor:
         """w [N, K] -> bf16 [N/16, K/2, 16, 2]: per block of 16 outputs and input pair, the
@@ -214,8 +204,7 @@ class Bf16Matmul:
             raise ValueError(f"bf16 mm: unsupported input {tuple(x.shape)} {x.dtype} for packed "
                              f"{tuple(packed.shape)}")
         y = torch.empty(M, nb * 16, dtype=torch.bfloat16)
-        fn = self._amx if self.amx and K % 32 == 0 else self._avx  # by the matrix alone: the same for every M
-        if M and fn(x.data_ptr(), M, K, packed.data_ptr(), nb * 16, y.data_ptr()):
+        if M and self.fn(K)(x.data_ptr(), M, K, packed.data_ptr(), nb * 16, y.data_ptr()):
             raise RuntimeError("bf16 mm: the kernel was built without AVX-512 BF16")
         return y
 

@@ -113,11 +113,6 @@ ATTN_ROWS = {"fp32": (12, 12), "bf16": (12, 12), "int8": (12, 12), "int4": (12, 
 KEY_BLOCK = {"fp32": 512, "bf16": 64, "int8": 64, "int4": 64}
 
 
-def bf16_kernel():
-    """The bf16 matmul kernel (``specmesh.bf16_matmul``) where it runs here, else None."""
-    return bf16_matmul.load()
-
-
 def int4_supported(out_features: int, in_features: int, group: int = INT4_GROUP) -> bool:
     """Whether torch's CPU int4 pack takes a [out, in] weight in groups of ``group``."""
     return out_features % 16 == 0 and in_features % group == 0 and group in (32, 64, 128, 256)
@@ -219,7 +214,7 @@ class Linear:
             if keep_rows:
                 self.q4 = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [N, K/2]
         else:
-            kb = bf16_kernel() if mode == "bf16" and w.device.type == "cpu" and bf16_matmul.supported(*w.shape) \
+            kb = bf16_matmul.load() if mode == "bf16" and w.device.type == "cpu" and bf16_matmul.supported(*w.shape) \
                 else None
             if kb is not None:  # ours: the weights in its pair order, one call for any rows
                 self._kb = kb
@@ -372,7 +367,7 @@ class LlamaEngine:
         self.batch_invariant = bool(batch_invariant)
         # bf16 on our kernel: a row's bits are its own at any row count, like int4's (one call)
         tiles = ROW_TILES[dtype] if dtype != "bf16" or torch.device(device).type != "cpu" \
-            or bf16_kernel() is None else (1, 0)
+            or bf16_matmul.load() is None else (1, 0)
         self.row_tiles = tuple(int(v) for v in (row_tiles or tiles))
         self.attn_rows = tuple(int(v) for v in (attn_rows or ATTN_ROWS[dtype]))
         self.key_block = int(key_block or KEY_BLOCK[dtype])

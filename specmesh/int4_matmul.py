@@ -45,10 +45,22 @@ from typing import Optional
 
 import torch
 
-# The pass dispatch both row kernels share (this one and ``bf16_matmul``'s): a pass of mc
-# rows over nbk blocks (nbk * mc <= 8) to the ``rows`` instance of those constants;
-# the including source defines ``R_(mc, nbk)``.
-ROW_DISPATCH = r"""
+# What both row kernels share (this one and ``bf16_matmul``'s), put into their C sources:
+# ROW_PASSES runs a call's M rows in balanced passes of at most MC rows, over units of
+# NBK blocks of 16 outputs (nbk * mc <= MC: 4 blocks for 1-2 rows, 2 for 3-4), the units
+# split over threads; the including source has ``x, M, K, P, N, nb, bstride`` and defines
+# ``R_(mc, nbk)`` (one pass of ``rows``, reading ``m0``, ``b0`` and ``blk``).
+ROW_PASSES = r"""
+    const int64_t nc = (M + MC - 1) / MC;  /* balanced passes of at most MC rows */
+    const int64_t rows0 = M / nc + (M % nc != 0);  /* the widest pass */
+    const int64_t NBK = rows0 <= 2 ? 4 : rows0 <= 4 ? 2 : 1;  /* blocks per pass: nbk * rows <= MC */
+    const int64_t units = (nb + NBK - 1) / NBK;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t un = 0; un < units; un++) {
+        const int64_t b0 = un * NBK, nbk = nb - b0 < NBK ? nb - b0 : NBK;
+        const __typeof__(P) blk = P + b0 * bstride;
+        for (int64_t c = 0, m0 = 0; c < nc; c++) {
+            const int64_t mc = M / nc + (c < M % nc);
             if (nbk == 4) { if (mc == 1) R_(1, 4); else R_(2, 4); }
             else if (nbk == 3) { if (mc == 1) R_(1, 3); else R_(2, 3); }
             else if (nbk == 2) {
@@ -60,7 +72,17 @@ ROW_DISPATCH = r"""
                     case 4: R_(4, 1); break; case 5: R_(5, 1); break; case 6: R_(6, 1); break;
                     case 7: R_(7, 1); break; default: R_(8, 1); break;
                 }
-            }"""
+            }
+            m0 += mc;
+        }
+    }"""
+# AMX_PREAMBLE: the tile configuration's layout and the process's permission for the tile
+# state (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA), asked once per library
+AMX_PREAMBLE = r"""
+#include <sys/syscall.h>
+#include <unistd.h>
+typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
+static int amx_permission(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }"""
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -150,23 +172,10 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
             float* xs, uint16_t* y) {
     const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride;
     const __m512i table = prologue(x, M, K, G, group, xs);
-    const int64_t nc = (M + MC - 1) / MC;  /* balanced passes of at most MC rows */
-    const int64_t rows0 = M / nc + (M % nc != 0);  /* the widest pass */
-    const int64_t NBK = rows0 <= 2 ? 4 : rows0 <= 4 ? 2 : 1;  /* blocks per pass: nbk * rows <= MC */
-    const int64_t units = (nb + NBK - 1) / NBK;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t un = 0; un < units; un++) {
-        const int64_t b0 = un * NBK, nbk = nb - b0 < NBK ? nb - b0 : NBK;
-        const uint8_t* blk = P + b0 * bstride;
-        for (int64_t c = 0, m0 = 0; c < nc; c++) {
-            const int64_t mc = M / nc + (c < M % nc);
-            const uint16_t* xr = x + m0 * K; const float* xsr = xs + m0 * G; uint16_t* yr = y + m0 * N + b0 * 16;
-#define R_(m_, k_) rows(m_, k_, xr, K, xsr, G, blk, bstride, gstride, group, table, yr, N)
-/*ROW_DISPATCH*/
+#define R_(m_, k_) rows(m_, k_, x + m0 * K, K, xs + m0 * G, G, blk, bstride, gstride, group, table, \
+                        y + m0 * N + b0 * 16, N)
+/*ROW_PASSES*/
 #undef R_
-            m0 += mc;
-        }
-    }
     return 0;
 }
 
@@ -178,12 +187,9 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
    row's bits do not depend on the others; they differ from the AVX-512 path's (the
    tile's own order of the 32 products), so one process uses one of the two. */
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+/*AMX_PREAMBLE*/
 int int4_amx(void) { return 1; }
-int int4_amx_enable(void) { return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0; }
-
-typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
+int int4_amx_enable(void) { return amx_permission(); }
 
 int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                 float* xs, uint16_t* y) {
@@ -343,7 +349,7 @@ int int4_amx_enable(void) { return 0; }
 int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                 float* xs, uint16_t* y) { return 1; }
 #endif
-""".replace("/*ROW_DISPATCH*/", ROW_DISPATCH)
+""".replace("/*ROW_PASSES*/", ROW_PASSES).replace("/*AMX_PREAMBLE*/", AMX_PREAMBLE)
 
 _lock = threading.Lock()
 _state: dict = {}

@@ -181,8 +181,7 @@ def _matmul(ms) -> Optional[tuple[int, int, int]]:
         if m.mode == "int4" and m._k4 is not None:
             fns.add((0, _addr(m._k4._mm), m.group))
         elif m.mode == "bf16" and m._kb is not None:
-            k = m._kb
-            fns.add((1, _addr(k._amx if k.amx and m.in_features % 32 == 0 else k._avx), 0))
+            fns.add((1, _addr(m._kb.fn(m.in_features)), 0))
         else:
             return None
     return fns.pop() if len(fns) == 1 else None

@@ -82,36 +82,31 @@ def test_cache_survives_many_rounds_in_a_small_buffer():
     assert cache.n == 5 and cache.end == 399
 
 
-def test_int4_weights_draft_close_to_the_float_pass():
-    """``weights="int4"`` (an int4 target's drafter): the same pass on group-wise int4
-    matrices (int8 where a shape does not take int4) is close to the float one."""
+@pytest.mark.parametrize("weights,least", [("int4", 0.95), ("bf16", 0.99)])
+def test_engine_weights_draft_close_to_the_float_pass(weights, least):
+    """``weights="int4"`` (an int4 target's drafter: group-wise int4 matrices, int8 where
+    a shape does not take int4) and ``weights="bf16"`` (a CPU bf16 target's: the
+    engine's bf16 ``Linear``, its kernel where it builds): the same pass on the engine's
+    ``Linear`` matrices is close to the float one."""
     m = _model(True, False).to(torch.bfloat16)
-    ref, q4 = FoldedDrafter(m), FoldedDrafter(m, weights="int4")
-    assert {type(q4.head).__name__, type(q4.layers[0]["qkv"]).__name__} == {"Linear"}
+    ref, lin = FoldedDrafter(m), FoldedDrafter(m, weights=weights)
+    assert {type(lin.head).__name__, type(lin.layers[0]["qkv"]).__name__} == {"Linear"}
     feats = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
     a = ref.draft(ref.new_cache(), 17, 12, lambda x, y: feats[x:y])
-    b = q4.draft(q4.new_cache(), 17, 12, lambda x, y: feats[x:y])
-    assert a.shape == b.shape and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.95
+    b = lin.draft(lin.new_cache(), 17, 12, lambda x, y: feats[x:y])
+    assert a.shape == b.shape and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > least
     with pytest.raises(ValueError, match="weights"):
         FoldedDrafter(m, weights="int2")
 
 
-def test_bf16_kernel_weights_draft_close_to_the_float_pass():
-    """``weights="bf16"`` (a CPU bf16 target's drafter): the same pass with the matrices
-    on the engine's bf16 ``Linear`` (its kernel where it builds) is close to the float
-    one; ``BlockSelfDrafter`` picks it on a bf16 engine when the kernel runs."""
+def test_a_bf16_engine_gets_the_bf16_kernel_drafter():
+    """``BlockSelfDrafter`` on a CPU bf16 engine folds the drafter onto the bf16 kernel
+    where it runs."""
     from specmesh import bf16_matmul
     from specmesh.blockdraft.serve import BlockSelfDrafter
     from specmesh.verifier import EngineVerifier
     from tests.support import tiny_engine
 
-    m = _model(True, False).to(torch.bfloat16)
-    ref, kb = FoldedDrafter(m), FoldedDrafter(m, weights="bf16")
-    assert {type(kb.head).__name__, type(kb.layers[0]["qkv"]).__name__} == {"Linear"}
-    feats = torch.randn(20, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
-    a = ref.draft(ref.new_cache(), 17, 12, lambda x, y: feats[x:y])
-    b = kb.draft(kb.new_cache(), 17, 12, lambda x, y: feats[x:y])
-    assert a.shape == b.shape and torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
     eng, _ = tiny_engine("bf16")
     d = BlockSelfDrafter(EngineVerifier(eng), _model(True, False))
     assert d.folded.weights == ("bf16" if bf16_matmul.load() is not None else "float")
