@@ -632,9 +632,10 @@ SMALL_TARGET_INT4 = small_weights(2, 0.4, hidden=64, inter=64)
 
 
 def small_target_engine(n_slots: int = 4, dtype: str = "fp32") -> LlamaEngine:
-    """``SMALL_TARGET`` in fp32; with ``dtype="int4"``, ``SMALL_TARGET_INT4`` in int4."""
-    if dtype == "int4":
-        return LlamaEngine(*SMALL_TARGET_INT4, dtype="int4", n_slots=n_slots, max_seq_len=64)
+    """``SMALL_TARGET`` in fp32; with ``dtype="int4"`` or ``"bf16"``, ``SMALL_TARGET_INT4``
+    (shapes our int4 and bf16 kernels take) in that dtype."""
+    if dtype in ("int4", "bf16"):
+        return LlamaEngine(*SMALL_TARGET_INT4, dtype=dtype, n_slots=n_slots, max_seq_len=64)
     return LlamaEngine(*SMALL_TARGET, n_slots=n_slots, max_seq_len=64)
 
 
@@ -655,7 +656,7 @@ def small_block_model(dtype: str = "fp32"):
                                  sampling=SamplingParams(temperature=1.0, seed=500 + s), max_new_tokens=12)
         records.append({"prompt_ids": prompt, "response_ids": out})
     torch.manual_seed(5)
-    wide = dtype == "int4"  # the drafter's matrices int4 too (inputs a multiple of 32)
+    wide = dtype in ("int4", "bf16")  # the drafter's matrices on the engine's kernels too (inputs a multiple of 32)
     cfg = BlockDrafterConfig(block=4, n_layers=1, hidden=64 if wide else 32, n_heads=4, ffn=64 if wide else 48,
                              feature_layers=[0, 1], context_window=16, vocab_size=SMALL_V, n_keep=SMALL_V)
     model = new_model(cfg, (SMALL_TARGET_INT4 if wide else SMALL_TARGET)[1], torch.arange(SMALL_V))

@@ -168,31 +168,33 @@ def test_sampled_speculation_matches_the_exact_distribution(name, samp):
     assert p > ALPHA, f"{name}/{samp}: chi-square p = {p:.2e}"
 
 
-INT4_CASES = [("block", "t1"), ("block_tree", "t07_k3")]
+ENGINE_CASES = [("int4", "block", "t1"), ("int4", "block_tree", "t07_k3"), ("bf16", "block_tree", "t1")]
 
 
-@pytest.mark.parametrize("name,samp", INT4_CASES, ids=[f"int4-{a}-{b}" for a, b in INT4_CASES])
-def test_sampled_speculation_on_an_int4_target_matches_its_distribution(name, samp):
-    """The int4 engine (its layers in one C call where the kernels build) with the block
-    drafter whose matrices are int4 too (``FoldedDrafter(weights="int4")``, what
-    ``BlockSelfDrafter`` picks on an int4 target): the joint of plain sampling on that
-    same int4 engine, by the same chi-square test."""
+@pytest.mark.parametrize("dtype,name,samp", ENGINE_CASES, ids=[f"{d}-{a}-{b}" for d, a, b in ENGINE_CASES])
+def test_sampled_speculation_on_a_kernel_target_matches_its_distribution(dtype, name, samp):
+    """The int4 / bf16 engine on our kernels (its layers in one C call where they build)
+    with the block drafter whose matrices run on the same kernels
+    (``FoldedDrafter(weights=dtype)``, what ``BlockSelfDrafter`` picks there): the joint
+    of plain sampling on that same engine, by the same chi-square test."""
+    from specmesh import bf16_matmul
     from specmesh.verifier import EngineVerifier
 
     sampling = SAMPLINGS[samp]
-    ver = EngineVerifier(target_engine(4, "int4"))
-    if int4_matmul.load() is not None and ver.engine.attention == "keylist":
+    ver = EngineVerifier(target_engine(4, dtype))
+    if (int4_matmul if dtype == "int4" else bf16_matmul).load() is not None and ver.engine.attention == "keylist":
         assert ver.engine._layer_stack() is not None  # the layers in one C call
-    drafter = BlockSelfDrafter(ver, small_block_model("int4"), tree=name == "block_tree")  # amp: the int4 weights
-    assert drafter.folded.weights == "int4"
-    assert any(m.mode == "int4" for m in (drafter.folded.layers[0]["qkv"], drafter.folded.layers[0]["down"]))
+    drafter = BlockSelfDrafter(ver, small_block_model(dtype), tree=name == "block_tree")  # amp: the kernel weights
+    if dtype == "int4" or bf16_matmul.load() is not None:
+        assert drafter.folded.weights == dtype
+        assert any(m.mode == dtype for m in (drafter.folded.layers[0]["qkv"], drafter.folded.layers[0]["down"]))
     ver.self_drafters[name] = drafter
     counter = DraftCount(ver)
     counts = sample_counts(loop_runner(counter, None, name, 3), sampling, N_SAMPLES)
-    p = chi2(counts, exact_joint(PROMPT, [None] * N_NEW, sampling, "int4"))
-    assert counter.drafted > N_SAMPLES // 2, f"int4 {name}: only {counter.drafted} drafted tokens"
+    p = chi2(counts, exact_joint(PROMPT, [None] * N_NEW, sampling, dtype))
+    assert counter.drafted > N_SAMPLES // 2, f"{dtype} {name}: only {counter.drafted} drafted tokens"
     assert 0 < counter.accepted < counter.drafted, (name, counter.accepted, counter.drafted)
-    assert p > ALPHA, f"int4 {name}/{samp}: chi-square p = {p:.2e}"
+    assert p > ALPHA, f"{dtype} {name}/{samp}: chi-square p = {p:.2e}"
 
 
 # ---------------------------------------------------------------- the test has power
