@@ -11,7 +11,8 @@ and one group of inputs is unpacked to bf16 once (nibbles through a 16-entry tab
 rows a pass takes 4 blocks (3-4 rows: 2), so it keeps several accumulator chains and
 weight streams going, and prefetches the next pass's weights: a decode step went 13.6 ->
 8.9 ms on an Intel Xeon (same bits: each output's sum is the same sequence of operations).
-Where the CPU has AMX-BF16, ``int4_mm_amx`` (the default there; comment in the source).
+Where the CPU has AMX-BF16, ``int4_mm_amx`` (the default there; comment in the source);
+it runs one-row calls with AVX-512 FMAs in the tiles' own order (``rows_amxe``: same bits).
 
 The arithmetic, per row and output: for each group g, ``t_g = sum (q_i - 8) x_i`` (bf16
 products summed in fp32 pairs, in input order), then ``acc += t_g * s_g`` and
@@ -191,10 +192,82 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
 int int4_amx(void) { return 1; }
 int int4_amx_enable(void) { return amx_permission(); }
 
+/* tdpbf16ps, as the hardware computes it (measured on Sapphire Rapids, and the SDM's
+   pseudocode): per output, the even and the odd products of the 16 pairs in two fp32 FMA
+   chains from zero, then dst + (even + odd), each step rounded to nearest even. So a
+   tile's result can be reproduced with AVX-512 FMAs: rows_amxe does that for few rows,
+   where the tile's round trip through memory costs more than the products (a call of
+   at most amx_few_rows rows takes this path, bitwise the same as the tiles; denormals,
+   which the tiles flush, do not occur in these sums: the weights are integers -8..7 and
+   the activations are normalised). */
+static inline __attribute__((always_inline)) void rows_amxe(const int mc, const int nbk, const uint16_t* x,
+        int64_t K, const float* xs, int64_t G, const uint8_t* blk, int64_t bstride, int64_t gstride,
+        int64_t group, uint16_t* y, int64_t N) {
+    __m512 acc[MC];
+    for (int r = 0; r < nbk * mc; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t chunks = group / 32;
+    const __m512i lo = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8), hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    for (int64_t g = 0; g < G; g++) {
+        __m512 c[MC];  /* the C tile: the group's chunks added in order */
+        for (int r = 0; r < nbk * mc; r++) c[r] = _mm512_setzero_ps();
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            __m512 ev[MC], od[MC];
+            for (int r = 0; r < nbk * mc; r++) { ev[r] = _mm512_setzero_ps(); od[r] = _mm512_setzero_ps(); }
+            for (int p = 0; p < 16; p++) {
+                const int64_t q = ch * 16 + p, k = g * group + 2 * q;
+                if (!(p & 3))  /* the next pass's blocks, while these are read */
+                    for (int b = 0; b < nbk; b++)
+                        _mm_prefetch((const char*)(blk + (nbk + b) * bstride + g * gstride + 16 * q), _MM_HINT_T0);
+                for (int b = 0; b < nbk; b++) {
+                    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + b * bstride + g * gstride + 16 * q)));
+                    const __m512 we = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(d, lo), eight));
+                    const __m512 wo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(d, 4), eight));
+                    for (int r = 0; r < mc; r++) {
+                        uint32_t xp; memcpy(&xp, x + r * K + k, 4);
+                        const __m512 xe = _mm512_castsi512_ps(_mm512_set1_epi32((int)(xp << 16)));
+                        const __m512 xo = _mm512_castsi512_ps(_mm512_and_si512(_mm512_set1_epi32((int)xp), hi16));
+                        ev[b * mc + r] = _mm512_fmadd_ps(xe, we, ev[b * mc + r]);
+                        od[b * mc + r] = _mm512_fmadd_ps(xo, wo, od[b * mc + r]);
+                    }
+                }
+            }
+            for (int r = 0; r < nbk * mc; r++) c[r] = _mm512_add_ps(c[r], _mm512_add_ps(ev[r], od[r]));
+        }
+        for (int b = 0; b < nbk; b++) {  /* then as the tile path: acc += t_g s_g; acc += z_g sum_g x */
+            const uint8_t* gb = blk + b * bstride + g * gstride;
+            const __m256i sb = _mm256_loadu_si256((const __m256i*)(gb + group * 8));
+            const __m256i zb = _mm256_loadu_si256((const __m256i*)(gb + group * 8 + 32));
+            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
+            const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(zb), 16));
+            for (int r = 0; r < mc; r++) {
+                acc[b * mc + r] = _mm512_fmadd_ps(c[b * mc + r], s, acc[b * mc + r]);
+                acc[b * mc + r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), acc[b * mc + r]);
+            }
+        }
+    }
+    for (int b = 0; b < nbk; b++)
+        for (int r = 0; r < mc; r++) {  /* round to nearest even */
+            __m512i u = _mm512_castps_si512(acc[b * mc + r]);
+            u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+            _mm256_storeu_si256((__m256i*)(y + r * N + 16 * b), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+        }
+}
+
+static int amx_few_rows = 1;  /* calls of at most this many rows take rows_amxe */
+int int4_amx_few_rows(int n) { int old = amx_few_rows; if (n >= 0) amx_few_rows = n; return old; }
+
 int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                 float* xs, uint16_t* y) {
     const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride, chunks = group / 32;
     const __m512i table = prologue(x, M, K, G, group, xs);
+    if (M <= amx_few_rows) {
+#define R_(m_, k_) rows_amxe(m_, k_, x + m0 * K, K, xs + m0 * G, G, blk, bstride, gstride, group, \
+                             y + m0 * N + b0 * 16, N)
+/*ROW_PASSES*/
+#undef R_
+        return 0;
+    }
     const int64_t nc = (M + 15) / 16;  /* balanced passes of at most 16 rows (a tile's rows) */
     for (int64_t c = 0, m0 = 0; c < nc; c++) {
         const int64_t mc = M / nc + (c < M % nc);
@@ -275,6 +348,7 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
 #else
 int int4_amx(void) { return 0; }
 int int4_amx_enable(void) { return 0; }
+int int4_amx_few_rows(int n) { return 0; }
 int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                 float* xs, uint16_t* y) { return 1; }
 #endif
@@ -346,6 +420,7 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
             float* xs, uint16_t* y) { return 1; }
 int int4_amx(void) { return 0; }
 int int4_amx_enable(void) { return 0; }
+int int4_amx_few_rows(int n) { return 0; }
 int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                 float* xs, uint16_t* y) { return 1; }
 #endif
@@ -355,8 +430,8 @@ _lock = threading.Lock()
 _state: dict = {}
 # SPECMESH_INT4_KERNEL: "specmesh" (the default: AMX-BF16 tiles where the CPU has them, else
 # AVX-512 BF16), "amx" (AMX or nothing), "avx512" (never AMX), "torch" (torch's kernel).
-# AMX costs about the same from 1 to 16 rows (a row ~1.1-1.3x AVX-512's, 8 rows ~0.6x): on
-# the bench it was the faster of the two for the best system of 5 of 6 workloads (docs/int4.md)
+# AMX costs little more from 1 to 16 rows (8 rows ~0.55x AVX-512's); one row, on rows_amxe, is
+# as fast as AVX-512's (docs/int4.md)
 KERNEL_CHOICES = ("specmesh", "amx", "avx512", "torch")
 
 
@@ -370,9 +445,17 @@ class Int4Matmul:
         self._mm = lib.int4_mm_amx if self.amx else lib.int4_mm
         self._mm.argtypes = [P, I, I, P, I, I, P, P]
         self._mm.restype = ctypes.c_int
+        self._few = lib.int4_amx_few_rows
+        self._few.argtypes, self._few.restype = [ctypes.c_int], ctypes.c_int
         self._screen = lib.screen_refine
         self._screen.argtypes = [P, I, I, P, P, P, I, I, P]
         self._screen.restype = ctypes.c_int
+
+    def amx_few_rows(self, n: int = -1) -> int:
+        """The AMX matmul's row count up to which a call runs the tiles' arithmetic with
+        AVX-512 FMAs (same bits, cheaper for one row; C source): sets it to n where n >= 0
+        (process-wide), returns the previous value. For tests and measurements."""
+        return int(self._few(int(n)))
 
     def screen(self, logits: torch.Tensor, hn: torch.Tensor, table: torch.Tensor, k: int,
                scales: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -70,6 +70,52 @@ def test_a_rows_bits_depend_on_that_row_alone(kern, N):
     assert torch.equal(one, full)
 
 
+def _cancelling_case(N, K, group, M, seed):
+    """Weights +a / -a on each input pair and inputs whose pairs are equal where large,
+    so each sum is a small residue of large partial sums: every rounding step of the
+    order shows in the bf16 output (with random data almost none does: integer weights
+    keep most partial sums exact)."""
+    g = torch.Generator().manual_seed(seed)
+    amp = torch.randint(1, 8, (N, 1), generator=g)
+    q = torch.empty(N, K, dtype=torch.uint8)
+    q[:, 0::2], q[:, 1::2] = (8 + amp).to(torch.uint8), (8 - amp).to(torch.uint8)
+    scale, zero = torch.full((N, K // group), 2.0 ** -6), torch.zeros(N, K // group)
+    xe = (torch.randn(M, K // 2, generator=g)
+          * torch.exp2(torch.randint(-12, 13, (M, K // 2), generator=g).float())).bfloat16().float()
+    nudge = 1 + torch.randint(-1, 2, (M, K // 2), generator=g).float() * 2 ** -7
+    xo = torch.where(xe.abs() < 2 ** -4, xe * nudge, xe)
+    return torch.stack([xe, xo], -1).reshape(M, K).bfloat16(), q, scale, zero
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_amx_few_rows_path_gives_the_tiles_bits(group):
+    """One AMX call of few rows runs the tiles' arithmetic (two FMA chains per pair
+    parity, then dst + (even + odd)) with AVX-512 FMAs: the same bits as the tiles.
+    (Checked to fail with one chain for both parities, or with the chunk sums added
+    unpaired.)"""
+    k = kernel_or_skip(im, "int4 kernel")
+    try:
+        a = im.amx_variant(k.lib, k.path)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    N, K = 64, 256
+    before = a.amx_few_rows()
+    assert before >= 1  # the default takes it for one row
+    try:
+        for m in (1, 2, 3):
+            x, q, scale, zero = _cancelling_case(N, K, group, m, seed=group + m)
+            P = a.pack(q, scale, zero, group)
+            a.amx_few_rows(0)
+            tiles = a.mm(x, P, N, group)
+            a.amx_few_rows(m)
+            fmas = a.mm(x, P, N, group)
+            assert torch.equal(fmas.view(torch.int16), tiles.view(torch.int16)), m
+            assert tiles.float().abs().max() > 0  # the residues are not all zero
+    finally:
+        a.amx_few_rows(before)
+    assert a.amx_few_rows() == before
+
+
 def test_bad_input_is_refused(kern):
     q, scale, zero, _ = _weight(32, 64, 32)
     with pytest.raises(ValueError, match="unsupported"):
