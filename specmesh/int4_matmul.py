@@ -102,6 +102,20 @@ static inline __m512i unpack(const uint8_t* p, __m512i table) {
     return _mm512_permutexvar_epi16(idx, table);
 }
 
+/* a group's 16 scales and 16 zeros (bf16, after its group * 8 bytes of nibbles) as fp32 */
+static inline void scale_zero(const uint8_t* gb, int64_t group, __m512* s, __m512* z) {
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(gb + group * 8))), 16));
+    *z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(gb + group * 8 + 32))), 16));
+}
+
+/* 16 fp32 sums to bf16 at y, rounded to nearest even */
+static inline void store_bf16(uint16_t* y, __m512 a) {
+    __m512i u = _mm512_castps_si512(a);
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    _mm256_storeu_si256((__m256i*)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
 /* mc rows times nbk consecutive blocks of 16 outputs: nbk * mc independent accumulator
    chains (few rows alone would wait on one dpbf16 chain's latency); each output's sum is
    the same sequence of operations whatever mc and nbk */
@@ -129,10 +143,8 @@ static inline __attribute__((always_inline)) void rows(const int mc, const int n
         }
         for (int b = 0; b < nbk; b++) {
             const uint8_t* gb = blk + b * bstride + g * gstride;
-            const __m256i sb = _mm256_loadu_si256((const __m256i*)(gb + 16 * pairs));
-            const __m256i zb = _mm256_loadu_si256((const __m256i*)(gb + 16 * pairs + 32));
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
-            const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(zb), 16));
+            __m512 s, z;
+            scale_zero(gb, group, &s, &z);
             for (int r = 0; r < mc; r++) {
                 acc[b * mc + r] = _mm512_fmadd_ps(t[b * mc + r], s, acc[b * mc + r]);
                 acc[b * mc + r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), acc[b * mc + r]);
@@ -141,10 +153,7 @@ static inline __attribute__((always_inline)) void rows(const int mc, const int n
     }
     for (int b = 0; b < nbk; b++)
         for (int r = 0; r < mc; r++) {  /* round to nearest even */
-            __m512i u = _mm512_castps_si512(acc[b * mc + r]);
-            u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-            _mm256_storeu_si256((__m256i*)(y + r * N + 16 * b), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+            store_bf16(y + r * N + 16 * b, acc[b * mc + r]);
         }
 }
 
@@ -235,10 +244,8 @@ static inline __attribute__((always_inline)) void rows_amxe(const int mc, const 
         }
         for (int b = 0; b < nbk; b++) {  /* then as the tile path: acc += t_g s_g; acc += z_g sum_g x */
             const uint8_t* gb = blk + b * bstride + g * gstride;
-            const __m256i sb = _mm256_loadu_si256((const __m256i*)(gb + group * 8));
-            const __m256i zb = _mm256_loadu_si256((const __m256i*)(gb + group * 8 + 32));
-            const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
-            const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(zb), 16));
+            __m512 s, z;
+            scale_zero(gb, group, &s, &z);
             for (int r = 0; r < mc; r++) {
                 acc[b * mc + r] = _mm512_fmadd_ps(c[b * mc + r], s, acc[b * mc + r]);
                 acc[b * mc + r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), acc[b * mc + r]);
@@ -247,10 +254,7 @@ static inline __attribute__((always_inline)) void rows_amxe(const int mc, const 
     }
     for (int b = 0; b < nbk; b++)
         for (int r = 0; r < mc; r++) {  /* round to nearest even */
-            __m512i u = _mm512_castps_si512(acc[b * mc + r]);
-            u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-            _mm256_storeu_si256((__m256i*)(y + r * N + 16 * b), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+            store_bf16(y + r * N + 16 * b, acc[b * mc + r]);
         }
 }
 
@@ -320,10 +324,8 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
                     for (int64_t i = 0; i < ng; i++) {
                         const int64_t g = g0 + i;
                         const uint8_t* gb = blk + g * gstride;
-                        const __m256i sb = _mm256_loadu_si256((const __m256i*)(gb + group * 8));
-                        const __m256i zb = _mm256_loadu_si256((const __m256i*)(gb + group * 8 + 32));
-                        const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(sb), 16));
-                        const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(zb), 16));
+                        __m512 s, z;
+                        scale_zero(gb, group, &s, &z);
                         for (int64_t r = 0; r < mc; r++) {
                             acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ct + 256 * i + 16 * r), s, acc[r]);
                             acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * G + g]), acc[r]);
@@ -331,10 +333,7 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
                     }
                 }
                 for (int64_t r = 0; r < mc; r++) {
-                    __m512i u = _mm512_castps_si512(acc[r]);
-                    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
-                                                             _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-                    _mm256_storeu_si256((__m256i*)(y + (m0 + r) * N + b * 16), _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+                    store_bf16(y + (m0 + r) * N + b * 16, acc[r]);
                 }
             }
             free(bt); free(ct);
