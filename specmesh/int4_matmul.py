@@ -201,14 +201,15 @@ int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N
 int int4_amx(void) { return 1; }
 int int4_amx_enable(void) { return amx_permission(); }
 
-/* tdpbf16ps, as the hardware computes it (measured on Sapphire Rapids, and the SDM's
-   pseudocode): per output, the even and the odd products of the 16 pairs in two fp32 FMA
-   chains from zero, then dst + (even + odd), each step rounded to nearest even. So a
-   tile's result can be reproduced with AVX-512 FMAs: rows_amxe does that for few rows,
-   where the tile's round trip through memory costs more than the products (a call of
-   at most amx_few_rows rows takes this path, bitwise the same as the tiles; denormals,
-   which the tiles flush, do not occur in these sums: the weights are integers -8..7 and
-   the activations are normalised). */
+/* tdpbf16ps, as the hardware computes it (measured on an Intel Xeon with AMX-BF16,
+   scripts/amx_order.py; the form of the SDM's pseudocode): per output, the even and the
+   odd products of the 16 pairs in two fp32 FMA chains from zero, then dst + (even + odd),
+   each step rounded to nearest even. So a tile's result can be reproduced with AVX-512
+   FMAs: rows_amxe does that for few rows, where the tile's round trip through memory
+   costs more than the products (a call of at most amx_few_rows rows takes this path,
+   bitwise the same as the tiles). The one difference left: the tiles flush denormals
+   (below 1.2e-38), these FMAs keep them; with integer weights -8..7 and normalised
+   activations no sum comes near that range. */
 static inline __attribute__((always_inline)) void rows_amxe(const int mc, const int nbk, const uint16_t* x,
         int64_t K, const float* xs, int64_t G, const uint8_t* blk, int64_t bstride, int64_t gstride,
         int64_t group, uint16_t* y, int64_t N) {
