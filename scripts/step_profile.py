@@ -196,7 +196,8 @@ def rounds(rt, drafter: str, prompts, max_new: int) -> dict:
     st_rounds = 0
     try:
         for ids in prompts:  # prefill outside the timing: the first call fills the KV
-            pol = AdaptiveBudget.for_drafter(drafter, 8, costs=rt.verify_costs)
+            pol = AdaptiveBudget.for_drafter(drafter, 8, costs=rt.verify_costs,  # as the bench builds it
+                                             schedule=getattr(rt, "tree_schedule", None))
             t0 = time.perf_counter()
             out, st = generate_tokens(None, rt.verifier, ids, max_new_tokens=max_new, stop_ids=rt.stop_ids,
                                       budget=pol, self_draft=drafter if d is not None else None)

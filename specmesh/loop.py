@@ -69,6 +69,13 @@ class VerifyCosts:
                 ((1 - w) * old[0] + w * verify_s, (1 - w) * old[1] + w * drafted)
 
     @property
+    def short_seconds(self) -> Optional[float]:
+        """EMA of a short round's verify seconds (about a one-token forward); None before one."""
+        with self._lock:
+            g = self._groups.get(0)
+        return g[0] if g is not None and g[0] > 0 else None
+
+    @property
     def beta(self) -> float:
         with self._lock:
             if len(self._groups) < 2:
@@ -91,13 +98,25 @@ class TreeSchedule:
     edges: list[float]  # interior bin edges, ascending (nats)
     taus: list[dict[int, float]]  # per bin: node budget -> τ
 
-    def budget(self, entropy: float, c: float, beta: float, cap: int) -> int:
-        row = self.taus[min(sum(entropy >= e for e in self.edges), len(self.taus) - 1)]
+    def _row(self, entropy: float) -> dict[int, float]:
+        return self.taus[min(sum(entropy >= e for e in self.edges), len(self.taus) - 1)]
+
+    def budget(self, entropy: float, c: float, beta: float, cap: int, scale: float = 1.0) -> int:
+        """``scale``: the caller's live correction of the table's accepted tokens (τ - 1),
+        served / offline (``AdaptiveBudget.tau_scale``)."""
         best, best_n = 1.0, 0
-        for n, tau in sorted(row.items()):
+        for n, tau in sorted(self._row(entropy).items()):
+            tau = 1 + scale * (tau - 1)
             if 0 < n <= cap and tau / (1 + c + beta * n) > best + 1e-12:
                 best, best_n = tau / (1 + c + beta * n), n
         return best_n
+
+    def tau(self, entropy: float, n: int) -> float:
+        """The table's τ for a draft of n nodes in this entropy's bin (the largest measured
+        budget not above n; 1.0 below them all)."""
+        row = self._row(entropy)
+        fit = [b for b in row if b <= n]
+        return row[max(fit)] if fit else 1.0
 
     def to_dict(self) -> dict:
         return {"edges": self.edges, "taus": [{str(n): t for n, t in r.items()} for r in self.taus]}
@@ -115,8 +134,15 @@ class AdaptiveBudget(BudgetPolicy):
     at a cost of 1 + k * (c + beta) target forwards, where c = measured draft time per
     drafted token / verify time, and beta the extra verify cost per scored token.
     Pick k in [0, max_budget] maximising E(k) / cost(k). When no k pays (speedup
-    < 1) drafting is switched off, re-probed with one round every ``probe_every``
-    rounds so a session whose text turns repetitive picks it back up. High target
+    < 1) drafting is switched off, re-probed with one round after ``probe_every``
+    off rounds so a session whose text turns repetitive picks it back up; each probe
+    that leaves it off doubles the wait, up to ``PROBE_BACKOFF`` x ``probe_every``
+    (a probe of a one-pass drafter costs a draft and a full verify: on open text,
+    where nothing pays, probing every 8 rounds cost ~5% of plain decoding). One-pass
+    drafters are also held to what their rounds measured: when drafted rounds cost more
+    seconds per committed token than a plain round (``measured_pays``), drafting is off
+    whatever the model says (its acceptance EMAs lag, and it leaves out the round's
+    bookkeeping), re-probed as above. High target
     entropy at the last round shortens the draft (entropy-guided scheduling).
 
     ``per_round_draft``: the drafter proposes a whole block in one pass (the block
@@ -136,10 +162,19 @@ class AdaptiveBudget(BudgetPolicy):
     CPU: beta ~ 0.12) the chain model's length is kept: a full tree would not pay.
     ``schedule`` (tree drafters): the node budget follows the target's entropy at the
     last round through a ``TreeSchedule`` measured offline, with the live costs, capped
-    at ``max_budget`` (drafting that was switched off is re-probed the same way).
+    at ``max_budget`` (drafting that was switched off is re-probed the same way). The
+    table's accepted tokens are scaled by ``tau_scale`` = EMA(accepted) / EMA(the
+    table's τ - 1 for the drafted size and bin) over the drafted rounds, so a drafter
+    that accepts less in serving than on held-out text (a shorter context, another
+    engine's numerics) drafts only where that still pays. For one-pass drafters c is
+    the draft's seconds over a short round's verify seconds (``VerifyCosts``: about a
+    one-token forward, the cost model's unit), not over the drafted round's.
     ``for_drafter`` picks these settings by drafter name."""
 
     TREE_CHEAP = 0.5  # bf16 on CPU matrix units: 8 x 0.01-0.03; fp32 on a CPU: 8 x 0.12
+    PROBE_BACKOFF = 4  # re-probes of switched-off drafting: every probe_every rounds, up to 4x that apart
+    SPEED_EMA = 0.1  # one-pass drafters: the measured seconds per token of drafted rounds (~10 rounds)
+    SPEED_MIN = 8  # ... from this many drafted rounds on
 
     def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
                  alpha0: float = 0.6, entropy_scale: float = 3.0, per_round_draft: bool = False,
@@ -160,8 +195,13 @@ class AdaptiveBudget(BudgetPolicy):
         self.entropy = 0.0
         self.entropy_scale = entropy_scale
         self.off_rounds = 0
+        self._probe_gap = probe_every  # off rounds before the next re-probe
         self.short_rounds = 0
         self.last_speedup = 1.0
+        self._seen, self._pred = 1.0, 1.0  # schedule: EMAs of accepted and of the table's τ - 1
+        self._spd = (0.0, 0.0, 0)  # one-pass drafters' drafted rounds: EMAs of seconds and of tokens, count
+        self._updates = 0
+        self._pending: Optional[float] = None  # the table's τ - 1 for the round in flight
 
     @classmethod
     def for_drafter(cls, drafter: Optional[str], max_budget: int, costs: Optional[VerifyCosts] = None, **kw):
@@ -179,6 +219,11 @@ class AdaptiveBudget(BudgetPolicy):
     @property
     def beta(self) -> float:
         return self.costs.beta if self.per_round_draft else self._beta
+
+    @property
+    def tau_scale(self) -> float:
+        """Served / offline accepted tokens on the schedule's drafted rounds (1.0 before any)."""
+        return min(1.5, max(0.0, self._seen / self._pred)) if self._pred > 0 else 1.0
 
     def expected_speedup(self, k: int) -> float:
         a = min(max(self.alpha, 1e-3), 0.999)
@@ -200,31 +245,70 @@ class AdaptiveBudget(BudgetPolicy):
             if s > best + 1e-9:
                 best_k, best = k, s
         self.last_speedup = best
+        self._pending = None
         if self.tree and self.schedule is not None:
-            best_k = self.schedule.budget(self.entropy, self.cost, self.beta, self.max_budget)
+            best_k = self.schedule.budget(self.entropy, self.cost, self.beta, self.max_budget, self.tau_scale)
         elif self.tree and best_k and self.max_budget * self.beta <= self.TREE_CHEAP:
             best_k = self.max_budget  # a tree whose full size is cheap to verify: its full budget or nothing
+        if best_k and not self.measured_pays():  # the model says it pays; the rounds say it does not
+            best_k = 0
         if best_k == 0:
             self.off_rounds += 1
-            if self.off_rounds % self.probe_every == 0:
-                return self.max_budget if self.per_round_draft else 1  # a block costs the same at any length
+            if self.off_rounds >= self._probe_gap:  # re-probe; each probe that finds it still off waits twice as long
+                self.off_rounds = 0
+                self._probe_gap = min(2 * self._probe_gap, self.PROBE_BACKOFF * self.probe_every)
+                best_k = self.max_budget if self.per_round_draft else 1  # a block costs the same at any length
+                self._predict(best_k)
+                return best_k
             return 0
         self.off_rounds = 0
+        self._probe_gap = self.probe_every
+        self._predict(best_k)
         if self.per_round_draft and best_k < self.max_budget and self.schedule is None:
             self.short_rounds += 1  # keep the full block's measured acceptance fresh
             if self.short_rounds % self.probe_every == 0:
                 return self.max_budget
         return best_k
 
+    @property
+    def drafted_spt(self) -> Optional[float]:
+        """One-pass drafters: seconds per committed token of the drafted rounds (EMAs of
+        seconds and of tokens, weight ``SPEED_EMA``; after the first round), once
+        ``SPEED_MIN`` were measured; else None."""
+        sec, tok, n = self._spd
+        return sec / tok if n >= self.SPEED_MIN and tok > 0 else None
+
+    def measured_pays(self) -> bool:
+        """One-pass drafters: False once drafted rounds cost more seconds per committed
+        token (``drafted_spt``) than a plain round (``VerifyCosts.short_seconds``: one
+        token a round); True before both are measured, and for per-token drafters."""
+        plain = self.costs.short_seconds if self.per_round_draft else None
+        return plain is None or self.drafted_spt is None or self.drafted_spt <= plain
+
+    def _predict(self, n: int) -> None:
+        if self.tree and self.schedule is not None:
+            self._pending = self.schedule.tau(self.entropy, n) - 1
+
     def update(self, drafted: int, accepted: int, entropy: float = 0.0, draft_s: float = 0.0,
                verify_s: float = 0.0) -> None:
         self.entropy = entropy
+        self._updates += 1
         if self.per_round_draft and verify_s > 0:
             self.costs.observe(drafted, verify_s)
+        pending, self._pending = self._pending, None
         if drafted <= 0:
             return
         fails = 1 if accepted < drafted else 0
         w = self.ema
+        if self.per_round_draft and verify_s > 0 and self._updates > 1:  # what the round bought (not
+            # the first round: it carries the prefill); a ratio of EMAs (an EMA of per-round
+            # ratios would be biased high: a round accepting 0 costs its seconds for 1 token)
+            sec, tok, n = self._spd
+            g = self.SPEED_EMA if n else 1.0
+            self._spd = ((1 - g) * sec + g * (draft_s + verify_s), (1 - g) * tok + g * (accepted + 1), n + 1)
+        if pending is not None:  # the schedule's prediction for this round against what it accepted
+            self._seen = (1 - w) * self._seen + w * accepted
+            self._pred = (1 - w) * self._pred + w * pending
         # alpha = EMA(accepted) / EMA(accepted + rejections): the geometric acceptance's
         # estimate from recent rounds (an EMA of per-round ratios would be biased low:
         # every fully rejected round counts 0 whatever the others accepted)
@@ -236,7 +320,8 @@ class AdaptiveBudget(BudgetPolicy):
                 (1 - w) * self.full_accepted + w * accepted
         if verify_s > 0:
             per = draft_s if self.per_round_draft else draft_s / drafted
-            self.cost = (1 - w) * self.cost + w * per / verify_s
+            unit = (self.costs.short_seconds or verify_s) if self.per_round_draft else verify_s
+            self.cost = (1 - w) * self.cost + w * per / unit
 
 
 def validate_request(prompt_ids: Sequence[int], max_new_tokens: int, vocab_size: int,

@@ -188,8 +188,36 @@ def test_adaptive_budget_alpha_and_per_round_cost_model():
     # switched off, it re-probes with a full block (a shorter one would not cost less)
     off = AdaptiveBudget(8, alpha0=0.01, per_round_draft=True, probe_every=2)
     off.cost = 0.5
-    assert [off.next() for _ in range(4)] == [0, 8, 0, 8]
+    # each probe that leaves it off doubles the wait, up to PROBE_BACKOFF x probe_every
+    assert [off.next() for _ in range(14)] == [0, 8] + [0, 0, 0, 8] + [0] * 7 + [8]
+    assert [off.next() for _ in range(8)] == [0] * 7 + [8]  # the cap: 8 = 4 x 2 off rounds
+    off.cost, off.alpha = 0.0, 0.95  # drafting pays again: on, and the wait starts over
+    assert off.next() > 0
+    off.cost, off.alpha = 0.5, 0.01
+    assert [off.next() for _ in range(2)] == [0, 8]
     assert AdaptiveBudget(8, alpha0=0.01, probe_every=2).next() == 0
+
+
+def test_block_policy_is_held_to_the_seconds_per_token_its_rounds_measured():
+    """The cost model says a full block pays; the drafted rounds cost more seconds per
+    committed token than a plain round: drafting goes off (re-probed later); cheap
+    rounds keep it on. The first round (it carries the prefill) is not counted."""
+    costs = VerifyCosts(ema=1.0)
+    costs.observe(0, 0.010)  # a plain round: 10 ms for its one token
+    slow = AdaptiveBudget.for_drafter("block_tree", 8, costs=costs, alpha0=0.9, beta=0.01)
+    fast = AdaptiveBudget.for_drafter("block_tree", 8, costs=costs, alpha0=0.9, beta=0.01)
+    for pol, accepted in ((slow, 1), (fast, 4)):
+        pol.update(8, 7, draft_s=0.5, verify_s=0.5)  # the first round: a prefill, not counted
+        for i in range(AdaptiveBudget.SPEED_MIN):
+            assert pol.measured_pays()  # not enough rounds measured yet
+            pol.update(8, accepted, draft_s=0.002, verify_s=0.020)
+            pol.alpha, pol.full_accepted = 0.9, 6.0  # the model keeps saying drafting pays
+    assert slow.drafted_spt == pytest.approx(0.022 / 2) and fast.drafted_spt == pytest.approx(0.022 / 5)
+    assert not slow.measured_pays() and slow.next() == 0  # 11 ms a token > 10 ms: off
+    assert fast.measured_pays() and fast.next() == 8  # 4.4 ms a token: on
+    tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=costs)
+    tok.update(4, 0, draft_s=0.01, verify_s=0.1)
+    assert tok.drafted_spt is None and tok.measured_pays()  # per-token drafters: the model alone
 
 
 def test_verify_costs_shared_across_requests_and_block_policies():

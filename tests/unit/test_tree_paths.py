@@ -95,6 +95,44 @@ def test_tree_schedule_switches_the_budget_by_entropy_with_live_costs():
     assert AdaptiveBudget.for_drafter("block", 8, schedule=sched).schedule is None  # chains: no schedule
 
 
+def test_tree_schedule_is_scaled_by_what_served_rounds_accept():
+    """The offline table says 8 nodes accept 2 tokens; served rounds accept none: the
+    policy's scale falls and it stops drafting (re-probing now and then); rounds that
+    accept what the table says keep it at 1."""
+    from specmesh.loop import AdaptiveBudget, TreeSchedule, VerifyCosts
+
+    sched = TreeSchedule([9.0], [{4: 2.0, 8: 3.0}, {4: 1.0, 8: 1.0}])
+    assert sched.tau(0.5, 8) == 3.0 and sched.tau(0.5, 6) == 2.0 and sched.tau(0.5, 2) == 1.0
+    assert sched.budget(0.5, c=0.3, beta=0.1, cap=8) == 8  # 3.0 / 2.1 > 2.0 / 1.7 > 1
+    assert sched.budget(0.5, c=0.3, beta=0.1, cap=8, scale=0.3) == 0  # 1.6 / 2.1, 1.3 / 1.7: nothing pays
+    good = AdaptiveBudget.for_drafter("block_tree", 8, costs=VerifyCosts(prior=0.1), schedule=sched, ema=0.5)
+    bad = AdaptiveBudget.for_drafter("block_tree", 8, costs=VerifyCosts(prior=0.1), schedule=sched, ema=0.5)
+    for pol, accepted in ((good, 2), (bad, 0)):
+        pol.cost = 0.3
+        for _ in range(6):
+            k = pol.next()
+            pol.update(k, min(k, accepted), entropy=0.5) if k else pol.update(0, 0, entropy=0.5)
+    assert good.tau_scale == pytest.approx(1.0) and good.next() == 8
+    # one drafted round accepting 0 of the 2 predicted: (0.5 + 0) / (0.5 + 1) = 1/3, then off
+    assert bad.tau_scale == pytest.approx(1 / 3) and bad.next() == 0
+
+
+def test_block_draft_cost_is_relative_to_a_one_token_forward():
+    """c for a one-pass drafter: draft seconds over a short round's verify seconds (the
+    cost model's unit), not over the drafted round's longer verify."""
+    from specmesh.loop import AdaptiveBudget, VerifyCosts
+
+    costs = VerifyCosts(ema=1.0)
+    assert costs.short_seconds is None
+    pol = AdaptiveBudget.for_drafter("block", 8, costs=costs, ema=1.0)
+    pol.update(8, 2, draft_s=0.002, verify_s=0.010)  # no short round yet: the round's own verify
+    assert pol.cost == pytest.approx(0.2)
+    pol.update(0, 0, verify_s=0.005)  # a plain round: 5 ms
+    assert costs.short_seconds == pytest.approx(0.005)
+    pol.update(8, 2, draft_s=0.002, verify_s=0.010)
+    assert pol.cost == pytest.approx(0.4)
+
+
 def test_schedule_from_anchors():
     from specmesh.blockdraft.treestudy import schedule_from
 
