@@ -74,6 +74,25 @@ def test_greedy_identity_with_noisy_drafts(ver, tree, budget):
     assert ver.info()["slots_used"] == 0  # released at the end
 
 
+def test_the_target_entropy_is_asked_for_only_where_something_drafts(ver):
+    """Plain decoding asks the verifier for no entropy (a softmax over the vocabulary a
+    round, for a budget policy that has nothing to size); a run with a drafter does,
+    after its first round."""
+    asked = []
+    verify = ver.verify
+
+    def recording(req):
+        asked.append(req.want_entropy)
+        return verify(req)
+
+    ver.verify = recording
+    ref = _plain(ver, 12)
+    assert asked and not any(asked)
+    asked.clear()
+    out, _ = generate_tokens(OracleDrafter(ref + [0] * 10, len(PROMPT)), ver, PROMPT, max_new_tokens=12, budget=4)
+    assert out == ref and asked[0] is False and all(asked[1:]) and len(asked) > 1
+
+
 def test_session_lost_reprefills(ver):
     ref = _plain(ver)
 
