@@ -33,6 +33,8 @@ TREE_DRAFTERS = registry.PER_ROUND_TREES  # of those, the ones that grow a best-
 class BudgetPolicy:
     """Fixed draft budget. ``AdaptiveBudget`` adapts it from what the rounds measure."""
 
+    uses_entropy = False  # whether ``update``'s entropy changes what ``next`` returns
+
     def __init__(self, budget: int):
         self.budget = budget
 
@@ -219,6 +221,12 @@ class AdaptiveBudget(BudgetPolicy):
     @property
     def beta(self) -> float:
         return self.costs.beta if self.per_round_draft else self._beta
+
+    @property
+    def uses_entropy(self) -> bool:
+        """The entropy caps per-token drafters' length and picks a schedule's tree size;
+        a one-pass block without a schedule ignores it."""
+        return not self.per_round_draft or (self.tree and self.schedule is not None)
 
     @property
     def tau_scale(self) -> float:
@@ -419,10 +427,12 @@ class _Generation:
     def verify(self, rnd: _Round, rs: int) -> None:
         """Send the committed tokens the verifier lacks and the draft; re-prefill a lost session."""
         # the target's entropy feeds the budget policy: only where there is something to draft
-        # (a softmax, a log and a sum over the vocabulary: ~0.1 ms a round on a CPU)
+        # and the policy uses it (a softmax, a log and a sum over the vocabulary: ~0.1 ms a
+        # round on a CPU)
         drafts = self.drafter is not None or self.o.self_draft is not None
+        want = drafts and not self.first and getattr(self.policy, "uses_entropy", True)
         req = VerifyRequest(self.sid, self.kv_len, self.tokens[self.kv_len:], rnd.tree, self.o.sampling, rs,
-                            self_draft=rnd.self_draft, want_entropy=drafts and not self.first)
+                            self_draft=rnd.self_draft, want_entropy=want)
         t0 = time.perf_counter()
         try:
             rnd.result = self.verifier.verify(req)

@@ -76,8 +76,11 @@ def test_greedy_identity_with_noisy_drafts(ver, tree, budget):
 
 def test_the_target_entropy_is_asked_for_only_where_something_drafts(ver):
     """Plain decoding asks the verifier for no entropy (a softmax over the vocabulary a
-    round, for a budget policy that has nothing to size); a run with a drafter does,
-    after its first round."""
+    round, for a budget policy that has nothing to size), nor does a policy that ignores
+    it (a fixed budget, a block drafter's without a tree schedule); a drafter under the
+    adaptive policy does, after its first round."""
+    from specmesh.loop import AdaptiveBudget
+
     asked = []
     verify = ver.verify
 
@@ -90,7 +93,13 @@ def test_the_target_entropy_is_asked_for_only_where_something_drafts(ver):
     assert asked and not any(asked)
     asked.clear()
     out, _ = generate_tokens(OracleDrafter(ref + [0] * 10, len(PROMPT)), ver, PROMPT, max_new_tokens=12, budget=4)
-    assert out == ref and asked[0] is False and all(asked[1:]) and len(asked) > 1
+    assert out == ref and len(asked) > 1 and not any(asked)  # a fixed budget
+    for policy, wants in ((AdaptiveBudget(4), True), (AdaptiveBudget(4, per_round_draft=True), False)):
+        asked.clear()
+        out, _ = generate_tokens(OracleDrafter(ref + [0] * 10, len(PROMPT)), ver, PROMPT, max_new_tokens=12,
+                                 budget=policy)
+        assert out == ref and policy.uses_entropy is wants and len(asked) > 1
+        assert asked[0] is False and all(a is wants for a in asked[1:])
 
 
 def test_session_lost_reprefills(ver):
