@@ -116,6 +116,29 @@ static inline void store_bf16(uint16_t* y, __m512 a) {
     _mm256_storeu_si256((__m256i*)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 
+/* one output vector's group term, the same in every int4 matmul (their bits depend on
+   it): acc + t_g s_g, then + z_g sum_g x */
+static inline __m512 add_group(__m512 acc, __m512 t, __m512 s, __m512 z, float xsum) {
+    return _mm512_fmadd_ps(z, _mm512_set1_ps(xsum), _mm512_fmadd_ps(t, s, acc));
+}
+
+/* group g's sums t [nbk * mc] (block-major) into acc, for nbk blocks of mc rows */
+static inline __attribute__((always_inline)) void add_groups(const int mc, const int nbk, __m512* acc,
+        const __m512* t, const uint8_t* gb0, int64_t bstride, int64_t group, const float* xs, int64_t G, int64_t g) {
+    for (int b = 0; b < nbk; b++) {
+        __m512 s, z;
+        scale_zero(gb0 + b * bstride, group, &s, &z);
+        for (int r = 0; r < mc; r++) acc[b * mc + r] = add_group(acc[b * mc + r], t[b * mc + r], s, z, xs[r * G + g]);
+    }
+}
+
+/* acc [nbk * mc] to rows of y (row stride N), block b at outputs 16 b */
+static inline __attribute__((always_inline)) void store_rows(const int mc, const int nbk, const __m512* acc,
+                                                             uint16_t* y, int64_t N) {
+    for (int b = 0; b < nbk; b++)
+        for (int r = 0; r < mc; r++) store_bf16(y + r * N + 16 * b, acc[b * mc + r]);
+}
+
 /* mc rows times nbk consecutive blocks of 16 outputs: nbk * mc independent accumulator
    chains (few rows alone would wait on one dpbf16 chain's latency); each output's sum is
    the same sequence of operations whatever mc and nbk */
@@ -141,20 +164,9 @@ static inline __attribute__((always_inline)) void rows(const int mc, const int n
                 }
             }
         }
-        for (int b = 0; b < nbk; b++) {
-            const uint8_t* gb = blk + b * bstride + g * gstride;
-            __m512 s, z;
-            scale_zero(gb, group, &s, &z);
-            for (int r = 0; r < mc; r++) {
-                acc[b * mc + r] = _mm512_fmadd_ps(t[b * mc + r], s, acc[b * mc + r]);
-                acc[b * mc + r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), acc[b * mc + r]);
-            }
-        }
+        add_groups(mc, nbk, acc, t, blk + g * gstride, bstride, group, xs, G, g);
     }
-    for (int b = 0; b < nbk; b++)
-        for (int r = 0; r < mc; r++) {  /* round to nearest even */
-            store_bf16(y + r * N + 16 * b, acc[b * mc + r]);
-        }
+    store_rows(mc, nbk, acc, y, N);
 }
 
 /* Both matmuls' first step: each row's group input sums xs [M, G] (fp32, in input order),
@@ -243,20 +255,9 @@ static inline __attribute__((always_inline)) void rows_amxe(const int mc, const 
             }
             for (int r = 0; r < nbk * mc; r++) c[r] = _mm512_add_ps(c[r], _mm512_add_ps(ev[r], od[r]));
         }
-        for (int b = 0; b < nbk; b++) {  /* then as the tile path: acc += t_g s_g; acc += z_g sum_g x */
-            const uint8_t* gb = blk + b * bstride + g * gstride;
-            __m512 s, z;
-            scale_zero(gb, group, &s, &z);
-            for (int r = 0; r < mc; r++) {
-                acc[b * mc + r] = _mm512_fmadd_ps(c[b * mc + r], s, acc[b * mc + r]);
-                acc[b * mc + r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[r * G + g]), acc[b * mc + r]);
-            }
-        }
+        add_groups(mc, nbk, acc, c, blk + g * gstride, bstride, group, xs, G, g);  /* then as the tile path */
     }
-    for (int b = 0; b < nbk; b++)
-        for (int r = 0; r < mc; r++) {  /* round to nearest even */
-            store_bf16(y + r * N + 16 * b, acc[b * mc + r]);
-        }
+    store_rows(mc, nbk, acc, y, N);
 }
 
 static int amx_few_rows = 1;  /* calls of at most this many rows take rows_amxe */
@@ -327,10 +328,8 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
                         const uint8_t* gb = blk + g * gstride;
                         __m512 s, z;
                         scale_zero(gb, group, &s, &z);
-                        for (int64_t r = 0; r < mc; r++) {
-                            acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ct + 256 * i + 16 * r), s, acc[r]);
-                            acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(xs[(m0 + r) * G + g]), acc[r]);
-                        }
+                        for (int64_t r = 0; r < mc; r++)
+                            acc[r] = add_group(acc[r], _mm512_load_ps(ct + 256 * i + 16 * r), s, z, xs[(m0 + r) * G + g]);
                     }
                 }
                 for (int64_t r = 0; r < mc; r++) {
