@@ -29,7 +29,6 @@ nothing about models.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from pathlib import Path
 from typing import Optional
@@ -212,14 +211,10 @@ class Bf16Matmul:
 def load() -> Optional[Bf16Matmul]:
     """The kernel, built on first use; None where the CPU lacks AVX-512 BF16, there is no
     compiler, or ``SPECMESH_BF16_KERNEL=torch`` (``load_error()`` says why)."""
-    from .keylist_attention import cached_load, compile_library
+    from .keylist_attention import cached_load, compile_library, kernel_choice
 
     def make() -> Bf16Matmul:
-        choice = os.environ.get("SPECMESH_BF16_KERNEL", "specmesh").lower()
-        if choice not in KERNEL_CHOICES:
-            raise RuntimeError(f"SPECMESH_BF16_KERNEL={choice!r}: one of {', '.join(KERNEL_CHOICES)}")
-        if choice == "torch":
-            raise RuntimeError("SPECMESH_BF16_KERNEL=torch")
+        choice = kernel_choice("SPECMESH_BF16_KERNEL", KERNEL_CHOICES)
         lib, path = compile_library("bf16mm", _SOURCE)
         for fn in (lib.bf16_available, lib.bf16_amx, lib.bf16_amx_enable):
             fn.restype = ctypes.c_int

@@ -39,7 +39,6 @@ about models: weights, scales, rows and a table.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from pathlib import Path
 from typing import Optional
@@ -519,14 +518,10 @@ def load() -> Optional[Int4Matmul]:
     """The kernel, built on first use; None where the CPU lacks AVX-512 BF16, there is no
     compiler, or ``SPECMESH_INT4_KERNEL=torch`` (``load_error()`` says why; the engine
     then keeps torch's int4 kernel)."""
-    from .keylist_attention import cached_load, compile_library
+    from .keylist_attention import cached_load, compile_library, kernel_choice
 
     def make() -> Int4Matmul:
-        choice = os.environ.get("SPECMESH_INT4_KERNEL", "specmesh").lower()
-        if choice not in KERNEL_CHOICES:
-            raise RuntimeError(f"SPECMESH_INT4_KERNEL={choice!r}: one of {', '.join(KERNEL_CHOICES)}")
-        if choice == "torch":
-            raise RuntimeError("SPECMESH_INT4_KERNEL=torch")
+        choice = kernel_choice("SPECMESH_INT4_KERNEL", KERNEL_CHOICES)
         lib, path = compile_library("int4mm", _SOURCE)
         lib.int4_available.restype = ctypes.c_int
         if not lib.int4_available():

@@ -494,6 +494,18 @@ class RowKeys:
         return cls(i32(slot), i32(ctx), i32(off), i32(cnt), i32(anc), len(rows))
 
 
+def kernel_choice(var: str, choices: tuple) -> str:
+    """The loaders' environment switch ``var`` (default "specmesh", lower-cased): one of
+    ``choices``; RuntimeError naming it where it is unknown or "torch" (the caller then
+    keeps its torch path)."""
+    choice = os.environ.get(var, "specmesh").lower()
+    if choice not in choices:
+        raise RuntimeError(f"{var}={choice!r}: one of {', '.join(choices)}")
+    if choice == "torch":
+        raise RuntimeError(f"{var}=torch")
+    return choice
+
+
 def cached_load(state: dict, lock: threading.Lock, make: Callable[[], object]) -> Optional[object]:
     """``make()`` once per process under ``lock``, kept in ``state`` (``"kernel"``; None and
     the reason in ``"error"`` where it raised): the loaders' shared memo."""
