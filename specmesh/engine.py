@@ -2,7 +2,7 @@
 
 The engine holds the target's weights (fp32, bf16, or int8 / int4 weight-only with
 bf16 activations: torch's CPU kernel ``_weight_int8pack_mm``; for int4
-``specmesh.int4_matmul`` where the CPU has AVX-512 BF16, else torch's
+``specmesh.int4_matmul`` where the CPU has AVX-512 BF16 or AVX2, else torch's
 ``_weight_int4pack_mm_for_cpu``; bf16 on ``specmesh.bf16_matmul`` where it builds) and a KV
 cache of ``n_slots`` rows of ``max_seq_len`` positions. A slot holds one
 sequence's committed tokens; callers (the verifier's session pool) decide which
@@ -177,7 +177,7 @@ class Linear:
     """y = x @ W.T (+ b). int8 mode: per-output-channel symmetric weight-only quantisation
     run by ``aten._weight_int8pack_mm`` with bf16 activations. int4 mode: group-wise
     asymmetric 4-bit weights (``quantize_int4``) run by ``specmesh.int4_matmul`` (AVX-512
-    BF16) or ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations, scales and
+    BF16, AMX or AVX2) or ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations, scales and
     zeros; a weight torch's pack cannot take (out
     features not a multiple of 16, in features not of the group) falls back to int8.
     ``keep_rows`` (int4): keep a plain nibble copy so ``rows_fp32`` can dequantise rows

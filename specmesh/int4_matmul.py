@@ -13,6 +13,12 @@ weight streams going, and prefetches the next pass's weights: a decode step went
 8.9 ms on an Intel Xeon (same bits: each output's sum is the same sequence of operations).
 Where the CPU has AMX-BF16, ``int4_mm_amx`` (the default there; comment in the source);
 it runs one-row calls with AVX-512 FMAs in the tiles' own order (``rows_amxe``: same bits).
+Where it has neither but AVX2 and FMA (AMD Zen 1-3, Intel before Ice Lake), ``int4_mm_avx2``
+on a layout of its own (``pack`` is the chosen matmul's): 8 nibbles of one output per
+dword, so input i's weights are ``v & 0xF << 4i`` converted to fp32, met by the row
+scaled by ``16^-i``: no shuffles, which took a one-row call of the 1536 x 8960 matrix from
+torch's 1.21 ms to 0.36 ms on a 2-core AMD EPYC (Zen 3; the int4 decode step 22.9 -> 8.4
+ms with the key-list attention's AVX2 loops). Its arithmetic is in the source's comment.
 
 The arithmetic, per row and output: for each group g, ``t_g = sum (q_i - 8) x_i`` (bf16
 products summed in fp32 pairs, in input order), then ``acc += t_g * s_g`` and
@@ -27,10 +33,10 @@ Layout (``pack``): per block of 16 outputs and per group, the group's nibbles (b
 input pair p holds output j's inputs 2p and 2p+1) followed by the 16 scales and 16
 zeros in bf16: one stream per block, the same bytes as torch's packing plus scales.
 
-Built like the key-list kernel (``keylist_attention.compile_library``) where the CPU
-has AVX-512 BF16 (``-march=native`` defines ``__AVX512BF16__``); elsewhere ``load()``
-returns None and the engine keeps torch's int4 kernel. ``SPECMESH_INT4_KERNEL=torch``
-turns it off. ``screen`` is the int4 engine's screen head in one call: its bf16 logits
+Built like the key-list kernel (``keylist_attention.compile_library``, ``-march=native``
+defines ``__AVX512BF16__`` / ``__AVX2__``); where the CPU has neither AVX-512 BF16 nor
+AVX2 with FMA, ``load()`` returns None and the engine keeps torch's int4 kernel.
+``SPECMESH_INT4_KERNEL`` chooses (``KERNEL_CHOICES``; ``torch`` turns it off). ``screen`` is the int4 engine's screen head in one call: its bf16 logits
 to fp32 with each row's top k recomputed from the tied embedding table (a heap per row;
 torch's ``topk`` over a 49k vocabulary costs ~0.5 ms for 8 rows here). Knows nothing
 about models: weights, scales, rows and a table.
@@ -84,11 +90,62 @@ AMX_PREAMBLE = r"""
 typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } tilecfg;
 static int amx_permission(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }"""
 
+# The AVX2 (+FMA) helpers both row kernels' AVX2 matmuls share (this one and
+# ``bf16_matmul``'s): 8 fp32 sums to bf16 (nearest even), and one output block's pass loop:
+# AVX2_PASSES runs a call's M rows in balanced passes of at most 4 rows over units of NBK
+# blocks of 16 outputs (1 row: 4 blocks, 2 rows: 2, 3-4 rows: 1; so a pass keeps at most
+# 8 accumulators of 8 lanes: AVX2 has 16 registers), the units split over threads; the
+# including source has ``M, nb`` and defines ``R_(mc, nbk)`` (one pass, reading ``m0``,
+# ``b0``).
+AVX2_COMMON = r"""
+static inline void store8_bf16(uint16_t* y, __m256 a) {
+    __m256i u = _mm256_castps_si256(a);
+    u = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                             _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    u = _mm256_srli_epi32(u, 16);
+    _mm_storeu_si128((__m128i*)y, _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)));
+}"""
+AVX2_PASSES = r"""
+    const int64_t nc = (M + 3) / 4;  /* balanced passes of at most 4 rows */
+    const int64_t rows0 = M / nc + (M % nc != 0);
+    const int64_t NBK = rows0 == 1 ? 4 : rows0 == 2 ? 2 : 1;
+    const int64_t units = (nb + NBK - 1) / NBK;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t un = 0; un < units; un++) {
+        const int64_t b0 = un * NBK, nbk = nb - b0 < NBK ? nb - b0 : NBK;
+        for (int64_t c = 0, m0 = 0; c < nc; c++) {
+            const int64_t mc = M / nc + (c < M % nc);
+            switch (mc * 8 + nbk) {
+                case 9: R_(1, 1); break; case 10: R_(1, 2); break; case 11: R_(1, 3); break; case 12: R_(1, 4); break;
+                case 17: R_(2, 1); break; case 18: R_(2, 2); break; case 25: R_(3, 1); break; default: R_(4, 1); break;
+            }
+            m0 += mc;
+        }
+    }"""
+
 _SOURCE = r"""
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+/* every int4 matmul's group input sums xs [M, G]: each row's bf16 inputs of a group
+   summed in fp32, in input order */
+static void group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t G, int64_t group, float* xs) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float a = 0.0f;
+            for (int64_t i = 0; i < group; i++) {
+                uint32_t u = (uint32_t)x[m * K + g * group + i] << 16; float f; memcpy(&f, &u, 4);
+                a += f;
+            }
+            xs[m * G + g] = a;
+        }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define MC 8  /* rows per pass over a block's weights */
 
 int int4_available(void) { return 1; }
@@ -171,15 +228,7 @@ static inline __attribute__((always_inline)) void rows(const int mc, const int n
 /* Both matmuls' first step: each row's group input sums xs [M, G] (fp32, in input order),
    and the unpacking table (bf16 of i - 8, exact) */
 static __m512i prologue(const uint16_t* x, int64_t M, int64_t K, int64_t G, int64_t group, float* xs) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < G; g++) {
-            float a = 0.0f;
-            for (int64_t i = 0; i < group; i++) {
-                uint32_t u = (uint32_t)x[m * K + g * group + i] << 16; float f; memcpy(&f, &u, 4);
-                a += f;
-            }
-            xs[m * G + g] = a;
-        }
+    group_sums(x, M, K, G, group, xs);
     uint16_t tw[32];
     for (int i = 0; i < 32; i++) {
         float f = (float)((i & 15) - 8); uint32_t u; memcpy(&u, &f, 4); tw[i] = (uint16_t)(u >> 16);
@@ -351,6 +400,106 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
                 float* xs, uint16_t* y) { return 1; }
 #endif
 
+#else
+int int4_available(void) { return 0; }
+int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+            float* xs, uint16_t* y) { return 1; }
+int int4_amx(void) { return 0; }
+int int4_amx_enable(void) { return 0; }
+int int4_amx_few_rows(int n) { return 0; }
+int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                float* xs, uint16_t* y) { return 1; }
+#endif
+
+/* AVX2 + FMA (x86 CPUs without AVX-512 BF16). Its own layout (``pack(isa="avx2")``), so
+   that unpacking needs no shuffles: per block of 16 outputs, group and 8 inputs, two
+   halves of 8 outputs, 32 bytes each, dword l holding output l's 8 nibbles (input i at
+   bits 4i), then the 16 scales and 16 zeros as in the AVX-512 layout (the same size).
+   Input i's weights of a half are (v & 0xF << 4i) = q 16^i, as fp32 exactly, and meet
+   x 16^-i (the rows, scaled once per call; exact for |x| >= 2^-95), so each product is
+   the exact x q; the last input uses v >> 28. Per row, output and group:
+   t = sum x_i q_i, one fp32 FMA per input in input order, then acc = fma(t, s, acc) and
+   acc = fma(z - 8 s, sum_g x, acc) (z - 8 s is exact in fp32): the same weights
+   (q - 8) s + z, summed in another order than the AVX-512 matmul (other bits; one
+   process uses one kernel). A row's sums never depend on the other rows or the pass
+   shape, so a row's bits are its own. */
+#if defined(__AVX2__) && defined(__FMA__)
+/*AVX2_COMMON*/
+int int4_avx2(void) { return 1; }
+
+/* mc rows times nbk blocks of 16 outputs: 2 * nbk * mc accumulators of 8 outputs */
+static inline __attribute__((always_inline)) void rows_avx2(const int mc, const int nbk, const float* xf,
+        int64_t K, const float* xs, int64_t G, const uint8_t* blk, int64_t bstride, int64_t gstride,
+        int64_t group, uint16_t* y, int64_t N) {
+    __m256 acc[8];
+    for (int r = 0; r < 2 * nbk * mc; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t chunks = group / 8;
+    for (int64_t g = 0; g < G; g++) {
+        __m256 t[8];
+        for (int r = 0; r < 2 * nbk * mc; r++) t[r] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t k = g * group + 8 * c;
+            const uint8_t* cb = blk + g * gstride + 64 * c;
+            for (int i = 0; i < 8; i++) {
+                __m256 xb[4];
+                for (int r = 0; r < mc; r++) xb[r] = _mm256_broadcast_ss(xf + r * K + k + i);
+                for (int b = 0; b < nbk; b++)
+                    for (int h = 0; h < 2; h++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i*)(cb + b * bstride + 32 * h));
+                        const __m256 w = _mm256_cvtepi32_ps(i < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * i)))
+                                                                  : _mm256_srli_epi32(v, 28));
+                        for (int r = 0; r < mc; r++) {
+                            __m256* tt = t + 2 * (b * mc + r) + h;
+                            *tt = _mm256_fmadd_ps(xb[r], w, *tt);
+                        }
+                    }
+            }
+        }
+        for (int b = 0; b < nbk; b++) {
+            const uint8_t* gb = blk + b * bstride + g * gstride;
+            for (int h = 0; h < 2; h++) {
+                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 16 * h))), 16));
+                const __m256 z = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 32 + 16 * h))), 16));
+                const __m256 lo = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sc, z);  /* z - 8 s, exact */
+                for (int r = 0; r < mc; r++) {
+                    const int j = 2 * (b * mc + r) + h;
+                    acc[j] = _mm256_fmadd_ps(lo, _mm256_set1_ps(xs[r * G + g]), _mm256_fmadd_ps(t[j], sc, acc[j]));
+                }
+            }
+        }
+    }
+    for (int b = 0; b < nbk; b++)
+        for (int r = 0; r < mc; r++)
+            for (int h = 0; h < 2; h++) store8_bf16(y + r * N + 16 * b + 8 * h, acc[2 * (b * mc + r) + h]);
+}
+
+int int4_mm_avx2(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                 float* xs, uint16_t* y) {
+    if (group % 8) return 1;
+    const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride;
+    float* xf = (float*)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    if (!xf) return 2;
+    for (int64_t i = 0; i < M * K; i++) {  /* x 16^-(i mod 8), the last input of 8 as it is */
+        uint32_t u = (uint32_t)x[i] << 16; float f; memcpy(&f, &u, 4);
+        static const float sc[8] = {1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 1.0f};
+        xf[i] = f * sc[i & 7];
+    }
+    group_sums(x, M, K, G, group, xs);
+#define R_(m_, k_) rows_avx2(m_, k_, xf + m0 * K, K, xs + m0 * G, G, P + b0 * bstride, bstride, gstride, group, \
+                             y + m0 * N + b0 * 16, N)
+/*AVX2_PASSES*/
+#undef R_
+    free(xf);
+    return 0;
+}
+#else
+int int4_avx2(void) { return 0; }
+int int4_mm_avx2(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                 float* xs, uint16_t* y) { return 1; }
+#endif
+
 /* The screen head's logits: lg bf16 [n, V] (the int4 head's) -> out fp32 [n, V], each row's
    k largest (ties: the lower index) recomputed exactly as hn . table[v] (fp32 hidden [n, H]),
    summed in input order: table bf16 [V, H] (the tied embedding; scales NULL), or int8 [V, H]
@@ -410,37 +559,32 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
     }
     return 0;
 }
-#else
-int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, const void* table,
-                  const uint16_t* scales, int64_t H, int64_t k, float* out) { return 1; }
-int int4_available(void) { return 0; }
-int int4_mm(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
-            float* xs, uint16_t* y) { return 1; }
-int int4_amx(void) { return 0; }
-int int4_amx_enable(void) { return 0; }
-int int4_amx_few_rows(int n) { return 0; }
-int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
-                float* xs, uint16_t* y) { return 1; }
-#endif
-""".replace("/*ROW_PASSES*/", ROW_PASSES).replace("/*AMX_PREAMBLE*/", AMX_PREAMBLE)
+""".replace("/*ROW_PASSES*/", ROW_PASSES).replace("/*AMX_PREAMBLE*/", AMX_PREAMBLE) \
+    .replace("/*AVX2_COMMON*/", AVX2_COMMON).replace("/*AVX2_PASSES*/", AVX2_PASSES)
 
 _lock = threading.Lock()
 _state: dict = {}
 # SPECMESH_INT4_KERNEL: "specmesh" (the default: AMX-BF16 tiles where the CPU has them, else
-# AVX-512 BF16), "amx" (AMX or nothing), "avx512" (never AMX), "torch" (torch's kernel).
+# AVX-512 BF16, else AVX2), "amx" (AMX or nothing), "avx512" (AVX-512 BF16, never AMX),
+# "avx2" (the AVX2 matmul, on any CPU that has AVX2 and FMA), "torch" (torch's kernel).
 # AMX costs little more from 1 to 16 rows (8 rows ~0.55x AVX-512's); one row, on rows_amxe, is
 # as fast as AVX-512's (docs/int4.md)
-KERNEL_CHOICES = ("specmesh", "amx", "avx512", "torch")
+KERNEL_CHOICES = ("specmesh", "amx", "avx512", "avx2", "torch")
+# each matmul of the library: its entry point and what it needs (each has its own bits)
+ISAS = {"avx512": ("int4_mm", "int4_available", "AVX-512 BF16"),
+        "amx": ("int4_mm_amx", "int4_amx", "AMX-BF16"),
+        "avx2": ("int4_mm_avx2", "int4_avx2", "AVX2 and FMA")}
 
 
 class Int4Matmul:
     """The loaded kernel (``load()``)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path, amx: bool = False):
+    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx512"):
         self.lib, self.path = lib, path
         P, I = ctypes.c_void_p, ctypes.c_int64
-        self.amx = bool(amx)  # the matmul runs on AMX tiles (else AVX-512 BF16): each has its own bits
-        self._mm = lib.int4_mm_amx if self.amx else lib.int4_mm
+        self.isa = isa  # which matmul of the library ("avx512", "amx", "avx2"): each has its own bits
+        self.amx = isa == "amx"
+        self._mm = getattr(lib, ISAS[isa][0])
         self._mm.argtypes = [P, I, I, P, I, I, P, P]
         self._mm.restype = ctypes.c_int
         self._few = lib.int4_amx_few_rows
@@ -480,17 +624,21 @@ class Int4Matmul:
             raise RuntimeError("screen: the kernel refused its input")
         return out
 
-    @staticmethod
-    def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
+    def pack(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int) -> torch.Tensor:
         """q [N, K] in 0..15 (uint8), scale / zero [N, K/group] (the weight is (q - 8) *
-        scale + zero, both taken in bf16) -> the kernel's layout, uint8 [N/16, K/group,
+        scale + zero, both taken in bf16) -> this matmul's layout, uint8 [N/16, K/group,
         group * 8 + 64]. N a multiple of 16, group of 32."""
         N, K = q.shape
         G = K // group
         if N % 16 or K % group or group % 32 or scale.shape != (N, G) or zero.shape != (N, G):
             raise ValueError(f"int4 pack: unsupported shape {tuple(q.shape)} group {group}")
-        q = q.to(torch.uint8).reshape(N // 16, 16, G, group // 2, 2)
-        nib = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(N // 16, G, group * 8)
+        if self.isa == "avx2":  # per 8 inputs, per half of 8 outputs: a dword of 8 nibbles per output
+            q8 = q.to(torch.int64).reshape(N // 16, 2, 8, G, group // 8, 8)
+            words = (q8 << (4 * torch.arange(8))).sum(-1).to(torch.uint32)  # [nb, h, l, G, c]
+            nib = words.permute(0, 3, 4, 1, 2).contiguous().view(torch.uint8).reshape(N // 16, G, group * 8)
+        else:  # per input pair: byte j holds output j's two nibbles
+            q = q.to(torch.uint8).reshape(N // 16, 16, G, group // 2, 2)
+            nib = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1).reshape(N // 16, G, group * 8)
 
         def sc(t):
             return t.to(torch.bfloat16).reshape(N // 16, 16, G).permute(0, 2, 1).contiguous().view(torch.uint8)
@@ -509,43 +657,53 @@ class Int4Matmul:
         rc = self._mm(x.data_ptr(), M, K, packed.data_ptr(), n_out, group, xs.data_ptr(), y.data_ptr()) if M else 0
         if rc == 2:
             raise MemoryError("int4 mm: out of memory for the AMX kernel's tile buffers")
+        if rc == 2 and self.isa == "avx2":
+            raise MemoryError("int4 mm: out of memory for the AVX2 kernel's fp32 rows")
         if rc:
-            raise RuntimeError("int4 mm: the kernel was built without AVX-512 BF16")
+            raise RuntimeError(f"int4 mm: the kernel was built without {ISAS[self.isa][2]}")
         return y
 
 
 def load() -> Optional[Int4Matmul]:
-    """The kernel, built on first use; None where the CPU lacks AVX-512 BF16, there is no
-    compiler, or ``SPECMESH_INT4_KERNEL=torch`` (``load_error()`` says why; the engine
-    then keeps torch's int4 kernel)."""
+    """The kernel, built on first use; None where the CPU has neither AVX-512 BF16 nor
+    AVX2 with FMA, there is no compiler, or ``SPECMESH_INT4_KERNEL=torch`` (``load_error()``
+    says why; the engine then keeps torch's int4 kernel)."""
     from .keylist_attention import cached_load, compile_library, kernel_choice
 
     def make() -> Int4Matmul:
         choice = kernel_choice("SPECMESH_INT4_KERNEL", KERNEL_CHOICES)
         lib, path = compile_library("int4mm", _SOURCE)
-        lib.int4_available.restype = ctypes.c_int
-        if not lib.int4_available():
-            raise RuntimeError("this CPU has no AVX-512 BF16 (the kernel's vdpbf16ps)")
-        if choice == "amx":
-            return amx_variant(lib, path)
-        if choice == "specmesh":
+        if choice != "specmesh":
+            return variant(lib, path, choice)
+        errors = []
+        for isa in ("amx", "avx512", "avx2"):  # the fastest this CPU has
             try:
-                return amx_variant(lib, path)
-            except RuntimeError:
-                pass  # no AMX here: AVX-512 BF16
-        return Int4Matmul(lib, path)
+                return variant(lib, path, isa)
+            except RuntimeError as e:
+                errors.append(str(e))
+        raise RuntimeError("; ".join(errors))
 
     return cached_load(_state, _lock, make)
 
 
+def variant(lib: ctypes.CDLL, path: Path, isa: str) -> Int4Matmul:
+    """One matmul of the built library (``ISAS``; for AMX the process's permission for the
+    tile state asked once); RuntimeError where the CPU or the build lacks what it needs."""
+    entry, probe, needs = ISAS[isa]
+    fn = getattr(lib, probe)
+    fn.restype = ctypes.c_int
+    ok = bool(fn())
+    if ok and isa == "amx":
+        lib.int4_amx_enable.restype = ctypes.c_int
+        ok = bool(lib.int4_amx_enable())
+    if not ok:
+        raise RuntimeError(f"SPECMESH_INT4_KERNEL={isa}: this CPU or kernel has no {needs}")
+    return Int4Matmul(lib, path, isa)
+
+
 def amx_variant(lib: ctypes.CDLL, path: Path) -> Int4Matmul:
-    """The AMX matmul of the built library (the process's permission for the tile state
-    asked once); RuntimeError where the CPU or the build has no AMX-BF16."""
-    for fn in (lib.int4_amx, lib.int4_amx_enable):
-        fn.restype = ctypes.c_int
-    if not lib.int4_amx() or not lib.int4_amx_enable():
-        raise RuntimeError("SPECMESH_INT4_KERNEL=amx: this CPU or kernel has no AMX-BF16")
-    return Int4Matmul(lib, path, amx=True)
+    """The AMX matmul of the built library (``variant(lib, path, "amx")``)."""
+    return variant(lib, path, "amx")
 
 
 def load_error() -> str:

@@ -1,10 +1,13 @@
-"""The bf16 matmul kernel (``specmesh.bf16_matmul``), both its AVX-512 BF16 and its AMX
-paths: close to the exact product, a row's bits depend on that row alone (not on how
+"""The bf16 matmul kernel (``specmesh.bf16_matmul``), its AVX-512 BF16, AMX and AVX2
+paths (each where the CPU has it; AVX2 also bit for bit its documented order): close to
+the exact product, a row's bits depend on that row alone (not on how
 many rows share the call, where it sits, or the thread count), bad input refused, the
 environment turns it off; the engine's bf16 ``Linear`` runs on it and keeps its rows
 for the head's refinement."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -15,14 +18,22 @@ from specmesh.types import InvalidArgument
 from tests.support import kernel_or_skip
 
 
-@pytest.fixture(scope="module", params=["avx512", "amx"])
-def kern(request):
-    k = kernel_or_skip(bm, "bf16 kernel")
-    if request.param == "avx512":
-        return bm.Bf16Matmul(k.lib, k.path)
+def _path(k, isa):
+    """That path of the loaded kernel's library, or a skip where the CPU lacks it."""
+    probe = {"avx512": k.lib.bf16_available, "avx2": k.lib.bf16_avx2}.get(isa)
+    if probe is not None:
+        probe.restype = ctypes.c_int
+        if not probe():
+            pytest.skip(f"no {isa} here")
+        return bm.Bf16Matmul(k.lib, k.path, isa=isa)
     if not k.amx:
         pytest.skip("no AMX-BF16 here (or SPECMESH_BF16_KERNEL=avx512)")
     return k
+
+
+@pytest.fixture(scope="module", params=["avx512", "amx", "avx2"])
+def kern(request):
+    return _path(kernel_or_skip(bm, "bf16 kernel"), request.param)
 
 
 def _w(N, K, seed=0):
@@ -56,6 +67,35 @@ def test_a_rows_bits_depend_on_that_row_alone(kern, N, K):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, full)
+
+
+def test_the_avx2_path_computes_its_documented_order():
+    """Bit for bit: per row and output one fp32 chain over the input pairs, the odd
+    input's product added before the even one's, each step rounded once (float64 holds
+    every bf16 product and fp32 sum of two exactly), then bf16. The odd inputs are
+    +-2^20 with the sign flipping from pair to pair over equal weights, so their large
+    products cancel exactly two pairs later and the result is the small even products
+    summed at a large partial sum's rounding: each step's rounding shows in the output."""
+    a = _path(kernel_or_skip(bm, "bf16 kernel"), "avx2")
+    g = torch.Generator().manual_seed(4)
+    N, K, M = 32, 96, 3
+    W = _w(N, K, seed=5)
+    W[:, 3::4] = W[:, 1::4]  # odd weights equal over each two pairs
+    xo = torch.full((M, K // 2), 2.0 ** 20)
+    xo[:, 1::2] = -(2.0 ** 20)
+    x = torch.stack([torch.randn(M, K // 2, generator=g) * 0.125, xo], -1).reshape(M, K).bfloat16()
+    y = a.mm(x, a.pack(W))
+    xd, wd = x.double(), W.double()
+    t = torch.zeros(M, N, dtype=torch.float64)
+    for p in range(K // 2):
+        for i in (2 * p + 1, 2 * p):
+            t = (t + xd[:, i:i + 1] * wd[:, i][None]).float().double()
+    assert torch.equal(y.view(torch.int16), t.float().bfloat16().view(torch.int16))
+    assert y.float().abs().max() > 0
+    t2 = torch.zeros(M, N, dtype=torch.float64)
+    for i in range(K):  # the even product first: other bits
+        t2 = (t2 + xd[:, i:i + 1] * wd[:, i][None]).float().double()
+    assert not torch.equal(y, t2.float().bfloat16())
 
 
 def test_bad_input_is_refused(kern):

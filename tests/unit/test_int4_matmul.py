@@ -2,7 +2,8 @@
 weights ``(q - 8) * scale + zero`` applied to bf16 rows, close to the exact product and
 to torch's int4 kernel; a row's bits depend on that row alone (not on how many rows
 share the call, where it sits, or the thread count); the screen head's top logits are
-the exact table products. Both matmuls: AVX-512 BF16 (the default) and AMX tiles."""
+the exact table products. Every matmul the CPU has: AVX-512 BF16, AMX tiles and AVX2
+(which also computes exactly the order its source documents)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,11 @@ from specmesh.engine import quantize_int4
 from tests.support import kernel_or_skip
 
 
-@pytest.fixture(scope="module", params=["avx512", "amx"])
+@pytest.fixture(scope="module", params=["avx512", "amx", "avx2"])
 def kern(request):
     k = kernel_or_skip(im, "int4 kernel")
-    if request.param == "avx512":  # the AVX-512 BF16 matmul of the same library
-        return im.Int4Matmul(k.lib, k.path)
-    try:  # the AMX matmul (SPECMESH_INT4_KERNEL=amx), where the CPU has it
-        return im.amx_variant(k.lib, k.path)
+    try:  # that matmul of the same library (SPECMESH_INT4_KERNEL=...), where the CPU has it
+        return im.variant(k.lib, k.path, request.param)
     except RuntimeError as e:
         pytest.skip(str(e))
 
@@ -116,6 +115,43 @@ def test_amx_few_rows_path_gives_the_tiles_bits(group):
     assert a.amx_few_rows() == before
 
 
+def _avx2_order(x, q, scale, zero, group):
+    """The AVX2 matmul's arithmetic as its source states it, one fp32 rounding a step
+    (float64 holds every product and sum of two fp32 values exactly): per group
+    t = sum x_i q_i in input order, then acc = fma(t, s, acc), acc = fma(z - 8 s, sum_g x, acc)."""
+    M, K = x.shape
+    xf, qd = x.double(), q.double()
+    s, z = scale.bfloat16().double(), zero.bfloat16().double()
+    f32 = lambda t: t.float().double()  # noqa: E731 - round to fp32
+    acc = torch.zeros(M, q.shape[0], dtype=torch.float64)
+    for g in range(K // group):
+        t = torch.zeros_like(acc)
+        xsum = torch.zeros(M, dtype=torch.float64)
+        for i in range(g * group, (g + 1) * group):
+            t = f32(t + xf[:, i:i + 1] * qd[:, i][None])
+            xsum = f32(xsum + xf[:, i])
+        acc = f32(acc + t * s[:, g][None])
+        acc = f32(acc + f32(z[:, g] - 8 * s[:, g])[None] * xsum[:, None])
+    return acc.float().bfloat16()
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_the_avx2_matmul_computes_its_documented_order(group):
+    """Bit for bit, on sums that are small residues of large partial sums (so every
+    rounding step shows in the bf16 output)."""
+    k = kernel_or_skip(im, "int4 kernel")
+    try:
+        a = im.variant(k.lib, k.path, "avx2")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    N, K = 48, 128
+    for m in (1, 3, 5):
+        x, q, scale, zero = _cancelling_case(N, K, group, m, seed=7 * group + m)
+        y = a.mm(x, a.pack(q, scale, zero, group), N, group)
+        assert torch.equal(y.view(torch.int16), _avx2_order(x, q, scale, zero, group).view(torch.int16)), m
+        assert y.float().abs().max() > 0
+
+
 def test_bad_input_is_refused(kern):
     q, scale, zero, _ = _weight(32, 64, 32)
     with pytest.raises(ValueError, match="unsupported"):
@@ -172,4 +208,8 @@ def test_the_environment_names_the_kernel(monkeypatch):
     monkeypatch.setattr(im, "_state", {})
     monkeypatch.setenv("SPECMESH_INT4_KERNEL", "avx512")
     k = im.load()
-    assert (k is not None and not k.amx) or "AVX-512" in im.load_error()
+    assert (k is not None and k.isa == "avx512") or "AVX-512" in im.load_error()
+    monkeypatch.setattr(im, "_state", {})
+    monkeypatch.setenv("SPECMESH_INT4_KERNEL", "avx2")
+    k = im.load()
+    assert (k is not None and k.isa == "avx2") or "AVX2" in im.load_error()

@@ -139,6 +139,26 @@ def test_layer_is_rope_cache_writes_and_attention(kern, dtype):
         kern.plan(rows, pos, wslot, torch.tensor([40, 41, T, 0]), cos, sin, kb, vb, NQ, 1.0)  # past the cache
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("nq,nk,hd", [(9, 3, 64), (8, 1, 128), (10, 2, 64), (4, 4, 32)])
+def test_the_avx2_loops_give_the_generic_codes_bits(kern, dtype, nq, nk, hd):
+    """Where the kernel was built with its AVX2 score and value loops, every output equals
+    the generic build's bit for bit (heads of 64 and 128 take the fast score loop, 32 the
+    generic one; 1-5 query heads per KV head; keys named by prefix and by list)."""
+    if not kern.fast8:
+        pytest.skip("the kernel's AVX2 loops are not built on this CPU (AVX-512 or no AVX2)")
+    gen = ka.generic_build()
+    assert not gen.fast8
+    g = torch.Generator().manual_seed(nq + hd)
+    kc = torch.randn(2, nk, 300, hd, generator=g).to(dtype)
+    vc = torch.randn(2, nk, 300, hd, generator=g).to(dtype)
+    rows = ka.RowKeys.build([(0, 257, ()), (1, 3, (7, 9, 200)), (0, 0, (5,)), (1, 0, ()), (1, 299, ())])
+    q = torch.randn(rows.n, nq, hd, generator=g).to(dtype)
+    a, b = kern(q, kc, vc, rows, hd ** -0.5), gen(q, kc, vc, rows, hd ** -0.5)
+    assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       b.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
 def test_add_rms_norm_and_silu_mul_are_rowwise_and_close_to_torch(kern):
     import torch.nn.functional as F
 
