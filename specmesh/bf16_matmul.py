@@ -22,7 +22,7 @@ AVX-512 path's; the choice is the matrix's, the same for every call.
 
 Where the CPU has neither but AVX2 and FMA, ``bf16_mm_avx2`` runs on the same layout in
 8-lane fp32 (the weights widened with a shift or a mask; its order is in the source):
-on a 2-core AMD EPYC (Zen 3) the bf16 decode step went 40 -> 17.8 ms and an 8-row
+on a 2-core AMD EPYC (Zen 3) the bf16 decode step went 58.3 -> 16.8 ms and an 8-row
 forward 159 -> 38.6 ms against torch's ``linear``, at ~20 GB/s (the memory's speed).
 
 Built like the key-list kernel (``keylist_attention.compile_library``) where the CPU

@@ -17,8 +17,8 @@ Where it has neither but AVX2 and FMA (AMD Zen 1-3, Intel before Ice Lake), ``in
 on a layout of its own (``pack`` is the chosen matmul's): 8 nibbles of one output per
 dword, so input i's weights are ``v & 0xF << 4i`` converted to fp32, met by the row
 scaled by ``16^-i``: no shuffles, which took a one-row call of the 1536 x 8960 matrix from
-torch's 1.21 ms to 0.36 ms on a 2-core AMD EPYC (Zen 3; the int4 decode step 22.9 -> 8.4
-ms with the key-list attention's AVX2 loops). Its arithmetic is in the source's comment.
+torch's 1.21 ms to 0.36 ms on a 2-core AMD EPYC (Zen 3; with the key-list attention's AVX2
+loops the int4 decode step went 28.4 -> 8.4 ms, docs/int4.md). Its arithmetic is in the source's comment.
 
 The arithmetic, per row and output: for each group g, ``t_g = sum (q_i - 8) x_i`` (bf16
 products summed in fp32 pairs, in input order), then ``acc += t_g * s_g`` and
