@@ -221,6 +221,11 @@ _state: dict = {}
 # matrices whose inputs are a multiple of 32, else AVX-512 BF16; where the CPU has neither,
 # AVX2), "avx512" (never AMX), "avx2" (the AVX2 path, on any CPU with AVX2 and FMA), "torch"
 KERNEL_CHOICES = ("specmesh", "avx512", "avx2", "torch")
+# each path of the library: what tells whether it was built for this CPU, and what it needs
+# (AMX matrices whose inputs are no multiple of 32 run on the AVX-512 path, so AMX needs both)
+ISAS = {"avx512": (("bf16_available",), "AVX-512 BF16 (the kernel's vdpbf16ps)"),
+        "amx": (("bf16_available", "bf16_amx", "bf16_amx_enable"), "AMX-BF16"),
+        "avx2": (("bf16_avx2",), "AVX2 and FMA")}
 
 
 def supported(out_features: int, in_features: int) -> bool:
@@ -231,10 +236,10 @@ def supported(out_features: int, in_features: int) -> bool:
 class Bf16Matmul:
     """The loaded kernel (``load()``)."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path, amx: bool = False, isa: str = "avx512"):
+    def __init__(self, lib: ctypes.CDLL, path: Path, isa: str = "avx512"):
         self.lib, self.path = lib, path
-        self.isa = "amx" if amx else isa  # "amx", "avx512" or "avx2": each path has its own bits
-        self.amx = bool(amx)  # matrices whose inputs are a multiple of 32 run on AMX tiles
+        self.isa = isa  # "amx", "avx512" or "avx2" (ISAS): each path has its own bits
+        self.amx = isa == "amx"  # matrices whose inputs are a multiple of 32 run on AMX tiles
         P, I = ctypes.c_void_p, ctypes.c_int64
         self._avx = lib.bf16_mm_avx2 if isa == "avx2" else lib.bf16_mm
         self._amx = lib.bf16_mm_amx
@@ -284,19 +289,27 @@ def load() -> Optional[Bf16Matmul]:
     def make() -> Bf16Matmul:
         choice = kernel_choice("SPECMESH_BF16_KERNEL", KERNEL_CHOICES)
         lib, path = compile_library("bf16mm", _SOURCE)
-        for fn in (lib.bf16_available, lib.bf16_amx, lib.bf16_amx_enable, lib.bf16_avx2):
-            fn.restype = ctypes.c_int
-        if choice == "avx2" or (choice == "specmesh" and not lib.bf16_available()):
-            if not lib.bf16_avx2():
-                raise RuntimeError("this CPU has neither AVX-512 BF16 nor AVX2 with FMA"
-                                   if choice == "specmesh" else "SPECMESH_BF16_KERNEL=avx2: this CPU has no AVX2 and FMA")
-            return Bf16Matmul(lib, path, isa="avx2")
-        if not lib.bf16_available():
-            raise RuntimeError("this CPU has no AVX-512 BF16 (the kernel's vdpbf16ps)")
-        amx = choice == "specmesh" and bool(lib.bf16_amx()) and bool(lib.bf16_amx_enable())
-        return Bf16Matmul(lib, path, amx)
+        if choice != "specmesh":
+            return variant(lib, path, choice)
+        errors = []
+        for isa in ("amx", "avx512", "avx2"):  # the fastest this CPU has
+            try:
+                return variant(lib, path, isa)
+            except RuntimeError as e:
+                errors.append(str(e))
+        raise RuntimeError("; ".join(errors))
 
     return cached_load(_state, _lock, make)
+
+
+def variant(lib: ctypes.CDLL, path: Path, isa: str) -> Bf16Matmul:
+    """One path of the built library (``ISAS``; for AMX the process's permission for the
+    tile state asked once); RuntimeError where the CPU or the build lacks what it needs."""
+    from .keylist_attention import require
+
+    probes, needs = ISAS[isa]
+    require(lib, probes, f"SPECMESH_BF16_KERNEL={isa}: this CPU or kernel has no {needs}")
+    return Bf16Matmul(lib, path, isa)
 
 
 def load_error() -> str:

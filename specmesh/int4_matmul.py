@@ -571,9 +571,9 @@ _state: dict = {}
 # as fast as AVX-512's (docs/int4.md)
 KERNEL_CHOICES = ("specmesh", "amx", "avx512", "avx2", "torch")
 # each matmul of the library: its entry point and what it needs (each has its own bits)
-ISAS = {"avx512": ("int4_mm", "int4_available", "AVX-512 BF16"),
-        "amx": ("int4_mm_amx", "int4_amx", "AMX-BF16"),
-        "avx2": ("int4_mm_avx2", "int4_avx2", "AVX2 and FMA")}
+ISAS = {"avx512": ("int4_mm", ("int4_available",), "AVX-512 BF16"),
+        "amx": ("int4_mm_amx", ("int4_amx", "int4_amx_enable"), "AMX-BF16"),
+        "avx2": ("int4_mm_avx2", ("int4_avx2",), "AVX2 and FMA")}
 
 
 class Int4Matmul:
@@ -689,15 +689,10 @@ def load() -> Optional[Int4Matmul]:
 def variant(lib: ctypes.CDLL, path: Path, isa: str) -> Int4Matmul:
     """One matmul of the built library (``ISAS``; for AMX the process's permission for the
     tile state asked once); RuntimeError where the CPU or the build lacks what it needs."""
-    entry, probe, needs = ISAS[isa]
-    fn = getattr(lib, probe)
-    fn.restype = ctypes.c_int
-    ok = bool(fn())
-    if ok and isa == "amx":
-        lib.int4_amx_enable.restype = ctypes.c_int
-        ok = bool(lib.int4_amx_enable())
-    if not ok:
-        raise RuntimeError(f"SPECMESH_INT4_KERNEL={isa}: this CPU or kernel has no {needs}")
+    from .keylist_attention import require
+
+    _, probes, needs = ISAS[isa]
+    require(lib, probes, f"SPECMESH_INT4_KERNEL={isa}: this CPU or kernel has no {needs}")
     return Int4Matmul(lib, path, isa)
 
 

@@ -123,8 +123,6 @@ static inline v16f exp_nonpos(v16f x) {
 #define HC_MAX 16   /* head dimension up to 256 */
 #define KEYPOS(j) ((j) < c0 ? (int64_t)(j) : (int64_t)anc[o0 + (j) - c0])
 
-/* One (row, KV head): its g query heads qf (scaled, fp32) against the L keys it names
-   (the first c0 positions, then anc[o0 ...]); o: g rows of hd outputs. 1 if out of memory. */
 /* CPUs with AVX2 and without AVX-512 (16-lane vectors are two registers there, and the
    generic code above moves them through memory): the score and the value loops of a
    64- or 128-wide head on 8-lane intrinsics, with the same arithmetic (each lane's
@@ -223,6 +221,8 @@ int keylist_fast8(void) { return 0; }
 #define FAST8_PV(NAME, ...) 1
 #endif
 
+/* One (row, KV head): its g query heads qf (scaled, fp32) against the L keys it names
+   (the first c0 positions, then anc[o0 ...]); o: g rows of hd outputs. 1 if out of memory. */
 #define CORE(NAME, T_, LD, ST)                                                                          \
 static int NAME(const T_* kb, const T_* vb, const int32_t* anc, int64_t c0, int64_t o0, int64_t L,      \
                 int64_t g, int64_t hd, const v16f* qf, T_* o) {                                         \
@@ -618,6 +618,17 @@ def kernel_choice(var: str, choices: tuple) -> str:
     if choice == "torch":
         raise RuntimeError(f"{var}=torch")
     return choice
+
+
+def require(lib: ctypes.CDLL, probes: Sequence[str], message: str) -> None:
+    """Call the library's ``int (void)`` functions ``probes`` in order (whether a path was
+    built for this CPU; AMX's also asks for the tile state); RuntimeError(message) at the
+    first that returns 0: the kernel loaders' check of one variant."""
+    for name in probes:
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        if not fn():
+            raise RuntimeError(message)
 
 
 def cached_load(state: dict, lock: threading.Lock, make: Callable[[], object]) -> Optional[object]:

@@ -7,8 +7,6 @@ for the head's refinement."""
 
 from __future__ import annotations
 
-import ctypes
-
 import pytest
 import torch
 
@@ -20,15 +18,10 @@ from tests.support import kernel_or_skip
 
 def _path(k, isa):
     """That path of the loaded kernel's library, or a skip where the CPU lacks it."""
-    probe = {"avx512": k.lib.bf16_available, "avx2": k.lib.bf16_avx2}.get(isa)
-    if probe is not None:
-        probe.restype = ctypes.c_int
-        if not probe():
-            pytest.skip(f"no {isa} here")
-        return bm.Bf16Matmul(k.lib, k.path, isa=isa)
-    if not k.amx:
-        pytest.skip("no AMX-BF16 here (or SPECMESH_BF16_KERNEL=avx512)")
-    return k
+    try:
+        return bm.variant(k.lib, k.path, isa)
+    except RuntimeError as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module", params=["avx512", "amx", "avx2"])
