@@ -284,20 +284,12 @@ def load() -> Optional[Bf16Matmul]:
     """The kernel, built on first use; None where the CPU has neither AVX-512 BF16 nor
     AVX2 with FMA, there is no compiler, or ``SPECMESH_BF16_KERNEL=torch`` (``load_error()``
     says why)."""
-    from .keylist_attention import cached_load, compile_library, kernel_choice
+    from .keylist_attention import cached_load, compile_library, kernel_choice, pick_variant
 
     def make() -> Bf16Matmul:
         choice = kernel_choice("SPECMESH_BF16_KERNEL", KERNEL_CHOICES)
         lib, path = compile_library("bf16mm", _SOURCE)
-        if choice != "specmesh":
-            return variant(lib, path, choice)
-        errors = []
-        for isa in ("amx", "avx512", "avx2"):  # the fastest this CPU has
-            try:
-                return variant(lib, path, isa)
-            except RuntimeError as e:
-                errors.append(str(e))
-        raise RuntimeError("; ".join(errors))
+        return pick_variant(choice, lambda isa: variant(lib, path, isa), ("amx", "avx512", "avx2"))
 
     return cached_load(_state, _lock, make)
 

@@ -668,20 +668,12 @@ def load() -> Optional[Int4Matmul]:
     """The kernel, built on first use; None where the CPU has neither AVX-512 BF16 nor
     AVX2 with FMA, there is no compiler, or ``SPECMESH_INT4_KERNEL=torch`` (``load_error()``
     says why; the engine then keeps torch's int4 kernel)."""
-    from .keylist_attention import cached_load, compile_library, kernel_choice
+    from .keylist_attention import cached_load, compile_library, kernel_choice, pick_variant
 
     def make() -> Int4Matmul:
         choice = kernel_choice("SPECMESH_INT4_KERNEL", KERNEL_CHOICES)
         lib, path = compile_library("int4mm", _SOURCE)
-        if choice != "specmesh":
-            return variant(lib, path, choice)
-        errors = []
-        for isa in ("amx", "avx512", "avx2"):  # the fastest this CPU has
-            try:
-                return variant(lib, path, isa)
-            except RuntimeError as e:
-                errors.append(str(e))
-        raise RuntimeError("; ".join(errors))
+        return pick_variant(choice, lambda isa: variant(lib, path, isa), ("amx", "avx512", "avx2"))
 
     return cached_load(_state, _lock, make)
 

@@ -631,6 +631,21 @@ def require(lib: ctypes.CDLL, probes: Sequence[str], message: str) -> None:
             raise RuntimeError(message)
 
 
+def pick_variant(choice: str, variant: Callable[[str], object], fastest_first: Sequence[str]) -> object:
+    """The loaders' choice of a kernel variant: ``variant(choice)``, or for "specmesh" the
+    first of ``fastest_first`` that ``variant`` does not refuse (RuntimeError naming every
+    refusal where all are)."""
+    if choice != "specmesh":
+        return variant(choice)
+    errors = []
+    for isa in fastest_first:
+        try:
+            return variant(isa)
+        except RuntimeError as e:
+            errors.append(str(e))
+    raise RuntimeError("; ".join(errors))
+
+
 def cached_load(state: dict, lock: threading.Lock, make: Callable[[], object]) -> Optional[object]:
     """``make()`` once per process under ``lock``, kept in ``state`` (``"kernel"``; None and
     the reason in ``"error"`` where it raised): the loaders' shared memo."""
