@@ -239,7 +239,9 @@ def test_killing_a_drafter_replica_changes_no_output(cluster, ref):
 
     def run(i: int, prompt: str):
         with Client(cluster.address, timeout=180) as c:
-            s = c.stream(prompt, strategy="external", drafter=DRAFTERS[i % 2], max_new_tokens=48)
+            # long enough to be mid-generation when the replica dies (the AVX2 kernels made
+            # 48 tokens short enough to finish first: no failover to count)
+            s = c.stream(prompt, strategy="external", drafter=DRAFTERS[i % 2], max_new_tokens=192)
             for _ in s:
                 started.set()
             out[i] = (prompt, s.result.token_ids)
@@ -254,7 +256,7 @@ def test_killing_a_drafter_replica_changes_no_output(cluster, ref):
         t.join(180)
     assert len(out) == 4
     for prompt, ids in out.values():
-        assert ids == ref(prompt, 48)
+        assert ids == ref(prompt, 192)
     # the victim's sessions moved to the surviving replica and resynced from the router's tokens
     assert cluster.describe()["drafter_failovers"] > d0["drafter_failovers"]
     # Serve replaces the replica; the registry then lists two drafters again, one of them new
