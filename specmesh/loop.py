@@ -51,9 +51,15 @@ class VerifyCosts:
     from the rounds of every generation that shares this object — one per verifier (a
     ``Runtime``, a router), so a new request starts from what earlier ones measured
     instead of a prior. EMAs of (verify seconds, drafted) of short (k <= 2) and long
-    (k >= 4) rounds; beta = (long / short - 1) / (k_long - k_short), in [0, 0.5]; the
-    prior until both groups were seen. On CPUs with bf16 matrix units scoring 8 tokens
-    costs little more than 1 (beta ~ 0.01-0.02); in fp32 about 0.12."""
+    (k >= 4) rounds, fitted by the cost model's line t(k) = t1 (1 + beta k):
+    beta = (t_long - t_short) / (t_short k_long - t_long k_short), in [0, 0.5], and a
+    one-token forward t1 = t_short / (1 + beta k_short); the prior until both groups were
+    seen. (Short rounds are often drafted ones, k_short > 0: taking t_short for t1 and
+    (t_long / t_short - 1) / (k_long - k_short) for beta would price a one-token round
+    too high and a scored token too low — on an AVX2 CPU in bf16, 0.16 for a measured
+    0.24 — so drafting that loses would look as if it paid.) On CPUs with bf16 matrix
+    units scoring 8 tokens costs little more than 1 (beta ~ 0.01-0.02); in fp32 about
+    0.12."""
 
     def __init__(self, prior: float = 0.06, ema: float = 0.2):
         self.prior, self.ema = prior, ema
@@ -70,22 +76,33 @@ class VerifyCosts:
             self._groups[group] = (verify_s, drafted) if old is None else \
                 ((1 - w) * old[0] + w * verify_s, (1 - w) * old[1] + w * drafted)
 
+    def _fit(self) -> tuple[Optional[float], float]:
+        """(t1 or None before a short round, beta)."""
+        with self._lock:
+            short, long = self._groups.get(0), self._groups.get(1)
+        if short is None or short[0] <= 0:
+            return None, self.prior
+        (vs, ks) = short
+        beta = self.prior
+        if long is not None:
+            vl, kl = long
+            den = vs * kl - vl * ks
+            if kl > ks and den > 0:
+                beta = min(0.5, max(0.0, (vl - vs) / den))
+        return vs / (1 + beta * ks), beta
+
     @property
     def short_seconds(self) -> Optional[float]:
-        """EMA of a short round's verify seconds (about a one-token forward); None before one."""
-        with self._lock:
-            g = self._groups.get(0)
-        return g[0] if g is not None and g[0] > 0 else None
+        """A one-token forward's seconds (the cost model's unit): the short rounds' EMA
+        less their drafted tokens' share; None before a short round."""
+        return self._fit()[0]
 
     @property
     def beta(self) -> float:
         with self._lock:
             if len(self._groups) < 2:
                 return self.prior
-            (vs, ks), (vl, kl) = self._groups[0], self._groups[1]
-        if kl <= ks or vs <= 0:
-            return self.prior
-        return min(0.5, max(0.0, (vl / vs - 1) / (kl - ks)))
+        return self._fit()[1]
 
 
 @dataclass

@@ -182,7 +182,7 @@ def test_adaptive_budget_alpha_and_per_round_cost_model():
     m = AdaptiveBudget(8, per_round_draft=True, ema=1.0)
     m.update(1, 1, verify_s=0.10)
     m.update(7, 2, verify_s=0.16)
-    assert m.beta == pytest.approx((0.16 / 0.10 - 1) / 6)
+    assert m.beta == pytest.approx(0.06 / (0.10 * 7 - 0.16 * 1))  # the line through (1, 0.10) and (7, 0.16)
     m.update(7, 2, verify_s=0.09)  # long rounds as cheap as short ones (bf16 matrix units)
     assert m.beta == 0.0
     # switched off, it re-probes with a full block (a shorter one would not cost less)
@@ -226,14 +226,29 @@ def test_verify_costs_shared_across_requests_and_block_policies():
     assert first.per_round_draft and not first.tree and first.ema == 0.1 and first.beta == 0.06  # the prior
     first.update(1, 1, verify_s=0.100)
     first.update(8, 3, verify_s=0.114)
-    assert first.beta == pytest.approx(0.14 / 7)
+    fit = 0.014 / (0.100 * 8 - 0.114 * 1)  # the line t1 (1 + beta k) through (1, 100 ms) and (8, 114 ms)
+    assert first.beta == pytest.approx(fit)
     later = AdaptiveBudget.for_drafter("block_tree", 8, costs=costs)  # a new request starts from what was measured
-    assert later.tree and later.beta == pytest.approx(0.14 / 7)
+    assert later.tree and later.beta == pytest.approx(fit)
     assert AdaptiveBudget.for_drafter("block", 8).beta == 0.06  # no shared costs: its own, from the prior
     tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=costs)
     assert not tok.per_round_draft and tok.beta == 0.06 and tok.ema == 0.3  # per-token drafters: unchanged
     costs.observe(3, 5.0)  # k = 3 is in neither group: ignored
-    assert costs.beta == pytest.approx(0.14 / 7)
+    assert costs.beta == pytest.approx(fit)
+
+
+def test_verify_costs_fit_the_cost_line_when_short_rounds_are_drafted():
+    """Short rounds that drafted two tokens (a one-token forward t1 = 15 ms, beta = 0.24,
+    what bf16 on an AVX2 CPU measures): the fit gives back t1 and beta, where the short
+    rounds' own seconds would price a plain round at 22 ms and a scored token at 0.16."""
+    costs = VerifyCosts(prior=0.06, ema=1.0)
+    assert costs.short_seconds is None and costs.beta == 0.06
+    costs.observe(2, 0.015 * (1 + 0.24 * 2))
+    assert costs.beta == 0.06 and costs.short_seconds == pytest.approx(0.015 * 1.48 / (1 + 0.06 * 2))
+    costs.observe(8, 0.015 * (1 + 0.24 * 8))
+    assert costs.beta == pytest.approx(0.24) and costs.short_seconds == pytest.approx(0.015)
+    costs.observe(0, 0.015)  # plain rounds pull the short group's mean k down; the line stays
+    assert costs.beta == pytest.approx(0.24) and costs.short_seconds == pytest.approx(0.015)
 
 
 def test_block_policy_full_budget_measured_and_tree_all_or_nothing():
