@@ -169,9 +169,12 @@ class AdaptiveBudget(BudgetPolicy):
     verify seconds and cost(k) = 1 + c + k * beta for k > 0; beta is measured from
     short vs long rounds' verify times in ``costs`` (pass the verifier's shared
     ``VerifyCosts`` so it carries over between requests); E(max_budget) is the accepted
-    length measured on full-block rounds, refreshed with a full block every
-    ``probe_every`` shorter rounds; drafting that was switched off is re-probed with a
-    full block; no entropy cap (a shorter block saves no drafting). ``tree`` (with
+    length measured on full-block rounds, refreshed with a full block after
+    ``probe_every`` shorter rounds, each refresh that leaves the draft shorter doubling
+    that wait (up to ``PROBE_BACKOFF`` x); drafting that was switched off is re-probed
+    with a full block while one is cheap to verify (``max_budget * beta <=
+    TREE_CHEAP``), else with the length that pays best at the prior acceptance
+    ``alpha0`` (``_probe_size``); no entropy cap (a shorter block saves no drafting). ``tree`` (with
     ``per_round_draft``): while verifying the full tree costs at most ``TREE_CHEAP`` of
     a forward more than verifying none (max_budget * beta; bf16 matrix units), the
     draft is the full budget or nothing — extra best-first tree nodes accept more than
@@ -216,6 +219,8 @@ class AdaptiveBudget(BudgetPolicy):
         self.off_rounds = 0
         self._probe_gap = probe_every  # off rounds before the next re-probe
         self.short_rounds = 0
+        self._refresh_gap = probe_every  # short rounds before the next full block (per_round_draft)
+        self.alpha0 = alpha0
         self.last_speedup = 1.0
         self._seen, self._pred = 1.0, 1.0  # schedule: EMAs of accepted and of the table's τ - 1
         self._spd = (0.0, 0.0, 0)  # one-pass drafters' drafted rounds: EMAs of seconds and of tokens, count
@@ -250,11 +255,13 @@ class AdaptiveBudget(BudgetPolicy):
         """Served / offline accepted tokens on the schedule's drafted rounds (1.0 before any)."""
         return min(1.5, max(0.0, self._seen / self._pred)) if self._pred > 0 else 1.0
 
-    def expected_speedup(self, k: int) -> float:
-        a = min(max(self.alpha, 1e-3), 0.999)
+    def expected_speedup(self, k: int, alpha: Optional[float] = None, measured_full: bool = True) -> float:
+        """E(k) / cost(k) at the acceptance EMA (or ``alpha``); one-pass drafters' full
+        block uses its measured accepted length unless ``measured_full`` is False."""
+        a = min(max(self.alpha if alpha is None else alpha, 1e-3), 0.999)
         tokens = (1 - a ** (k + 1)) / (1 - a)
         if self.per_round_draft:
-            if k == self.max_budget and self.full_accepted is not None:
+            if k == self.max_budget and measured_full and self.full_accepted is not None:
                 tokens = 1 + self.full_accepted
             return tokens / (1 + (self.cost if k > 0 else 0.0) + k * self.beta)
         return tokens / (1 + k * (self.cost + self.beta))
@@ -282,18 +289,37 @@ class AdaptiveBudget(BudgetPolicy):
             if self.off_rounds >= self._probe_gap:  # re-probe; each probe that finds it still off waits twice as long
                 self.off_rounds = 0
                 self._probe_gap = min(2 * self._probe_gap, self.PROBE_BACKOFF * self.probe_every)
-                best_k = self.max_budget if self.per_round_draft else 1  # a block costs the same at any length
+                best_k = self._probe_size()
                 self._predict(best_k)
                 return best_k
             return 0
         self.off_rounds = 0
         self._probe_gap = self.probe_every
         self._predict(best_k)
-        if self.per_round_draft and best_k < self.max_budget and self.schedule is None:
-            self.short_rounds += 1  # keep the full block's measured acceptance fresh
-            if self.short_rounds % self.probe_every == 0:
-                return self.max_budget
+        if self.per_round_draft and self.schedule is None:
+            if best_k == self.max_budget:
+                self._refresh_gap = self.probe_every
+            else:  # keep the full block's measured acceptance fresh; each refresh that leaves
+                # it shorter waits twice as long (a full block costs 1 + c + max_budget beta)
+                self.short_rounds += 1
+                if self.short_rounds >= self._refresh_gap:
+                    self.short_rounds = 0
+                    self._refresh_gap = min(2 * self._refresh_gap, self.PROBE_BACKOFF * self.probe_every)
+                    return self.max_budget
         return best_k
+
+    def _probe_size(self) -> int:
+        """The draft of a re-probe: per-token drafters 1; a one-pass drafter its full
+        block while that is cheap to verify (``max_budget * beta <= TREE_CHEAP``: it
+        drafts the same at any length), else the length that would pay best at the
+        prior acceptance ``alpha0`` (bf16 on an AVX2 CPU, beta ~ 0.24: 2, not a full
+        block costing ~3.3 forwards)."""
+        if not self.per_round_draft:
+            return 1
+        if self.max_budget * self.beta <= self.TREE_CHEAP:
+            return self.max_budget
+        a = max(self.alpha, self.alpha0)
+        return max(range(1, self.max_budget + 1), key=lambda k: (self.expected_speedup(k, a, False), -k))
 
     @property
     def drafted_spt(self) -> Optional[float]:

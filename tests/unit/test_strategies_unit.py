@@ -196,6 +196,11 @@ def test_adaptive_budget_alpha_and_per_round_cost_model():
     off.cost, off.alpha = 0.5, 0.01
     assert [off.next() for _ in range(2)] == [0, 8]
     assert AdaptiveBudget(8, alpha0=0.01, probe_every=2).next() == 0
+    # where a full block is dear to verify (bf16 on AVX2: 8 x 0.24 forwards), the probe
+    # drafts the length that pays best at the prior acceptance: 2 at alpha0 0.6, c 0.4
+    dear = AdaptiveBudget(8, alpha0=0.6, beta=0.24, per_round_draft=True, probe_every=2)
+    dear.cost, dear.alpha = 0.4, 0.01
+    assert [dear.next() for _ in range(2)] == [0, 2]
 
 
 def test_block_policy_is_held_to_the_seconds_per_token_its_rounds_measured():
@@ -262,7 +267,9 @@ def test_block_policy_full_budget_measured_and_tree_all_or_nothing():
     # a short block is refreshed by a full one every probe_every rounds
     s = AdaptiveBudget(8, alpha0=0.4, beta=0.02, per_round_draft=True, probe_every=3)
     s.cost = 0.15
-    assert [s.next() for _ in range(3)][2] == 8
+    seq = [s.next() for _ in range(33)]
+    # each refresh that leaves it short doubles the wait: after 3, 6, then 12 (= 4 x 3) rounds
+    assert [i for i, k in enumerate(seq) if k == 8] == [2, 8, 20, 32] and 0 < seq[0] < 8
     # a tree drafts its whole budget whenever drafting pays, and nothing when it does not
     t = AdaptiveBudget.for_drafter("block_tree", 8, alpha0=0.4, beta=0.02)
     t.cost = 0.15
