@@ -656,9 +656,8 @@ class Int4Matmul:
         xs = torch.empty(max(M, 1), K // group, dtype=torch.float32)
         rc = self._mm(x.data_ptr(), M, K, packed.data_ptr(), n_out, group, xs.data_ptr(), y.data_ptr()) if M else 0
         if rc == 2:
-            raise MemoryError("int4 mm: out of memory for the AMX kernel's tile buffers")
-        if rc == 2 and self.isa == "avx2":
-            raise MemoryError("int4 mm: out of memory for the AVX2 kernel's fp32 rows")
+            raise MemoryError("int4 mm: out of memory for the " + ("AVX2 kernel's fp32 rows" if self.isa == "avx2"
+                                                                   else "AMX kernel's tile buffers"))
         if rc:
             raise RuntimeError(f"int4 mm: the kernel was built without {ISAS[self.isa][2]}")
         return y
