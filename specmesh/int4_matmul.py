@@ -36,7 +36,9 @@ zeros in bf16: one stream per block, the same bytes as torch's packing plus scal
 Built like the key-list kernel (``keylist_attention.compile_library``, ``-march=native``
 defines ``__AVX512BF16__`` / ``__AVX2__``); where the CPU has neither AVX-512 BF16 nor
 AVX2 with FMA, ``load()`` returns None and the engine keeps torch's int4 kernel.
-``SPECMESH_INT4_KERNEL`` chooses (``KERNEL_CHOICES``; ``torch`` turns it off). ``screen`` is the int4 engine's screen head in one call: its bf16 logits
+``SPECMESH_INT4_KERNEL`` chooses (``KERNEL_CHOICES``; ``torch`` turns it off;
+``avx2q8``, opt-in, rounds each row's inputs to int8 per block of 32 first, the W4A8
+arithmetic llama.cpp uses on AVX2: faster from ~4 rows, less exact). ``screen`` is the int4 engine's screen head in one call: its bf16 logits
 to fp32 with each row's top k recomputed from the tied embedding table (a heap per row;
 torch's ``topk`` over a 49k vocabulary costs ~0.5 ms for 8 rows here). Knows nothing
 about models: weights, scales, rows and a table.
@@ -494,10 +496,135 @@ int int4_mm_avx2(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int6
     free(xf);
     return 0;
 }
+
+/* AVX2 with int8 activations (W4A8, the arithmetic of llama.cpp's Q4 x Q8 dot products on
+   these CPUs; ``pack(isa="avx2q8")`` is the AVX2 layout). The fp32 FMA path above is bound
+   by the FMAs' throughput past a few rows (an 8-row call of SmolLM2's head costs ~5 one-row
+   calls); vpmaddubsw does 32 multiplies where an FMA does 8. Per row and block of 32
+   inputs a: d_a = max|x| / 127 and x_q = round(x 127 / max|x|) (nearest even; 0 where the
+   block is 0), S_a = sum x_q, all exact integers below; per output and group g:
+   T_a = sum (q_i - 8) x_q,i = sum q_i x_q,i - 8 S_a (vpmaddubsw pairs, exact in int16:
+   |sum| <= 4 * 2 * 2 * 15 * 127 < 2^15 per lane, then vpmaddwd), t = fma(T_a, d_a, t) over
+   the group's blocks in order (t = 0 first), then acc = fma(t, s, acc) and
+   acc = fma(z, sum_g x, acc) with the group's exact fp32 input sum (group_sums): the weights
+   (q - 8) s + z with only the scale term's inputs rounded to 8 bits. Every step is the
+   row's own, so a row's bits are its own, whatever the rows and pass shape. */
+#ifndef MC
+#define MC 8
+#endif
+static inline __attribute__((always_inline)) void rows_avx2q8(const int mc, const int nbk, const int8_t* xq,
+        int64_t K, const int32_t* sd, const float* xs, int64_t G, const uint8_t* blk,
+        int64_t bstride, int64_t gstride, int64_t group, uint16_t* y, int64_t N) {
+    const int64_t S = K / 32, subs = group / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[2 * MC];
+    for (int r = 0; r < 2 * nbk * mc; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++)
+        for (int b = 0; b < nbk; b++) {
+            const uint8_t* gb = blk + b * bstride + g * gstride;
+            for (int h = 0; h < 2; h++) {
+                __m256 t[MC];
+                for (int r = 0; r < mc; r++) t[r] = _mm256_setzero_ps();
+                for (int64_t u = 0; u < subs; u++) {
+                    const int64_t a = g * subs + u;
+                    __m256i w[8];  /* chunk c's even inputs (0, 2, 4, 6) at 2c, odd ones at 2c + 1 */
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i*)(gb + 64 * (4 * u + c) + 32 * h));
+                        w[2 * c] = _mm256_and_si256(v, m4);
+                        w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    }
+                    for (int r = 0; r < mc; r++) {  /* one row at a time: its sum is one short tree */
+                        const int8_t* p = xq + r * K + 32 * a;
+                        __m256i m[8];
+                        for (int j = 0; j < 8; j++) {
+                            int32_t xw;
+                            memcpy(&xw, p + 4 * j, 4);
+                            m[j] = _mm256_maddubs_epi16(w[j], _mm256_set1_epi32(xw));
+                        }
+                        const __m256i s16 = _mm256_add_epi16(
+                            _mm256_add_epi16(_mm256_add_epi16(m[0], m[1]), _mm256_add_epi16(m[2], m[3])),
+                            _mm256_add_epi16(_mm256_add_epi16(m[4], m[5]), _mm256_add_epi16(m[6], m[7])));
+                        const __m256i T = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones),
+                                                           _mm256_load_si256((const __m256i*)(sd + 16 * (r * S + a))));
+                        t[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), _mm256_load_ps((const float*)(sd + 16 * (r * S + a) + 8)), t[r]);
+                    }
+                }
+                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 16 * h))), 16));
+                const __m256 z = _mm256_castsi256_ps(_mm256_slli_epi32(
+                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 32 + 16 * h))), 16));
+                for (int r = 0; r < mc; r++) {
+                    const int j = 2 * (b * mc + r) + h;
+                    acc[j] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs[r * G + g]), _mm256_fmadd_ps(t[r], sc, acc[j]));
+                }
+            }
+        }
+    for (int b = 0; b < nbk; b++)
+        for (int r = 0; r < mc; r++)
+            for (int h = 0; h < 2; h++) store8_bf16(y + r * N + 16 * b + 8 * h, acc[2 * (b * mc + r) + h]);
+}
+
+/* a row's bf16 inputs [K] to int8 in blocks of 32 (each 8 stored as inputs 0, 2, 4, 6, 1, 3,
+   5, 7: the order rows_avx2q8 broadcasts them in), the blocks' scales d and sums S */
+static void quantize_row_q8(const uint16_t* x, int64_t K, int8_t* q, int32_t* sd) {
+    const __m256i perm = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    const __m256 nosign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t a = 0; a < K / 32; a++) {
+        __m256 f[4], m = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            f[j] = _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(x + 32 * a + 8 * j))), 16));
+            m = _mm256_max_ps(m, _mm256_and_ps(f[j], nosign));
+        }
+        float mx[8], amax = 0.0f;
+        _mm256_storeu_ps(mx, m);
+        for (int i = 0; i < 8; i++) amax = mx[i] > amax ? mx[i] : amax;
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        const float d = amax / 127.0f;
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(f[j], _mm256_set1_ps(id)));  /* nearest even */
+            sum = _mm256_add_epi32(sum, v);
+            const __m256i w = _mm256_permutevar8x32_epi32(v, perm);
+            const __m256i b8 = _mm256_packs_epi16(_mm256_packs_epi32(w, w), _mm256_packs_epi32(w, w));
+            const int32_t l = _mm_cvtsi128_si32(_mm256_castsi256_si128(b8)),
+                          u = _mm_cvtsi128_si32(_mm256_extracti128_si256(b8, 1));
+            memcpy(q + 32 * a + 8 * j, &l, 4);
+            memcpy(q + 32 * a + 8 * j + 4, &u, 4);
+        }
+        int32_t ss[8], tot = 0;
+        _mm256_storeu_si256((__m256i*)ss, sum);
+        for (int i = 0; i < 8; i++) tot += ss[i];
+        _mm256_store_si256((__m256i*)(sd + 16 * a), _mm256_set1_epi32(8 * tot));  /* 8 S, then d, 8 lanes each */
+        _mm256_store_ps((float*)(sd + 16 * a + 8), _mm256_set1_ps(d));
+    }
+}
+
+int int4_mm_avx2q8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                   float* xs, uint16_t* y) {
+    if (group % 32) return 1;
+    const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride, S = K / 32;
+    const size_t rows = (size_t)(M > 0 ? M : 1);
+    /* per row: its blocks' (8 S, d) as two vectors of 8 lanes, then its int8 inputs */
+    char* buf = (char*)aligned_alloc(32, rows * (size_t)S * 64 + rows * (size_t)K + 32);
+    if (!buf) return 2;
+    int32_t* sd = (int32_t*)buf;
+    int8_t* xq = (int8_t*)(buf + rows * (size_t)S * 64);
+    for (int64_t m = 0; m < M; m++) quantize_row_q8(x + m * K, K, xq + m * K, sd + m * S * 16);
+    group_sums(x, M, K, G, group, xs);
+#define R_(m_, k_) rows_avx2q8(m_, k_, xq + m0 * K, K, sd + m0 * S * 16, xs + m0 * G, G, blk, bstride, gstride, \
+                               group, y + m0 * N + b0 * 16, N)
+/*ROW_PASSES*/
+#undef R_
+    free(buf);
+    return 0;
+}
 #else
 int int4_avx2(void) { return 0; }
 int int4_mm_avx2(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                  float* xs, uint16_t* y) { return 1; }
+int int4_mm_avx2q8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                   float* xs, uint16_t* y) { return 1; }
 #endif
 
 /* The screen head's logits: lg bf16 [n, V] (the int4 head's) -> out fp32 [n, V], each row's
@@ -566,14 +693,17 @@ _lock = threading.Lock()
 _state: dict = {}
 # SPECMESH_INT4_KERNEL: "specmesh" (the default: AMX-BF16 tiles where the CPU has them, else
 # AVX-512 BF16, else AVX2), "amx" (AMX or nothing), "avx512" (AVX-512 BF16, never AMX),
-# "avx2" (the AVX2 matmul, on any CPU that has AVX2 and FMA), "torch" (torch's kernel).
+# "avx2" (the AVX2 matmul, on any CPU that has AVX2 and FMA), "avx2q8" (opt-in: AVX2 with
+# each row's inputs rounded to int8 per 32, llama.cpp's Q4 x Q8 arithmetic; 8-16 rows ~0.75x
+# the fp32 AVX2 matmul's time, at a quality cost, docs/int4.md), "torch" (torch's kernel).
 # AMX costs little more from 1 to 16 rows (8 rows ~0.55x AVX-512's); one row, on rows_amxe, is
 # as fast as AVX-512's (docs/int4.md)
-KERNEL_CHOICES = ("specmesh", "amx", "avx512", "avx2", "torch")
+KERNEL_CHOICES = ("specmesh", "amx", "avx512", "avx2", "avx2q8", "torch")
 # each matmul of the library: its entry point and what it needs (each has its own bits)
 ISAS = {"avx512": ("int4_mm", ("int4_available",), "AVX-512 BF16"),
         "amx": ("int4_mm_amx", ("int4_amx", "int4_amx_enable"), "AMX-BF16"),
-        "avx2": ("int4_mm_avx2", ("int4_avx2",), "AVX2 and FMA")}
+        "avx2": ("int4_mm_avx2", ("int4_avx2",), "AVX2 and FMA"),
+        "avx2q8": ("int4_mm_avx2q8", ("int4_avx2",), "AVX2 and FMA")}
 
 
 class Int4Matmul:
@@ -632,7 +762,7 @@ class Int4Matmul:
         G = K // group
         if N % 16 or K % group or group % 32 or scale.shape != (N, G) or zero.shape != (N, G):
             raise ValueError(f"int4 pack: unsupported shape {tuple(q.shape)} group {group}")
-        if self.isa == "avx2":  # per 8 inputs, per half of 8 outputs: a dword of 8 nibbles per output
+        if self.isa in ("avx2", "avx2q8"):  # per 8 inputs, per half of 8 outputs: a dword of 8 nibbles per output
             q8 = q.to(torch.int64).reshape(N // 16, 2, 8, G, group // 8, 8)
             words = (q8 << (4 * torch.arange(8))).sum(-1).to(torch.uint32)  # [nb, h, l, G, c]
             nib = words.permute(0, 3, 4, 1, 2).contiguous().view(torch.uint8).reshape(N // 16, G, group * 8)
@@ -656,8 +786,9 @@ class Int4Matmul:
         xs = torch.empty(max(M, 1), K // group, dtype=torch.float32)
         rc = self._mm(x.data_ptr(), M, K, packed.data_ptr(), n_out, group, xs.data_ptr(), y.data_ptr()) if M else 0
         if rc == 2:
-            raise MemoryError("int4 mm: out of memory for the " + ("AVX2 kernel's fp32 rows" if self.isa == "avx2"
-                                                                   else "AMX kernel's tile buffers"))
+            raise MemoryError("int4 mm: out of memory for the " + {"avx2": "AVX2 kernel's fp32 rows",
+                                                                    "avx2q8": "AVX2 kernel's int8 rows"}.get(
+                                                                        self.isa, "AMX kernel's tile buffers"))
         if rc:
             raise RuntimeError(f"int4 mm: the kernel was built without {ISAS[self.isa][2]}")
         return y

@@ -2,8 +2,8 @@
 weights ``(q - 8) * scale + zero`` applied to bf16 rows, close to the exact product and
 to torch's int4 kernel; a row's bits depend on that row alone (not on how many rows
 share the call, where it sits, or the thread count); the screen head's top logits are
-the exact table products. Every matmul the CPU has: AVX-512 BF16, AMX tiles and AVX2
-(which also computes exactly the order its source documents)."""
+the exact table products. Every matmul the CPU has: AVX-512 BF16, AMX tiles, AVX2 and AVX2
+with int8 inputs (the AVX2 ones also compute exactly the order their source documents)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from specmesh.engine import quantize_int4
 from tests.support import kernel_or_skip
 
 
-@pytest.fixture(scope="module", params=["avx512", "amx", "avx2"])
+@pytest.fixture(scope="module", params=["avx512", "amx", "avx2", "avx2q8"])
 def kern(request):
     k = kernel_or_skip(im, "int4 kernel")
     try:  # that matmul of the same library (SPECMESH_INT4_KERNEL=...), where the CPU has it
@@ -42,8 +42,13 @@ def test_matches_the_dequantised_product_and_torchs_kernel(kern, group):
     x = torch.randn(11, K, generator=torch.Generator().manual_seed(1)).bfloat16()
     y = kern.mm(x, P, N, group)
     ref = x.double() @ deq.double().T
+    tol = ref.abs() * 2 ** -7 + 1e-3  # bf16 rounding of a close sum
+    if kern.isa == "avx2q8":  # and each input of the scale term off by at most half its block's step
+        step = x.double().reshape(11, K // 32, 32).abs().amax(-1, keepdim=True) / 127
+        ws = (q.double() - 8) * scale.bfloat16().double().repeat_interleave(group, 1)
+        tol = tol + (0.51 * step.expand(-1, -1, 32).reshape(11, K)) @ ws.abs().T
     assert y.dtype == torch.bfloat16 and y.shape == (11, N)
-    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-3).all()  # bf16 rounding of a close sum
+    assert ((y.double() - ref).abs() <= tol).all()
     sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous().bfloat16()
     w4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     yt = torch.ops.aten._weight_int4pack_mm_for_cpu(x, w4, group, sz)
@@ -152,6 +157,67 @@ def test_the_avx2_matmul_computes_its_documented_order(group):
         assert y.float().abs().max() > 0
 
 
+def _q8_order(x, q, scale, zero, group):
+    """The AVX2 int8-input matmul's arithmetic as its source states it: per row and block
+    of 32 inputs d = max|x| / 127, x_q = round(x * (127 / max|x|)) (nearest even; fp32
+    steps), T = sum (q - 8) x_q (exact); per group t = fma(T, d, t) over its blocks, then
+    acc = fma(t, s, acc), acc = fma(z, sum_g x, acc) (the fp32 input sum in input order)."""
+    M, K = x.shape
+    xf = x.float().reshape(M, K // 32, 32)
+    amax = xf.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))  # fp32 division
+    xq = torch.round(xf * inv[..., None]).reshape(M, K).double()
+    d = (amax / 127).double()
+    T = xq @ (q.double() - 8).T  # exact integers [M, N], per block below
+    s, z = scale.bfloat16().double(), zero.bfloat16().double()
+    f32 = lambda t: t.float().double()  # noqa: E731 - round to fp32
+    acc = torch.zeros(M, q.shape[0], dtype=torch.float64)
+    for g in range(K // group):
+        t = torch.zeros_like(acc)
+        for a in range(g * group // 32, (g + 1) * group // 32):
+            Ta = xq[:, 32 * a:32 * (a + 1)] @ (q[:, 32 * a:32 * (a + 1)].double() - 8).T
+            t = f32(t + Ta * d[:, a:a + 1])
+        xsum = torch.zeros(M, dtype=torch.float64)
+        for i in range(g * group, (g + 1) * group):
+            xsum = f32(xsum + x[:, i].double())
+        acc = f32(acc + t * s[:, g][None])
+        acc = f32(acc + z[:, g][None] * xsum[:, None])
+    assert T.abs().max() < 2 ** 31
+    return acc.float().bfloat16()
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_int8_input_avx2_matmul_computes_its_documented_order(group):
+    """Bit for bit, on random weights and inputs whose blocks range over 2^-12..2^12 (the
+    cancelling case's equal pairs cancel exactly in int8, so it shows nothing here)."""
+    k = kernel_or_skip(im, "int4 kernel")
+    try:
+        a = im.variant(k.lib, k.path, "avx2q8")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    N, K = 48, 256
+    g = torch.Generator().manual_seed(group)
+    for m in (1, 3, 9):
+        q, scale, zero, _ = _weight(N, K, group, seed=m)
+        x = (torch.randn(m, K, generator=g)
+             * torch.exp2(torch.randint(-12, 13, (m, K // 32, 1), generator=g).float()).expand(-1, -1, 32)
+             .reshape(m, K)).bfloat16()
+        x[0, :32] = 0  # an all-zero block
+        y = a.mm(x, a.pack(q, scale, zero, group), N, group)
+        assert torch.equal(y.view(torch.int16), _q8_order(x, q, scale, zero, group).view(torch.int16)), m
+        # mirrored: each odd block of 32 is -(1 + 2^-6) x the even one before it, with the same
+        # weights, scales and zeros, so the sums are residues where every rounding step shows
+        xm, qm = x.clone().reshape(m, K // 64, 2, 32), q.clone().reshape(N, K // 64, 2, 32)
+        xm[:, :, 1], qm[:, :, 1] = (-xm[:, :, 0].float() * (1 + 2 ** -6)).bfloat16(), qm[:, :, 0]
+        sm, zm = scale.clone(), zero.clone()
+        if group == 32:
+            sm[:, 1::2], zm[:, 1::2] = sm[:, 0::2], zm[:, 0::2]
+        xm, qm = xm.reshape(m, K), qm.reshape(N, K)
+        y = a.mm(xm, a.pack(qm, sm, zm, group), N, group)
+        assert torch.equal(y.view(torch.int16), _q8_order(xm, qm, sm, zm, group).view(torch.int16)), m
+        assert y.float().abs().max() > 0
+
+
 def test_bad_input_is_refused(kern):
     q, scale, zero, _ = _weight(32, 64, 32)
     with pytest.raises(ValueError, match="unsupported"):
@@ -213,3 +279,11 @@ def test_the_environment_names_the_kernel(monkeypatch):
     monkeypatch.setenv("SPECMESH_INT4_KERNEL", "avx2")
     k = im.load()
     assert (k is not None and k.isa == "avx2") or "AVX2" in im.load_error()
+    monkeypatch.setattr(im, "_state", {})
+    monkeypatch.setenv("SPECMESH_INT4_KERNEL", "avx2q8")  # opt-in only: never the default's pick
+    k = im.load()
+    assert (k is not None and k.isa == "avx2q8") or "AVX2" in im.load_error()
+    monkeypatch.delenv("SPECMESH_INT4_KERNEL")
+    monkeypatch.setattr(im, "_state", {})
+    k = im.load()
+    assert k is None or k.isa != "avx2q8"
