@@ -17,9 +17,14 @@ from tests.support import kernel_or_skip
 
 @pytest.fixture(scope="module", params=["avx512", "amx", "avx2", "avx2q8"])
 def kern(request):
+    return _variant(request.param)
+
+
+def _variant(isa):
+    """That matmul of the same library (SPECMESH_INT4_KERNEL=...), where the CPU has it."""
     k = kernel_or_skip(im, "int4 kernel")
-    try:  # that matmul of the same library (SPECMESH_INT4_KERNEL=...), where the CPU has it
-        return im.variant(k.lib, k.path, request.param)
+    try:
+        return im.variant(k.lib, k.path, isa)
     except RuntimeError as e:
         pytest.skip(str(e))
 
@@ -144,11 +149,7 @@ def _avx2_order(x, q, scale, zero, group):
 def test_the_avx2_matmul_computes_its_documented_order(group):
     """Bit for bit, on sums that are small residues of large partial sums (so every
     rounding step shows in the bf16 output)."""
-    k = kernel_or_skip(im, "int4 kernel")
-    try:
-        a = im.variant(k.lib, k.path, "avx2")
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    a = _variant("avx2")
     N, K = 48, 128
     for m in (1, 3, 5):
         x, q, scale, zero = _cancelling_case(N, K, group, m, seed=7 * group + m)
@@ -188,13 +189,12 @@ def _q8_order(x, q, scale, zero, group):
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_the_int8_input_avx2_matmul_computes_its_documented_order(group):
-    """Bit for bit, on random weights and inputs whose blocks range over 2^-12..2^12 (the
-    cancelling case's equal pairs cancel exactly in int8, so it shows nothing here)."""
-    k = kernel_or_skip(im, "int4 kernel")
-    try:
-        a = im.variant(k.lib, k.path, "avx2q8")
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    """Bit for bit, on random weights and inputs whose blocks range over 2^-12..2^12, and
+    on mirrored blocks whose sums are residues (the cancelling case's equal pairs cancel
+    exactly in int8, so it shows nothing here). Checked to fail with x_q truncated, with
+    the zero term added before the scale term (group 32), and with t summed unrounded
+    (group 128)."""
+    a = _variant("avx2q8")
     N, K = 48, 256
     g = torch.Generator().manual_seed(group)
     for m in (1, 3, 9):
