@@ -12,18 +12,22 @@ On a machine where ``torch.cuda.is_available()``:
    on the graphed one, Hugging Face ``generate`` eager and with ``cache_implementation=
    "static"`` + ``torch.compile`` (``hf_static_compile``), on a few ``open_writing`` and
    ``chat_multiturn`` bench prompts;
-4. the diffusion mode (``specmesh.uno.diffusion`` on the eager engine with the adapter):
-   plain unmasking against trajectory speculation with the guess tree (block 5 with 64
-   states, block 7 with 128), target forwards per block, rows per forward, tokens/s
-   and identity, on the same prompts (``--diffusion-tokens``, 48) — whether the wide
-   forwards that cost tokens/s on a CPU are free here;
-5. with the time left, the services side by side (``specmesh bench-strategies
+4. with the time left, the services side by side (``specmesh bench-strategies
    --device ...`` in a subprocess: verifier, drafter and router servers on loopback):
    plain, ``self:block_tree`` and ``external:block_tree`` (the block drafter on the
    drafter service, fed hidden features through the router), with the
    external/self ratio it prints;
+5. with the time left, concurrent streams through the services (``specmesh bench-sweep
+   --serve --device ...``: 1, 8 and 32 streams, plain against ``self:block_tree``);
+6. last, the diffusion mode (``specmesh.uno.diffusion`` on the eager engine with the adapter):
+   plain unmasking against trajectory speculation with the guess tree (block 5 with 64
+   states, block 7 with 128), target forwards per block, rows per forward, tokens/s
+   and identity, on the same prompts (``--diffusion-tokens``, 48) — whether the wide
+   forwards that cost tokens/s on a CPU are free here;
 
-and writes ``results.json`` and ``report.md`` to ``--out``. Each phase checks the
+and writes ``results.json`` and ``report.md`` to ``--out``, again after every phase (a
+check stopped from outside leaves what it measured); a phase that breaks is reported and
+the next one runs. Each phase checks the
 time left (``--budget-s``, default 280 s) and is skipped, with a note, when it would
 not fit. Exit status: 0 all ran and the tests passed, 1 a test failed or a phase
 broke, 3 no CUDA here (said in one line; nothing crashes). ``--allow-cpu`` runs the
@@ -175,6 +179,7 @@ def run_bench(systems: list, encoded: dict, max_new_tokens: int, deadline: float
     when the deadline passes. Returns (runs, notes)."""
     runs: dict = {}
     notes: list[str] = []
+    broken: set = set()
     k = 0
     for w, items in encoded.items():
         for pid, ids in items:
@@ -184,7 +189,15 @@ def run_bench(systems: list, encoded: dict, max_new_tokens: int, deadline: float
             order = systems[k % len(systems):] + systems[: k % len(systems)]
             k += 1
             for s in order:
-                out = s.run(ids, max_new_tokens)
+                if s.name in broken:
+                    continue
+                try:
+                    out = s.run(ids, max_new_tokens)
+                except Exception as e:  # noqa: BLE001 - one broken system must not end the others' runs
+                    broken.add(s.name)
+                    notes.append(f"{s.name} failed on {w}/{pid} and was dropped: {type(e).__name__}: {e}")
+                    log(f"  {w} {pid} {s.name}: FAILED {type(e).__name__}: {e}")
+                    continue
                 runs.setdefault((s.name, w), []).append((pid, out, 0.0))
                 log(f"  {w} {pid} {s.name}: {len(out.tokens)} tokens in {out.seconds:.2f} s")
     return runs, notes
@@ -240,6 +253,10 @@ def render(result: dict) -> str:
     if svc:
         lines += ["", "## Through the services (bench-strategies): external vs self block tree", ""]
         lines += (["```", svc.get("tail", "").strip(), "```"] if svc.get("ran") else [f"not run: {svc.get('reason')}"])
+    sw = result.get("sweep")
+    if sw:
+        lines += ["", "## Concurrent streams through the services (bench-sweep --serve)", ""]
+        lines += (["```", sw.get("tail", "").strip(), "```"] if sw.get("ran") else [f"not run: {sw.get('reason')}"])
     lines += ["", "Speedups are ratios to the same family's AR measured in this run; bf16 greedy outputs may "
                   "differ at near-ties, so 'identical' is reported, not asserted (fp32 identity is a CUDA test). "
                   "Compilation and graph capture happen before timing.", ""]
@@ -281,24 +298,33 @@ def main(args) -> int:
         result["tests"] = run_tests(timeout_s=min(150.0, max(30.0, deadline - time.monotonic() - 90)))
         if result["tests"].get("rc") not in (0, 5):  # 5: nothing collected
             status = 1
-    try:
-        status = max(status, _bench_phase(args, device, deadline, result, log))
-    except Exception as e:  # noqa: BLE001 - a broken phase is a result too
-        import traceback
 
-        result["notes"].append(f"benchmark phase failed: {type(e).__name__}: {e}")
-        result["traceback"] = traceback.format_exc()[-4000:]
-        log(result["traceback"])
-        status = 1
-    status = max(status, _services_phase(args, device, deadline, out_dir, result, log))
-    result["wall_s"] = round(time.monotonic() - t_start, 1)
-    (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
-    (out_dir / "report.md").write_text(render(result))
+    def save() -> None:  # after every phase: a check stopped from outside still leaves what it measured
+        result["wall_s"] = round(time.monotonic() - t_start, 1)
+        (out_dir / "results.json").write_text(json.dumps(result, indent=2, default=str))
+        (out_dir / "report.md").write_text(render(result))
+
+    save()
+    ctx: dict = {}  # the benchmark phase's runtimes and encoded prompts, for the diffusion phase
+    for name, phase in (("benchmark", lambda: _bench_phase(args, device, deadline, result, log, ctx)),
+                        ("services", lambda: _services_phase(args, device, deadline, out_dir, result, log)),
+                        ("sweep", lambda: _sweep_phase(args, device, deadline, out_dir, result, log)),
+                        ("diffusion", lambda: _diffusion(args, deadline, result, log, ctx))):
+        try:
+            status = max(status, phase())
+        except Exception as e:  # noqa: BLE001 - a broken phase is a result too; the next one still runs
+            import traceback
+
+            result["notes"].append(f"{name} phase failed: {type(e).__name__}: {e}")
+            result.setdefault("tracebacks", {})[name] = traceback.format_exc()[-4000:]
+            log(result["tracebacks"][name])
+            status = 1
+        save()
     print(f"wrote {out_dir}/results.json, report.md ({result['wall_s']} s); status {status}")
     return status
 
 
-def _bench_phase(args, device, deadline: float, result: dict, log) -> int:
+def _bench_phase(args, device, deadline: float, result: dict, log, ctx: dict) -> int:
     from ..runtime import Runtime
     from . import workloads as wl
     from .harness import Bench, BenchConfig
@@ -308,10 +334,10 @@ def _bench_phase(args, device, deadline: float, result: dict, log) -> int:
         result["notes"].append("SPECMESH_BLOCK_DRAFTER is empty: no block drafter")
     log(f"device-check: loading {args.model} (bf16) on {device}, graphed and eager ...")
     graphs = True if device.type == "cuda" else "always"  # on the CPU: the static forward without capture
-    rts = {"graphed": Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True, device=device,
-                              cuda_graphs=graphs),
-           "eager": Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True, device=device,
-                            cuda_graphs=False)}
+    rts = ctx["rts"] = dict(graphed=Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True, device=device,
+                                          cuda_graphs=graphs),
+                              eager=Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True,
+                                            device=device, cuda_graphs=False))
     g = rts["graphed"]
     loads = wl.load(list(WORKLOADS), args.prompts)
     encoded = {w: [(p.id, g.encode(p.prompt, p.messages)) for p in ps] for w, ps in loads.items()}
@@ -323,15 +349,21 @@ def _bench_phase(args, device, deadline: float, result: dict, log) -> int:
     result["forwards"] = []
     reps = 20 if device.type == "cuda" else 5  # fewer repetitions on the CPU (--allow-cpu checks the script)
     for rt in (g, rts["eager"]):
-        result["forwards"] += time_forwards(rt.engine, prompt, device, reps=reps)
+        try:
+            result["forwards"] += time_forwards(rt.engine, prompt, device, reps=reps)
+        except Exception as e:  # noqa: BLE001 - reported; the benchmark still runs
+            result["notes"].append(f"forward timing on {type(rt.engine).__name__} failed: {type(e).__name__}: {e}")
     if device.type == "cuda":  # the batch-invariant graphs: every forward one bucket (4 slots x 64 tokens)
         from ..cudagraph import GraphedEngine
 
-        inv = GraphedEngine.from_pretrained(str(g.model_dir), dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True,
-                                            device=device, invariant=True)
-        for r in time_forwards(inv, prompt, device, reps=reps):
-            result["forwards"].append(dict(r, engine="GraphedEngine (invariant)"))
-        del inv
+        try:
+            inv = GraphedEngine.from_pretrained(str(g.model_dir), dtype="bf16", n_slots=4, max_seq_len=2048,
+                                                quiet=True, device=device, invariant=True)
+            for r in time_forwards(inv, prompt, device, reps=reps):
+                result["forwards"].append(dict(r, engine="GraphedEngine (invariant)"))
+            del inv
+        except Exception as e:  # noqa: BLE001 - reported; the benchmark still runs
+            result["notes"].append(f"forward timing on the invariant graphs failed: {type(e).__name__}: {e}")
     log("device-check: forwards " + json.dumps(result["forwards"]))
     if time.monotonic() > deadline - 30:
         result["notes"].append("benchmark skipped: out of time")
@@ -356,16 +388,21 @@ def _bench_phase(args, device, deadline: float, result: dict, log) -> int:
         same = sum(toks[a] == toks[b] for a, b in pairs)
         result["notes"].append(f"plain decoding, GraphedEngine vs eager engine (bf16): {same}/{len(pairs)} "
                                "outputs identical")
-    broke = False
-    if time.monotonic() < deadline - 40:
-        try:
-            result["diffusion"] = diffusion_phase(rts["eager"], encoded, args.diffusion_tokens, deadline - 30, log)
-        except Exception as e:  # noqa: BLE001 - the benchmark's records stand; the phase's failure is a result
-            result["notes"].append(f"diffusion phase failed: {type(e).__name__}: {e}")
-            broke = True
-    else:
+    ctx["encoded"] = encoded
+    return 1 if notes else 0
+
+
+def _diffusion(args, deadline: float, result: dict, log, ctx: dict) -> int:
+    """The diffusion phase (last: it matters least to the GPU's figures) on the eager runtime."""
+    rts, encoded = ctx.get("rts", {}), ctx.get("encoded")
+    if "eager" not in rts or encoded is None:
+        result["notes"].append("diffusion phase skipped: the benchmark phase did not load the runtimes")
+        return 0
+    if time.monotonic() > deadline - 40:
         result["notes"].append("diffusion phase skipped: out of time")
-    return 1 if notes or broke else 0
+        return 0
+    result["diffusion"] = diffusion_phase(rts["eager"], encoded, args.diffusion_tokens, deadline - 30, log)
+    return 0
 
 
 DIFFUSION_CONFIGS = ((5, 64), (7, 128))  # (block, guessed states of the tree)
@@ -436,3 +473,26 @@ def _services_phase(args, device, deadline: float, out_dir: Path, result: dict, 
         return 1
     result["services"] = {"ran": True, "rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
     return 0 if p.returncode == 0 else 1
+
+
+def _sweep_phase(args, device, deadline: float, out_dir: Path, result: dict, log) -> int:
+    """``bench-sweep --serve`` on the device: 1, 8 and 32 concurrent streams through the
+    services, plain against ``self:block_tree`` (total tokens/s, latency percentiles)."""
+    left = deadline - time.monotonic() - 10
+    if left < 100:
+        result["sweep"] = {"ran": False, "reason": f"{max(0, left):.0f} s left (needs 100)"}
+        return 0
+    cmd = [sys.executable, "-m", "specmesh.cli", "bench-sweep", "--serve", "--device", str(device), "--dtype", "bf16",
+           "--streams", "1,8,32", "--systems", "autoregressive,self:block_tree", "--requests", "32",
+           "--workloads", ",".join(WORKLOADS), "--prompts", str(args.prompts), "--max-new-tokens",
+           str(min(args.max_new_tokens, 64)), "--out", str(out_dir / "sweep")]
+    log("device-check: " + " ".join(cmd[2:]))
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        result["sweep"] = {"ran": True, "rc": None, "reason": f"timed out after {left:.0f} s", "tail": out[-3000:]}
+        return 1
+    result["sweep"] = {"ran": True, "rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
+    return 0 if p.returncode == 0 else 1
+

@@ -261,9 +261,10 @@ class Bench:
                 if ref is None:
                     rec.update(identical_to_ar=None, identical_prompts=None, token_agreement=None)
                 else:
-                    same = [tokens[(s.name, w)][pid] == ref[pid] for pid, _, _ in rs]
-                    agree = sum(common_prefix_len(tokens[(s.name, w)][pid], ref[pid]) for pid, _, _ in rs)
-                    ref_len = sum(len(ref[pid]) for pid, _, _ in rs)
+                    both = [pid for pid, _, _ in rs if pid in ref]  # a reference that broke early lacks some
+                    same = [tokens[(s.name, w)][pid] == ref[pid] for pid in both]
+                    agree = sum(common_prefix_len(tokens[(s.name, w)][pid], ref[pid]) for pid in both)
+                    ref_len = sum(len(ref[pid]) for pid in both)
                     rec.update(identical_to_ar=all(same), identical_prompts=sum(same),
                                token_agreement=round(agree / ref_len, 4) if ref_len else 1.0)
                 records.append(rec)
