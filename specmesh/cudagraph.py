@@ -71,6 +71,17 @@ def _bucket(n: int, buckets: Sequence[int]) -> Optional[int]:
     return next((b for b in buckets if b >= n), None)
 
 
+def _bit_matrix(bits: list[int], n: int) -> torch.Tensor:
+    """[len(bits), n] int64: m[i, j] = bit j of bits[i]. Read 32 bits at a time: a row of
+    64 tokens sets bit 63, which does not fit a signed 64-bit tensor element."""
+    cols = []
+    for lo in range(0, n, 32):
+        w = min(32, n - lo)
+        part = torch.tensor([(x >> lo) & 0xFFFFFFFF for x in bits], dtype=torch.long)
+        cols.append((part[:, None] >> torch.arange(w)) & 1)
+    return torch.cat(cols, 1)
+
+
 class _Step:
     """Static buffers (and, on CUDA, the graph) of one bucket. B rows, T tokens a row,
     N = B * T. ``inp`` is one int64 buffer; the named tensors are views of it."""
@@ -197,7 +208,7 @@ class GraphedEngine(LlamaEngine):
             wslot[b, :n] = slot
             wpos[b, :n] += bs
             slots[b], base[b] = slot, bs
-            anc[b, :n, :n] = (torch.tensor(bits)[:, None] >> torch.arange(n)) & 1
+            anc[b, :n, :n] = _bit_matrix(bits, n)
             gate[b, g] = 1
         return torch.cat([t.reshape(-1) for t in (ids, pos, wslot, wpos, slots, base, gate, anc)])
 

@@ -165,7 +165,10 @@ class Services:
         cmd = [sys.executable, "-m", "specmesh.cli", "serve", "--dtype", dtype, "--n-slots", str(n_slots),
                "--device", device, "--max-batch", str(max(n_slots, 1)),
                # the sweep is one client: let it hold every stream it opens (the default caps a client at 16)
-               "--max-sessions-per-client", str(max(n_slots, 1))]
+               "--max-sessions-per-client", str(max(n_slots, 1)),
+               # gRPC only: the OpenAI HTTP front end is not measured (and needs fastapi, which a bare GPU
+               # machine lacks: the router died there on its import)
+               "--http", "false"]
         cmd += [a for k, p in ports.items() for a in (f"--{k}-port", str(p))]
         self.log = open(log_path, "w", encoding="utf-8")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,

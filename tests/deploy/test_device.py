@@ -373,6 +373,36 @@ def test_graphed_engine_invariant_mode_rows_do_not_depend_on_the_call():
     assert spec == plain and st.drafted_tokens > 0
 
 
+def test_graphed_engine_full_64_token_bucket_packs_and_equals_eager():
+    """A chain filling a 64-token bucket (the invariant mode's default, and a prompt chunk
+    in it) sets ancestry bit 63; packing it overflowed a signed 64-bit tensor on the H200
+    (device-check, 2026-12-04). The static forward of the full bucket, a tree in it and a
+    64-token prompt in invariant chunks equal the eager engine."""
+    from specmesh.engine import LlamaEngine
+
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    eager = LlamaEngine(cfg, sd, n_slots=1, max_seq_len=256)
+    static = GraphedEngine(cfg, sd, n_slots=1, max_seq_len=256, capture=False)
+    inv = GraphedEngine(cfg, sd, n_slots=1, max_seq_len=256, capture=False, invariant=True)
+    assert inv.token_buckets == (64,)
+    prompt = [(5 * i + 2) % 96 for i in range(70)]  # 70: a full 64-token chunk, then 6
+    for e in (eager, static, inv):
+        e.prefill(0, prompt[:6])
+    chain = prompt[6:70]
+    par = list(range(-1, 63))
+    tree_par = [-1] + [(i - 1) // 2 for i in range(1, 64)]  # a binary tree of 64 nodes: deep ancestry bits
+    for pp in (par, tree_par):
+        _same([eager.score(0, chain, pp)], [static.score(0, chain, pp)])
+        _same([eager.score(0, chain, pp)], [inv.score(0, chain, pp)])
+    assert static.calls["eager"] == 0 and inv.calls["eager"] == 0
+    e2 = LlamaEngine(cfg, sd, n_slots=1, max_seq_len=256)
+    i2 = GraphedEngine(cfg, sd, n_slots=1, max_seq_len=256, capture=False, invariant=True)
+    for e in (e2, i2):
+        e.prefill(0, prompt)
+    _same([e2.score(0, [7], [-1])], [i2.score(0, [7], [-1])])
+
+
 def test_cpu_bf16_is_fast_follows_the_cpu_instructions(monkeypatch):
     """bf16 autocast is the training default only where the CPU multiplies bf16 natively."""
     import torch
