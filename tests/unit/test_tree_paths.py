@@ -165,3 +165,25 @@ def test_router_policy_and_checkpoint_schedule(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECMESH_BLOCK_DRAFTER", str(tmp_path))
     st = Strategies(Collaborators(ServeSettings(), None, None, None, 100))
     assert st.tree_schedule() == sched
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 32, 33, 64, 70])
+def test_ancestor_mask_equals_walking_the_parents(n):
+    """``trees.ancestor_mask`` against a walk up each node's parents, for chains and random
+    trees, including 64+ nodes (bit 63 and a second 32-bit chunk)."""
+    import random
+
+    import torch
+
+    from specmesh.trees import ancestor_mask
+
+    rng = random.Random(n)
+    for parents in (list(range(-1, n - 1)), [-1 if i == 0 else rng.randrange(-1, i) for i in range(n)]):
+        want = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                want[i, j] = True
+                j = parents[j]
+        got = ancestor_mask(parents)
+        assert got.dtype == torch.bool and torch.equal(got, want)
