@@ -249,14 +249,12 @@ def render(result: dict) -> str:
                   "| identical to plain unmasking |", "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['decoder']} | {r['block']} | {r['forwards_per_block']} | {r['forward_reduction']}x | "
                   f"{r['rows_per_forward']} | {r['tokens_per_s']} | {r['identical']}/{r['prompts']} |" for r in dif]
-    svc = result.get("services")
-    if svc:
-        lines += ["", "## Through the services (bench-strategies): external vs self block tree", ""]
-        lines += (["```", svc.get("tail", "").strip(), "```"] if svc.get("ran") else [f"not run: {svc.get('reason')}"])
-    sw = result.get("sweep")
-    if sw:
-        lines += ["", "## Concurrent streams through the services (bench-sweep --serve)", ""]
-        lines += (["```", sw.get("tail", "").strip(), "```"] if sw.get("ran") else [f"not run: {sw.get('reason')}"])
+    for key, title in (("services", "Through the services (bench-strategies): external vs self block tree"),
+                       ("sweep", "Concurrent streams through the services (bench-sweep --serve)")):
+        ph = result.get(key)
+        if ph:
+            lines += ["", f"## {title}", ""]
+            lines += (["```", ph.get("tail", "").strip(), "```"] if ph.get("ran") else [f"not run: {ph.get('reason')}"])
     lines += ["", "Speedups are ratios to the same family's AR measured in this run; bf16 greedy outputs may "
                   "differ at near-ties, so 'identical' is reported, not asserted (fp32 identity is a CUDA test). "
                   "Compilation and graph capture happen before timing.", ""]
@@ -334,10 +332,9 @@ def _bench_phase(args, device, deadline: float, result: dict, log, ctx: dict) ->
         result["notes"].append("SPECMESH_BLOCK_DRAFTER is empty: no block drafter")
     log(f"device-check: loading {args.model} (bf16) on {device}, graphed and eager ...")
     graphs = True if device.type == "cuda" else "always"  # on the CPU: the static forward without capture
-    rts = ctx["rts"] = dict(graphed=Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True, device=device,
-                                          cuda_graphs=graphs),
-                              eager=Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True,
-                                            device=device, cuda_graphs=False))
+    rts = ctx["rts"] = {tag: Runtime(args.model, dtype="bf16", n_slots=4, max_seq_len=2048, quiet=True, device=device,
+                                     cuda_graphs=cg)
+                        for tag, cg in (("graphed", graphs), ("eager", False))}
     g = rts["graphed"]
     loads = wl.load(list(WORKLOADS), args.prompts)
     encoded = {w: [(p.id, g.encode(p.prompt, p.messages)) for p in ps] for w, ps in loads.items()}
@@ -453,46 +450,40 @@ def diffusion_phase(rt, encoded: dict, new_tokens: int, deadline: float, log) ->
     return rows
 
 
-def _services_phase(args, device, deadline: float, out_dir: Path, result: dict, log) -> int:
-    """``bench-strategies`` on the device: external vs self block tree through the services."""
+def _cli_phase(key: str, cli_args: list, need_s: float, deadline: float, result: dict, log) -> int:
+    """``python -m specmesh.cli *cli_args`` in a subprocess when ``need_s`` seconds are left;
+    ``result[key]``: whether it ran, its exit status and its output's tail."""
     left = deadline - time.monotonic() - 10
-    if left < 90:
-        result["services"] = {"ran": False, "reason": f"{max(0, left):.0f} s left (needs 90)"}
+    if left < need_s:
+        result[key] = {"ran": False, "reason": f"{max(0, left):.0f} s left (needs {need_s:.0f})"}
         return 0
-    cmd = [sys.executable, "-m", "specmesh.cli", "bench-strategies", "--device", str(device), "--dtype", "bf16",
-           "--model", args.model, "--workloads", ",".join(WORKLOADS), "--prompts", str(args.prompts),
-           "--systems", "autoregressive,self:block_tree,external:block_tree", "--max-new-tokens",
-           str(args.max_new_tokens), "--proactive", "0", "--out", str(out_dir / "services")]
+    cmd = [sys.executable, "-m", "specmesh.cli", *cli_args]
     log("device-check: " + " ".join(cmd[2:]))
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        result["services"] = {"ran": True, "rc": None, "reason": f"timed out after {left:.0f} s",
-                              "tail": out[-3000:]}
+        result[key] = {"ran": True, "rc": None, "reason": f"timed out after {left:.0f} s", "tail": out[-3000:]}
         return 1
-    result["services"] = {"ran": True, "rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
+    result[key] = {"ran": True, "rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
     return 0 if p.returncode == 0 else 1
+
+
+def _services_phase(args, device, deadline: float, out_dir: Path, result: dict, log) -> int:
+    """``bench-strategies`` on the device: external vs self block tree through the services."""
+    return _cli_phase("services", ["bench-strategies", "--device", str(device), "--dtype", "bf16", "--model",
+                                   args.model, "--workloads", ",".join(WORKLOADS), "--prompts", str(args.prompts),
+                                   "--systems", "autoregressive,self:block_tree,external:block_tree",
+                                   "--max-new-tokens", str(args.max_new_tokens), "--proactive", "0",
+                                   "--out", str(out_dir / "services")],
+                      90, deadline, result, log)
 
 
 def _sweep_phase(args, device, deadline: float, out_dir: Path, result: dict, log) -> int:
     """``bench-sweep --serve`` on the device: 1, 8 and 32 concurrent streams through the
     services, plain against ``self:block_tree`` (total tokens/s, latency percentiles)."""
-    left = deadline - time.monotonic() - 10
-    if left < 100:
-        result["sweep"] = {"ran": False, "reason": f"{max(0, left):.0f} s left (needs 100)"}
-        return 0
-    cmd = [sys.executable, "-m", "specmesh.cli", "bench-sweep", "--serve", "--device", str(device), "--dtype", "bf16",
-           "--streams", "1,8,32", "--systems", "autoregressive,self:block_tree", "--requests", "32",
-           "--workloads", ",".join(WORKLOADS), "--prompts", str(args.prompts), "--max-new-tokens",
-           str(min(args.max_new_tokens, 64)), "--out", str(out_dir / "sweep")]
-    log("device-check: " + " ".join(cmd[2:]))
-    try:
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        result["sweep"] = {"ran": True, "rc": None, "reason": f"timed out after {left:.0f} s", "tail": out[-3000:]}
-        return 1
-    result["sweep"] = {"ran": True, "rc": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
-    return 0 if p.returncode == 0 else 1
-
+    return _cli_phase("sweep", ["bench-sweep", "--serve", "--device", str(device), "--dtype", "bf16", "--streams",
+                                "1,8,32", "--systems", "autoregressive,self:block_tree", "--requests", "32",
+                                "--workloads", ",".join(WORKLOADS), "--prompts", str(args.prompts),
+                                "--max-new-tokens", str(min(args.max_new_tokens, 64)), "--out", str(out_dir / "sweep")],
+                      100, deadline, result, log)
