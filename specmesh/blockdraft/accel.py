@@ -470,7 +470,7 @@ def _new_models(a: argparse.Namespace, model, train_recs: list[dict], layers: li
         torch.manual_seed(a.seed)
         if a.init:  # continue a checkpoint (its vocabulary slice and layers), optionally at a larger block
             m = load_block_drafter(Path(a.init), sd)
-            models[name] = (expand_block(m, a.expand_block, sd) if a.expand_block else m).to(dev)
+            models[name] = (expand_block(m, a.expand_block, sd, a.expand_init) if a.expand_block else m).to(dev)
         else:
             models[name] = new_model(cfg, sd, keep).to(dev)
     return models

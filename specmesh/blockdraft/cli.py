@@ -64,6 +64,9 @@ def register(sub) -> None:
     p.add_argument("--max-minutes", type=float, default=None, help="stop training at this wall-clock budget")
     p.add_argument("--init", default=None, help="start from this checkpoint")
     p.add_argument("--expand-block", type=int, default=None, help="DBloom: continue --init at a larger block")
+    p.add_argument("--expand-init", default="extrapolate", choices=["extrapolate", "copy"],
+                   help="with --expand-block: the new slots' position embeddings, extrapolated from the last two "
+                        "trained slots' or copies of the last one's")
     p.add_argument("--emphasize-new", type=float, default=1.0,
                    help="with --expand-block: add this weight x the loss of the new slots alone (DBloom's emphasis; "
                         "0 = none)")
@@ -142,6 +145,8 @@ def add_accel_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--losses", default="ce", help="comma list: one drafter per loss, same batches")
     ap.add_argument("--init", default=None, help="continue this checkpoint instead of a new drafter")
     ap.add_argument("--expand-block", type=int, default=None, help="with --init: continue at this larger block")
+    ap.add_argument("--expand-init", default="extrapolate", choices=["extrapolate", "copy"],
+                    help="with --expand-block: the new slots' position embeddings (see train-drafter)")
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--seqs", type=int, default=64, help="sequences per step")
     ap.add_argument("--anchors", type=int, default=32, help="anchors per sequence")
@@ -313,7 +318,7 @@ def _initial_model(args, model, tsd, target_dir, layers, train_recs):
     if not args.expand_block:
         return model, None
     first_new = model.cfg.block - 1  # the curriculum phases in the slots from here on
-    return expand_block(model, args.expand_block, tsd), first_new
+    return expand_block(model, args.expand_block, tsd, args.expand_init), first_new
 
 
 def _compare_losses(args, model, tsd, train_ex, held_ex) -> int:

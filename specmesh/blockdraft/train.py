@@ -219,16 +219,23 @@ def new_model(cfg: BlockDrafterConfig, target_sd: dict, keep_ids: torch.Tensor) 
     return model
 
 
-def expand_block(model: BlockDrafter, new_block: int, target_sd: dict) -> BlockDrafter:
-    """A block-B' copy of ``model`` (B' > B): same weights, position embeddings of the new
-    slots initialised from the last trained slot."""
+def expand_block(model: BlockDrafter, new_block: int, target_sd: dict, init: str = "extrapolate") -> BlockDrafter:
+    """A block-B' copy of ``model`` (B' > B): same weights; the position embeddings of the
+    new slots j = 1..B'-B are ``pos[B-1] + j (pos[B-1] - pos[B-2])`` (``init="extrapolate"``)
+    or copies of the last trained slot's (``"copy"``). Copies make the new slots' inputs
+    identical to the last slot's, so the block's (non-causal) layers give them identical
+    outputs until the copies drift apart, which a fine-tune's small learning rate barely
+    does (measured: docs/block-drafter.md, "DBloom")."""
     from dataclasses import replace
 
+    if init not in ("extrapolate", "copy"):
+        raise ValueError(f"expand_block: init must be 'extrapolate' or 'copy', not {init!r}")
     cfg = replace(model.cfg, block=new_block)
     bigger = new_model(cfg, target_sd, model.keep_ids)
     sd = model.state_dict()
     pos = sd.pop("pos_emb")
-    extra = pos[-1:].expand(new_block - pos.shape[0], -1)
-    sd["pos_emb"] = torch.cat([pos, extra], 0)
+    j = torch.arange(1, new_block - pos.shape[0] + 1, dtype=pos.dtype)[:, None]
+    step = pos[-1] - pos[-2] if init == "extrapolate" and pos.shape[0] >= 2 else torch.zeros_like(pos[-1])
+    sd["pos_emb"] = torch.cat([pos, pos[-1] + j * step], 0)
     bigger.load_state_dict(sd, strict=True)
     return bigger

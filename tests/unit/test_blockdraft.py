@@ -152,6 +152,31 @@ def test_self_strategy_with_block_drafter_is_lossless(tree, fuse_last):
     assert len(a) == 12
 
 
+def test_expand_block_keeps_the_weights_and_gives_the_new_slots_distinct_positions():
+    """Extrapolated new slots differ from the last trained one (copies would make the block's
+    layers give them the last slot's output), every other weight is carried over."""
+    eng, model = tiny_engine(n_slots=1)
+    d = _drafter(eng, model, block=4)
+    with torch.no_grad():
+        d.pos_emb.copy_(torch.randn_like(d.pos_emb))
+    pos = d.pos_emb.detach()
+    big = expand_block(d, 7, model.state_dict())
+    new = big.pos_emb.detach()
+    assert torch.equal(new[:4], pos)
+    for j in range(1, 4):
+        assert torch.allclose(new[3 + j], pos[3] + j * (pos[3] - pos[2]))
+    assert len({tuple(r.tolist()) for r in new}) == 7
+    old, grown = d.state_dict(), big.state_dict()
+    assert all(torch.equal(old[k], grown[k]) for k in old if k != "pos_emb")
+    copied = expand_block(d, 6, model.state_dict(), init="copy").pos_emb.detach()
+    assert torch.equal(copied[4], pos[3]) and torch.equal(copied[5], pos[3])
+    x, ctx = torch.tensor([11]), torch.randn(4, 128)
+    out = expand_block(d, 6, model.state_dict(), init="copy")(x, ctx, BlockDrafter.block_mask([4], 6, 4))
+    assert torch.allclose(out[0, 3], out[0, 4], atol=1e-5)  # the copied slots' outputs are the last slot's
+    with pytest.raises(ValueError, match="init must be"):
+        expand_block(d, 6, model.state_dict(), init="zeros")
+
+
 @pytest.mark.parametrize("fuse_last,amp", [(False, False), (True, True)])
 def test_training_learns_a_copy_task_and_expands(fuse_last, amp):
     eng, model = tiny_engine(n_slots=1)
