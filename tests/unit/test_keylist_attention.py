@@ -140,19 +140,21 @@ def test_layer_is_rope_cache_writes_and_attention(kern, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("nq,nk,hd", [(9, 3, 64), (8, 1, 128), (10, 2, 64), (4, 4, 32)])
-def test_the_avx2_loops_give_the_generic_codes_bits(kern, dtype, nq, nk, hd):
-    """Where the kernel was built with its AVX2 score and value loops, every output equals
-    the generic build's bit for bit (heads of 64 and 128 take the fast score loop, 32 the
-    generic one; 1-5 query heads per KV head; keys named by prefix and by list)."""
-    if not kern.fast8:
-        pytest.skip("the kernel's AVX2 loops are not built on this CPU (AVX-512 or no AVX2)")
+@pytest.mark.parametrize("nq,nk,hd", [(9, 3, 64), (8, 1, 128), (10, 2, 64), (4, 4, 32), (18, 3, 64), (6, 1, 128)])
+def test_the_vector_loops_give_the_generic_codes_bits(kern, dtype, nq, nk, hd):
+    """Where the kernel was built with its AVX2 or its AVX-512 score and value loops, every
+    output equals the generic build's bit for bit (heads of 64 and 128 take the fast loops,
+    32 the generic ones; 1-6 query heads per KV head, so the value loop's groups of four
+    heads split; key counts below, at and above multiples of 16, named by prefix and by list)."""
+    if not (kern.fast8 or kern.fast16):
+        pytest.skip("the kernel's AVX2 / AVX-512 loops are not built on this CPU")
     gen = ka.generic_build()
-    assert not gen.fast8
+    assert not (gen.fast8 or gen.fast16)
     g = torch.Generator().manual_seed(nq + hd)
     kc = torch.randn(2, nk, 300, hd, generator=g).to(dtype)
     vc = torch.randn(2, nk, 300, hd, generator=g).to(dtype)
-    rows = ka.RowKeys.build([(0, 257, ()), (1, 3, (7, 9, 200)), (0, 0, (5,)), (1, 0, ()), (1, 299, ())])
+    rows = ka.RowKeys.build([(0, 257, ()), (1, 3, (7, 9, 200)), (0, 0, (5,)), (1, 0, ()), (1, 299, ()),
+                             (0, 16, ()), (1, 30, (31, 40)), (0, 15, (299,)), (1, 48, ())])
     q = torch.randn(rows.n, nq, hd, generator=g).to(dtype)
     a, b = kern(q, kc, vc, rows, hd ** -0.5), gen(q, kc, vc, rows, hd ** -0.5)
     assert torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
