@@ -133,29 +133,18 @@ _SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-static inline float bf16_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-
 /* every int4 matmul's group input sums xs [M, G]: each row's bf16 inputs of a group
-   summed in fp32, in input order; GS groups' chains side by side (one chain's adds wait
-   on each other, the GS chains do not: a chain alone cost ~1 ms of an 8-row forward) */
-enum { GS = 16 };
+   summed in fp32, in input order */
 static void group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t G, int64_t group, float* xs) {
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t* xr = x + m * K;
-        int64_t g = 0;
-        for (; g + GS <= G; g += GS) {
-            float a[GS];
-            for (int l = 0; l < GS; l++) a[l] = 0.0f;
-            for (int64_t i = 0; i < group; i++)
-                for (int l = 0; l < GS; l++) a[l] += bf16_f32(xr[(g + l) * group + i]);
-            for (int l = 0; l < GS; l++) xs[m * G + g + l] = a[l];
-        }
-        for (; g < G; g++) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
             float a = 0.0f;
-            for (int64_t i = 0; i < group; i++) a += bf16_f32(xr[g * group + i]);
+            for (int64_t i = 0; i < group; i++) {
+                uint32_t u = (uint32_t)x[m * K + g * group + i] << 16; float f; memcpy(&f, &u, 4);
+                a += f;
+            }
             xs[m * G + g] = a;
         }
-    }
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
