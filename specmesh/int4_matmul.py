@@ -310,6 +310,103 @@ static inline __attribute__((always_inline)) void rows_amxe(const int mc, const 
     store_rows(mc, nbk, acc, y, N);
 }
 
+/* the tiles' work, shared by one pass (at most 16 rows) and several: unpack ng groups of a
+   block (from g0) into bt, prefetching a later block's weights meanwhile */
+static inline void unpack_groups(const uint8_t* blk, int64_t g0, int64_t ng, int64_t gstride, int64_t bstride,
+                                 int64_t chunks, __m512i table, uint16_t* bt) {
+    for (int64_t i = 0; i < ng; i++) {
+        const uint8_t* gb = blk + (g0 + i) * gstride;
+        for (int64_t q = 0; q < 16 * chunks; q += 4)  /* the weights of a later block */
+            _mm_prefetch((const char*)(gb + 2 * bstride + 16 * q), _MM_HINT_T0);
+        for (int64_t q = 0; q < 16 * chunks; q++)
+            _mm512_store_si512((__m512i*)(bt + 32 * (i * 16 * chunks + q)), unpack(gb + 16 * q, table));
+    }
+}
+/* each of ng groups' sums (rows xp, from group g0) into ct, 256 floats a group: the rows
+   times the unpacked B tiles, the two tile sets alternating so one group's work overlaps
+   the next's */
+static inline void tile_groups(const uint16_t* xp, int64_t K, int64_t g0, int64_t ng, int64_t group, int64_t chunks,
+                               const uint16_t* bt, float* ct) {
+    for (int64_t i = 0; i < ng; i++) {
+        const uint16_t* xg = xp + (g0 + i) * group;
+        const uint16_t* bg = bt + 512 * chunks * i;
+#define TILE_GROUP(C_, A_, B_)                                                                    \
+        _tile_zero(C_);                                                                           \
+        for (int64_t ch = 0; ch < chunks; ch++) {                                                 \
+            _tile_loadd(A_, xg + 32 * ch, K * 2);                                                 \
+            _tile_loadd(B_, bg + 512 * ch, 64);                                                   \
+            _tile_dpbf16ps(C_, A_, B_);                                                           \
+        }                                                                                         \
+        _tile_stored(C_, ct + 256 * i, 64);
+        if (i & 1) { TILE_GROUP(3, 4, 5) } else { TILE_GROUP(0, 1, 2) }
+#undef TILE_GROUP
+    }
+}
+/* the tile configuration: two sets of C (rows x 16 fp32), A (rows x 32 bf16), B (16 pairs x
+   16 outputs x 2) */
+static inline void tile_config(int64_t rows) {
+    tilecfg cfg; memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 2; t++) {
+        cfg.rows[3 * t] = (uint8_t)rows; cfg.colsb[3 * t] = 64;
+        cfg.rows[3 * t + 1] = (uint8_t)rows; cfg.colsb[3 * t + 1] = 64;
+        cfg.rows[3 * t + 2] = 16; cfg.colsb[3 * t + 2] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+enum { GC = 8 };  /* groups unpacked at a time: their B tiles stay within L1 */
+
+/* More than a tile's 16 rows (a prompt, a large tree): passes of 16 rows, each block's
+   groups unpacked once for all of them (their sums wait in acc, M x 16 fp32 a thread;
+   one pass at a time unpacked the whole matrix again for every 16 rows: 1.2-2x slower
+   from 17 rows on, measured side by side); the last pass reads its rows from a copy
+   padded with zero rows, so its tiles have 16 rows too. A C row depends on its A row
+   only, so the bits are those of any other split into passes. */
+static int amx_many_rows(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
+                         const float* xs, uint16_t* y, __m512i table) {
+    const int64_t G = K / group, gstride = group * 8 + 64, nb = N / 16, bstride = G * gstride, chunks = group / 32;
+    const int64_t np = (M + 15) / 16, tail = M - 16 * (np - 1);  /* passes; rows of the last */
+    uint16_t* xpad = (uint16_t*)calloc((size_t)(16 * K), sizeof(uint16_t));
+    if (!xpad) return 2;
+    memcpy(xpad, x + 16 * (np - 1) * K, sizeof(uint16_t) * (size_t)(tail * K));
+    int failed = 0;
+    _Pragma("omp parallel")
+    {
+        tile_config(16);
+        uint16_t* bt = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 512 * GC * chunks);
+        float* ct = (float*)aligned_alloc(64, sizeof(float) * 256 * GC);
+        __m512* acc = (__m512*)aligned_alloc(64, sizeof(__m512) * (size_t)(16 * np));
+        if (!bt || !ct || !acc) { _Pragma("omp atomic write") failed = 1; }
+        _Pragma("omp for schedule(static)")
+        for (int64_t b = 0; b < nb; b++) {
+            if (!bt || !ct || !acc) continue;
+            const uint8_t* blk = P + b * bstride;
+            for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t g0 = 0; g0 < G; g0 += GC) {
+                const int64_t ng = G - g0 < GC ? G - g0 : GC;
+                unpack_groups(blk, g0, ng, gstride, bstride, chunks, table, bt);
+                __m512 s[GC], z[GC];
+                for (int64_t i = 0; i < ng; i++) scale_zero(blk + (g0 + i) * gstride, group, &s[i], &z[i]);
+                for (int64_t p = 0; p < np; p++) {
+                    tile_groups(p < np - 1 ? x + 16 * p * K : xpad, K, g0, ng, group, chunks, bt, ct);
+                    const int64_t rows = p < np - 1 ? 16 : tail;
+                    for (int64_t r = 0; r < rows; r++) {  /* the groups in order, as in every int4 matmul */
+                        __m512 a = acc[16 * p + r];
+                        for (int64_t i = 0; i < ng; i++)
+                            a = add_group(a, _mm512_load_ps(ct + 256 * i + 16 * r), s[i], z[i], xs[(16 * p + r) * G + g0 + i]);
+                        acc[16 * p + r] = a;
+                    }
+                }
+            }
+            for (int64_t r = 0; r < M; r++) store_bf16(y + r * N + b * 16, acc[r]);
+        }
+        free(bt); free(ct); free(acc);
+        _tile_release();
+    }
+    free(xpad);
+    return failed ? 2 : 0;
+}
+
 static int amx_few_rows = 1;  /* calls of at most this many rows take rows_amxe */
 int int4_amx_few_rows(int n) { int old = amx_few_rows; if (n >= 0) amx_few_rows = n; return old; }
 
@@ -324,75 +421,40 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
 #undef R_
         return 0;
     }
-    const int64_t nc = (M + 15) / 16;  /* balanced passes of at most 16 rows (a tile's rows) */
-    for (int64_t c = 0, m0 = 0; c < nc; c++) {
-        const int64_t mc = M / nc + (c < M % nc);
-        int failed = 0;
-        _Pragma("omp parallel")
-        {
-            tilecfg cfg; memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int t = 0; t < 2; t++) {  /* two sets, so one group's tile work overlaps the next's */
-                cfg.rows[3 * t] = (uint8_t)mc; cfg.colsb[3 * t] = 64;      /* C: mc x 16 fp32 */
-                cfg.rows[3 * t + 1] = (uint8_t)mc; cfg.colsb[3 * t + 1] = 64;  /* A: mc x 32 bf16 */
-                cfg.rows[3 * t + 2] = 16; cfg.colsb[3 * t + 2] = 64;       /* B: 16 pairs x 16 outputs x 2 */
-            }
-            _tile_loadconfig(&cfg);
-            /* per thread: the unpacked B tiles of GC groups of a block (all written before
-               any is loaded, and within L1) and those groups' sums */
-            enum { GC = 8 };
-            uint16_t* bt = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 512 * GC * chunks);
-            float* ct = (float*)aligned_alloc(64, sizeof(float) * 256 * GC);
-            if (!bt || !ct) { _Pragma("omp atomic write") failed = 1; }
-            _Pragma("omp for schedule(static)")
-            for (int64_t b = 0; b < nb; b++) {
-                if (!bt || !ct) continue;
-                const uint8_t* blk = P + b * bstride;
-                __m512 acc[16];
-                for (int64_t r = 0; r < mc; r++) acc[r] = _mm512_setzero_ps();
-                for (int64_t g0 = 0; g0 < G; g0 += GC) {
-                    const int64_t ng = G - g0 < GC ? G - g0 : GC;
-                    for (int64_t i = 0; i < ng; i++) {
-                        const uint8_t* gb = blk + (g0 + i) * gstride;
-                        for (int64_t q = 0; q < 16 * chunks; q += 4)  /* the weights of a later block */
-                            _mm_prefetch((const char*)(gb + 2 * bstride + 16 * q), _MM_HINT_T0);
-                        for (int64_t q = 0; q < 16 * chunks; q++)
-                            _mm512_store_si512((__m512i*)(bt + 32 * (i * 16 * chunks + q)), unpack(gb + 16 * q, table));
-                    }
-                    for (int64_t i = 0; i < ng; i++) {
-                        const uint16_t* xg = x + m0 * K + (g0 + i) * group;
-                        const uint16_t* bg = bt + 512 * chunks * i;
-#define TILE_GROUP(C_, A_, B_)                                                                    \
-                        _tile_zero(C_);                                                           \
-                        for (int64_t ch = 0; ch < chunks; ch++) {                                 \
-                            _tile_loadd(A_, xg + 32 * ch, K * 2);                                 \
-                            _tile_loadd(B_, bg + 512 * ch, 64);                                   \
-                            _tile_dpbf16ps(C_, A_, B_);                                           \
-                        }                                                                         \
-                        _tile_stored(C_, ct + 256 * i, 64);
-                        if (i & 1) { TILE_GROUP(3, 4, 5) } else { TILE_GROUP(0, 1, 2) }
-#undef TILE_GROUP
-                    }
-                    for (int64_t i = 0; i < ng; i++) {
-                        const int64_t g = g0 + i;
-                        const uint8_t* gb = blk + g * gstride;
-                        __m512 s, z;
-                        scale_zero(gb, group, &s, &z);
-                        for (int64_t r = 0; r < mc; r++)
-                            acc[r] = add_group(acc[r], _mm512_load_ps(ct + 256 * i + 16 * r), s, z, xs[(m0 + r) * G + g]);
-                    }
-                }
-                for (int64_t r = 0; r < mc; r++) {
-                    store_bf16(y + (m0 + r) * N + b * 16, acc[r]);
+    if (M > 16) return amx_many_rows(x, M, K, P, N, group, xs, y, table);
+    int failed = 0;  /* one pass of M rows */
+    _Pragma("omp parallel")
+    {
+        tile_config(M);
+        /* per thread: the unpacked B tiles of GC groups of a block (all written before any
+           is loaded) and those groups' sums */
+        uint16_t* bt = (uint16_t*)aligned_alloc(64, sizeof(uint16_t) * 512 * GC * chunks);
+        float* ct = (float*)aligned_alloc(64, sizeof(float) * 256 * GC);
+        if (!bt || !ct) { _Pragma("omp atomic write") failed = 1; }
+        _Pragma("omp for schedule(static)")
+        for (int64_t b = 0; b < nb; b++) {
+            if (!bt || !ct) continue;
+            const uint8_t* blk = P + b * bstride;
+            __m512 acc[16];
+            for (int64_t r = 0; r < M; r++) acc[r] = _mm512_setzero_ps();
+            for (int64_t g0 = 0; g0 < G; g0 += GC) {
+                const int64_t ng = G - g0 < GC ? G - g0 : GC;
+                unpack_groups(blk, g0, ng, gstride, bstride, chunks, table, bt);
+                tile_groups(x, K, g0, ng, group, chunks, bt, ct);
+                for (int64_t i = 0; i < ng; i++) {
+                    const int64_t g = g0 + i;
+                    __m512 s, z;
+                    scale_zero(blk + g * gstride, group, &s, &z);
+                    for (int64_t r = 0; r < M; r++)
+                        acc[r] = add_group(acc[r], _mm512_load_ps(ct + 256 * i + 16 * r), s, z, xs[r * G + g]);
                 }
             }
-            free(bt); free(ct);
-            _tile_release();
+            for (int64_t r = 0; r < M; r++) store_bf16(y + r * N + b * 16, acc[r]);
         }
-        if (failed) return 2;
-        m0 += mc;
+        free(bt); free(ct);
+        _tile_release();
     }
-    return 0;
+    return failed ? 2 : 0;
 }
 #else
 int int4_amx(void) { return 0; }

@@ -65,11 +65,11 @@ def test_a_rows_bits_depend_on_that_row_alone(kern, N):
     K, group = 128, 32
     q, scale, zero, _ = _weight(N, K, group, seed=2)
     P = kern.pack(q, scale, zero, group)
-    x = torch.randn(19, K, generator=torch.Generator().manual_seed(3)).bfloat16()
+    x = torch.randn(45, K, generator=torch.Generator().manual_seed(3)).bfloat16()
     full = kern.mm(x, P, N, group)
-    for m in (1, 2, 3, 4, 5, 8, 9, 16):
-        part = kern.mm(x[19 - m:].contiguous(), P, N, group)  # the last m rows, at other places
-        assert torch.equal(part, full[19 - m:]), m
+    for m in (1, 2, 3, 4, 5, 8, 9, 16, 17, 19, 33):
+        part = kern.mm(x[45 - m:].contiguous(), P, N, group)  # the last m rows, at other places
+        assert torch.equal(part, full[45 - m:]), m
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -111,7 +111,7 @@ def test_amx_few_rows_path_gives_the_tiles_bits(group):
     before = a.amx_few_rows()
     assert before >= 1  # the default takes it for one row
     try:
-        for m in (1, 2, 3):
+        for m in (1, 2, 3, 17, 40):  # past 16 rows the tiles take every pass of a block's unpacked groups
             x, q, scale, zero = _cancelling_case(N, K, group, m, seed=group + m)
             P = a.pack(q, scale, zero, group)
             a.amx_few_rows(0)
