@@ -37,11 +37,12 @@ def _w(N, K, seed=0):
 def test_matches_the_exact_product(kern, K):
     N = 80
     W = _w(N, K)
-    x = torch.randn(11, K, generator=torch.Generator().manual_seed(1)).bfloat16()
-    y = kern.mm(x, kern.pack(W))
-    ref = x.double() @ W.double().T
-    assert y.dtype == torch.bfloat16 and y.shape == (11, N)
-    assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2).all()
+    for M in (11, 40):  # 40: passes of 16 rows over each block, the last one padded
+        x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).bfloat16()
+        y = kern.mm(x, kern.pack(W))
+        ref = x.double() @ W.double().T
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        assert ((y.double() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-2).all()
 
 
 @pytest.mark.parametrize("N", [64, 80, 112])  # 4, 5, 7 blocks of 16: passes of 4 or 2 blocks, and tails
