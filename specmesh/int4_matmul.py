@@ -358,8 +358,8 @@ enum { GC = 8 };  /* groups unpacked at a time: their B tiles stay within L1 */
 
 /* More than a tile's 16 rows (a prompt, a large tree): passes of 16 rows, each block's
    groups unpacked once for all of them (their sums wait in acc, M x 16 fp32 a thread;
-   one pass at a time unpacked the whole matrix again for every 16 rows: 1.2-2x slower
-   from 17 rows on, measured side by side); the last pass reads its rows from a copy
+   one pass at a time unpacked the whole matrix again for every 16 rows: 1.2-1.6x slower
+   at 64-500 rows, measured side by side, about even at 17); the last pass reads its rows from a copy
    padded with zero rows, so its tiles have 16 rows too. A C row depends on its A row
    only, so the bits are those of any other split into passes. */
 static int amx_many_rows(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,

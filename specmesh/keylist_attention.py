@@ -232,7 +232,8 @@ int keylist_fast8(void) { return 0; }
    - scores: 16 keys at a time, converted to fp32 once for all the query heads; each
      key's 16 lane sums made in the same FMA chain as the generic loop, then the 16 keys'
      lanes reduced together (red16: the pairs hsum adds, in its order, for 16 vectors
-     at once; the lanes shuffled, never a sum reordered), the maxima taken in key order;
+     at once; the lanes shuffled, never a sum reordered), the maxima lane-wise (max is
+     exact: the same maximum);
    - values: every key's value row converted once for up to 16 sums (four 64-wide heads or
      two 128-wide ones, each chunk its own register), every sum in key order, the weights'
      sums l beside them. */
