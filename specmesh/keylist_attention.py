@@ -561,31 +561,32 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build(cc: str, target: Path, source: str) -> None:
+def _build(cc: str, target: Path, source: str, flags: Sequence[str] = ()) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         src = Path(tmp) / (target.stem + ".c")
         src.write_text(source)
         lib = Path(tmp) / target.name
-        r = subprocess.run([cc, *_FLAGS, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=300)
+        r = subprocess.run([cc, *_FLAGS, *flags, "-o", str(lib), str(src)], capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
         os.replace(lib, target)  # atomic: a concurrent builder's copy is as good as ours
 
 
-def compile_library(name: str, source: str) -> tuple[ctypes.CDLL, Path]:
-    """C ``source`` built once per machine and compiler (``cc -O3 -march=native -fopenmp``)
-    into the kernel cache as ``<name>-<hash>.so`` and loaded (torch first, so the library
-    shares its OpenMP runtime). Raises where there is no compiler or the build fails."""
+def compile_library(name: str, source: str, flags: Sequence[str] = ()) -> tuple[ctypes.CDLL, Path]:
+    """C ``source`` built once per machine and compiler (``cc -O3 -march=native -fopenmp``,
+    then ``flags``) into the kernel cache as ``<name>-<hash>.so`` and loaded (torch first,
+    so the library shares its OpenMP runtime). Raises where there is no compiler or the
+    build fails."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc / gcc / $CC) on PATH")
     ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
-    key = hashlib.sha256("\0".join([source, " ".join(_FLAGS), ver, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([source, " ".join([*_FLAGS, *flags]), ver, _cpu_id()]).encode()).hexdigest()[:16]
     root = Path(os.environ.get("SPECMESH_KERNEL_CACHE") or Path.home() / ".cache" / "specmesh" / "kernels")
     target = root / f"{name}-{key}.so"
     if not target.exists():
-        _build(cc, target, source)
+        _build(cc, target, source, flags)
     import torch as _t  # noqa: F401 - torch (and its OpenMP runtime) loads first: the kernel shares it
 
     return ctypes.CDLL(str(target)), target
@@ -812,6 +813,13 @@ def generic_build() -> KeyListAttention:
     """The kernel built without its AVX2 loops (``KEYLIST_GENERIC``): the generic vector
     code everywhere, for tests that compare the two."""
     return KeyListAttention(*compile_library("keylist-generic", "#define KEYLIST_GENERIC 1\n" + _SOURCE))
+
+
+def avx2_build() -> KeyListAttention:
+    """The kernel built as for a CPU with AVX2 and no AVX-512 (``-mno-avx512f``), so the
+    8-lane loops are tested on AVX-512 CPUs too (they run on any AVX2 CPU). Raises where
+    the compiler refuses."""
+    return KeyListAttention(*compile_library("keylist-avx2", _SOURCE, ("-mno-avx512f",)))
 
 
 def load() -> Optional[KeyListAttention]:
