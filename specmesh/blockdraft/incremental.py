@@ -11,7 +11,11 @@ rounding; tested):
   are one matrix (the fusion's RMSNorm divides by a per-row scalar, applied after);
 - q and the shared k/v projection are one matrix, applied to the new context rows and
   the block's rows in one product (the context rows' q is computed and thrown away);
-- no attention mask: the block sees its whole window and itself.
+- no attention mask: the block sees its whole window and itself; on the CPU the
+  attention is the key-list kernel's (``keylist_attention``: each block row names the
+  cache rows it sees; 230 vs torch SDPA's 325 us a layer for 8 bf16 rows against 264
+  keys, the row lists' construction included; a whole draft 2.2-2.5 -> 1.9-2.5 ms in
+  int4 rounds, same drafts), SDPA elsewhere or where the kernel does not build.
 
 A round thus reads ten weight matrices instead of fifteen. Right after the target's
 forward has pushed the drafter out of the CPU caches, every matrix read costs a fixed
@@ -123,6 +127,11 @@ class FoldedDrafter:
             base[0] = 0.0
             self.block_base = (base + f(model.pos_emb)).to(dtype)  # [B, H]: slot 0 still needs the anchor
         self.device = self.w_in.device
+        self._keylist = None  # the CPU's key-list attention kernel (None: SDPA)
+        if self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and self.hd % 16 == 0:
+            from ..keylist_attention import load as load_keylist
+
+            self._keylist = load_keylist()
         self.weights = weights
         if weights in ("int4", "bf16"):
             from ..engine import Linear
@@ -146,6 +155,27 @@ class FoldedDrafter:
 
     def _rms(self, x: torch.Tensor, w: Optional[torch.Tensor]) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.cfg.eps)
+
+    def _block_rows(self, off: int, T: int):
+        """The key-list kernel's rows for one draft (None without the kernel): each of the
+        block's rows sees the cache rows [off, off + T), the context window and the block."""
+        if self._keylist is None:
+            return None
+        from ..keylist_attention import RowKeys
+
+        B, i32 = self.cfg.block, torch.int32
+        return RowKeys(slot=torch.zeros(B, dtype=i32), ctx=torch.zeros(B, dtype=i32),
+                       off=torch.arange(B, dtype=i32) * T, cnt=torch.full((B,), T, dtype=i32),
+                       anc=torch.arange(off, off + T, dtype=i32).repeat(B), n=B)
+
+    def _attend(self, q: torch.Tensor, kv: torch.Tensor, keys, off: int, T: int) -> torch.Tensor:
+        """Attention of the block's queries q [B, nh, hd] over the cache rows [off, off + T)
+        of one layer's kv [2, nh, rows, hd] (``keys``: ``_block_rows``, or None): [B, nh * hd]."""
+        B = q.shape[0]
+        if keys is not None:
+            return self._keylist(q, kv[0][None], kv[1][None], keys, self.hd ** -0.5).reshape(B, -1)
+        k, v = kv[:, :, off: off + T]
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k, v).transpose(0, 1).reshape(B, -1)
 
     @torch.inference_mode()
     def draft(self, cache: ContextCache, anchor: int, length: int,
@@ -182,6 +212,7 @@ class FoldedDrafter:
         if cache.fused is not None and cache.n:
             x += cache.fused[cache.off + cache.n - 1]
         T = cache.n + cfg.block
+        keys = self._block_rows(cache.off, T)
         for i, w in enumerate(self.layers):
             rows = self._rms(x, w["ln1"])
             if ctx_new is not None:
@@ -189,10 +220,8 @@ class FoldedDrafter:
             out = self._lin(rows, w["qkv"])  # [new + B, 3H]
             kv = cache.kv[i]  # [2, nh, rows, hd]
             kv[:, :, lo: lo + new + cfg.block] = out[:, H:].view(-1, 2, self.nh, self.hd).permute(1, 2, 0, 3)
-            q = out[new:, :H].view(cfg.block, self.nh, self.hd).transpose(0, 1)
-            k, v = kv[:, :, cache.off: cache.off + T]
-            a = F.scaled_dot_product_attention(q, k, v)  # [nh, B, hd]
-            x = x + self._lin(a.transpose(0, 1).reshape(cfg.block, H), w["o"])
+            q = out[new:, :H].view(cfg.block, self.nh, self.hd)  # [B, nh, hd]
+            x = x + self._lin(self._attend(q, kv, keys, cache.off, T), w["o"])
             g, u = self._lin(self._rms(x, None), w["gate_up"]).chunk(2, -1)
             x = x + self._lin(F.silu(g) * u, w["down"])
         return self._lin(self._rms(x[1:], None), self.head).float()

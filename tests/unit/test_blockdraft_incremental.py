@@ -36,10 +36,22 @@ def _reference(m: BlockDrafter, feats: torch.Tensor, anchor: int, length: int) -
         return m(torch.tensor([anchor]), feats[c0:length], mask)[0]
 
 
+def _folded(m: BlockDrafter, attention: str, **kw) -> FoldedDrafter:
+    """The folded pass with its CPU attention: the key-list kernel (skipped where it does
+    not build) or torch's SDPA."""
+    fd = FoldedDrafter(m, **kw)
+    if attention == "sdpa":
+        fd._keylist = None
+    elif fd._keylist is None:
+        pytest.skip("no key-list kernel on this machine")
+    return fd
+
+
+@pytest.mark.parametrize("attention", ["keylist", "sdpa"])
 @pytest.mark.parametrize("fuse_last,fuse_norm", [(False, False), (True, False), (True, True)])
-def test_folded_pass_equals_the_training_forward_as_the_context_moves(fuse_last, fuse_norm):
+def test_folded_pass_equals_the_training_forward_as_the_context_moves(fuse_last, fuse_norm, attention):
     m = _model(fuse_last, fuse_norm)
-    fd = FoldedDrafter(m)
+    fd = _folded(m, attention)
     cache = fd.new_cache()
     g = torch.Generator().manual_seed(0)
     feats = torch.randn(40, 128, generator=g).to(torch.bfloat16).float()  # the verifier keeps bf16 features
@@ -71,9 +83,10 @@ def test_folded_pass_equals_the_training_forward_as_the_context_moves(fuse_last,
     assert reads[-1] == (25, 31)
 
 
-def test_cache_survives_many_rounds_in_a_small_buffer():
+@pytest.mark.parametrize("attention", ["keylist", "sdpa"])
+def test_cache_survives_many_rounds_in_a_small_buffer(attention):
     m = _model(True, False, window=5, block=3)
-    fd = FoldedDrafter(m)
+    fd = _folded(m, attention)
     cache = fd.new_cache()
     feats = torch.randn(400, 128).to(torch.bfloat16).float()
     for length in range(1, 400, 2):  # the buffer (2 x window + block rows) compacts many times
