@@ -221,10 +221,10 @@ def test_the_int8_input_avx2_matmul_computes_its_documented_order(group):
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_group_input_sums_run_in_input_order(kern, group):
     """Every matmul's group term z_g sum_g x takes the group's fp32 input sum in input
-    order, for every group. Weights q = 8 make the products vanish, and output n keeps only group n mod G
-    (scale 2^-6, zero 1 there; 0 elsewhere), so y[m, n] = bf16(sum of row m's group
-    n mod G); inputs with large cancelling values make each sum depend on its order.
-    (Checked to fail with the sums taken in reverse order.)"""
+    order, for every group. Weights q = 8 make the products vanish, and output n keeps
+    only group n mod G (scale 2^-6, zero 1 there; 0 elsewhere), so y[m, n] = bf16(sum of
+    row m's group n mod G); inputs with large cancelling values make each sum depend on
+    its order. (Checked to fail with the sums taken in reverse order.)"""
     N, K, M = 48, 32 * 40, 3
     G = K // group
     g = torch.Generator().manual_seed(group)
