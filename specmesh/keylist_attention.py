@@ -125,6 +125,16 @@ static inline v16f exp_nonpos(v16f x) {
 }
 
 #define HC_MAX 16   /* head dimension up to 256 */
+/* the fast score loops' entry (AVX2 or AVX-512, whichever is built): FN with the head width
+   a constant, 64 or 128 (hc 4 or 8); 1 for other widths (the generic loop runs instead) */
+#define QK_BY_HC(NAME, T_, FN)                                                                          \
+static inline int NAME##_qk(int64_t hc, const T_* kb, const int32_t* anc, int64_t c0, int64_t o0,       \
+        int64_t L, int64_t g, const v16f* qf, float* s, int64_t Lp, float* mx) {                         \
+    if (hc == 4) FN(kb, anc, c0, o0, L, g, 4, qf, s, Lp, mx);                                           \
+    else if (hc == 8) FN(kb, anc, c0, o0, L, g, 8, qf, s, Lp, mx);                                      \
+    else return 1;                                                                                      \
+    return 0;                                                                                           \
+}
 #define KEYPOS(j) ((j) < c0 ? (int64_t)(j) : (int64_t)anc[o0 + (j) - c0])
 
 /* CPUs with AVX2 and without AVX-512 (16-lane vectors are two registers there, and the
@@ -208,13 +218,7 @@ static inline int NAME##_pv8(int64_t hc, const T_* vb, const int32_t* anc, int64
         }                                                                                               \
     return 0;                                                                                           \
 }                                                                                                       \
-static inline int NAME##_qk(int64_t hc, const T_* kb, const int32_t* anc, int64_t c0, int64_t o0,       \
-        int64_t L, int64_t g, const v16f* qf, float* s, int64_t Lp, float* mx) {                         \
-    if (hc == 4) NAME##_qk8(kb, anc, c0, o0, L, g, 4, qf, s, Lp, mx);                                   \
-    else if (hc == 8) NAME##_qk8(kb, anc, c0, o0, L, g, 8, qf, s, Lp, mx);                              \
-    else return 1;                                                                                      \
-    return 0;                                                                                           \
-}
+QK_BY_HC(NAME, T_, NAME##_qk8)
 /* 0 where the fast loop ran (so the generic one is skipped), else 1 */
 #define FAST8_QK(NAME, ...) NAME##_qk(__VA_ARGS__)
 #define FAST8_PV(NAME, ...) NAME##_pv8(__VA_ARGS__)
@@ -347,14 +351,8 @@ static inline int NAME##_pv16(int64_t hc, const T_* vb, const int32_t* anc, int6
     }                                                                                                   \
     return 0;                                                                                           \
 }                                                                                                       \
-static inline int NAME##_qk16x(int64_t hc, const T_* kb, const int32_t* anc, int64_t c0, int64_t o0,    \
-        int64_t L, int64_t g, const v16f* qf, float* s, int64_t Lp, float* mx) {                         \
-    if (hc == 4) NAME##_qk16(kb, anc, c0, o0, L, g, 4, qf, s, Lp, mx);                                  \
-    else if (hc == 8) NAME##_qk16(kb, anc, c0, o0, L, g, 8, qf, s, Lp, mx);                             \
-    else return 1;                                                                                      \
-    return 0;                                                                                           \
-}
-#define FAST16_QK(NAME, ...) NAME##_qk16x(__VA_ARGS__)
+QK_BY_HC(NAME, T_, NAME##_qk16)
+#define FAST16_QK(NAME, ...) NAME##_qk(__VA_ARGS__)
 #define FAST16_PV(NAME, ...) NAME##_pv16(__VA_ARGS__)
 #else
 int keylist_fast16(void) { return 0; }
