@@ -55,7 +55,9 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(ts) * 1e3
 
 
-def engine_step(rt, ctx_len: int, reps: int) -> dict:
+def engine_step(rt, ctx_len: int, reps: int, rows: int = 1) -> dict:
+    """Part 1 for a forward scoring ``rows`` tokens as a chain (1: a decode step; 8: an
+    8-token chain verify)."""
     eng = rt.engine
     slot = 0
     prompt = [int(t) % eng.vocab_size for t in range(100, 100 + ctx_len)]
@@ -63,12 +65,14 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
     eng.prefill(slot, prompt)
     feats = tuple(rt.verifier.feature_layers)  # what the verifier asks for (the block drafter's layers)
 
+    toks, parents = [42 + i for i in range(rows)], [i - 1 for i in range(rows)]
+
     def step():
-        eng.score(slot, [42], [-1], hidden_layers=feats)
+        eng.score(slot, toks, parents, hidden_layers=feats)
 
     # the step's matmuls, replayed alone with inputs of the step's shapes
     ad = eng.act_dtype
-    n = eng._padded_rows(1) if eng.batch_invariant else 1
+    n = eng._padded_rows(rows) if eng.batch_invariant else rows
     H, nq, hd = eng.hidden, eng.n_heads, eng.head_dim
     inter = eng.layers[0].gate_up.out_features // 2
     x_h = torch.randn(n, H, dtype=ad)
@@ -106,13 +110,15 @@ def engine_step(rt, ctx_len: int, reps: int) -> dict:
     g = nq // nk
     base = eng.length(slot)
     if eng.batch_invariant and eng.attention == "keylist":  # one kernel call per layer, as the forward
-        posi = torch.tensor([base] + [0] * (n - 1))
-        kplan = eng._keylist_plan([(slot, 0, 1, base, [-1])], n, posi)  # RoPE, K/V write at base, attention
+        posi = torch.tensor(list(range(base, base + rows)) + [0] * (n - rows))
+        kplan = eng._keylist_plan([(slot, 0, rows, base, parents)], n, posi)  # RoPE, K/V writes from base, attention
         qkv = torch.randn(n, (nq + 2 * nk) * hd, dtype=ad)
 
         def attention():
             for li in range(eng.n_layers):
                 eng._keylist.layer(kplan, li, qkv)
+    elif rows != 1:
+        raise SystemExit("--rows above 1 replays the key-list attention only (SPECMESH_CPU_ATTENTION=keylist)")
     elif eng.batch_invariant:
         Lp = -(-(base + 1) // eng.key_block) * eng.key_block
         t, R = eng._split(1, *eng.attn_tiles)
@@ -218,6 +224,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--ctx", type=int, default=300, help="context length of the profiled step")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--rows", type=int, default=1, help="tokens the profiled forward scores (a chain; 8: a verify)")
     ap.add_argument("--drafter", default="block_tree", help="self drafter for part 2 ('' skips part 2)")
     ap.add_argument("--workloads", default="open_writing,code_edit")
     ap.add_argument("--prompts", type=int, default=1, help="per workload, part 2")
@@ -228,10 +235,11 @@ def main() -> None:
 
     rt = Runtime(a.model, dtype=a.dtype, n_slots=2, max_seq_len=2048, quiet=True)
     torch_threads = torch.get_num_threads()
-    s = engine_step(rt, a.ctx, a.reps)
+    s = engine_step(rt, a.ctx, a.reps, a.rows)
     print(f"\n{a.model} {a.dtype}, torch threads {torch_threads}, batch-invariant {rt.engine.batch_invariant} "
           f"(attention {rt.engine.attention}); "
-          f"decode step after {a.ctx} tokens (median of {a.reps} x 3)\n")
+          f"{'decode step' if a.rows == 1 else f'{a.rows}-token chain forward'} after {a.ctx} tokens "
+          f"(median of {a.reps} x 3)\n")
     print("| part | ms | share |\n|---|---:|---:|")
     for k in ("matmuls", "attention", "rest"):
         print(f"| {k} | {s[k]:.2f} | {s[k] / s['step']:.1%} |")

@@ -152,12 +152,13 @@ static void group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t G, int64
 
 int int4_available(void) { return 1; }
 
-/* 16 bytes of nibble pairs -> 32 bf16 values q - 8, in the pair order dpbf16 takes */
+/* 16 bytes of nibble pairs -> 32 bf16 values q - 8, in the pair order dpbf16 takes. Byte j
+   in dword j; d | d << 12 puts its low nibble in bits 0-3 of word 2j and its high one in
+   bits 0-3 of word 2j + 1. vpermw reads 5 index bits: the table's two halves are equal, so
+   the fifth bit (word 2j's: the high nibble's lowest) and the bits above need no mask. */
 static inline __m512i unpack(const uint8_t* p, __m512i table) {
     __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-    __m512i idx = _mm512_or_si512(_mm512_and_si512(d, _mm512_set1_epi32(0xF)),
-                                  _mm512_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(0xF0)), 12));
-    return _mm512_permutexvar_epi16(idx, table);
+    return _mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), table);
 }
 
 /* a group's 16 scales and 16 zeros (bf16, after its group * 8 bytes of nibbles) as fp32 */
@@ -278,7 +279,13 @@ static inline __attribute__((always_inline)) void rows_amxe(const int mc, const 
     __m512 acc[MC];
     for (int r = 0; r < nbk * mc; r++) acc[r] = _mm512_setzero_ps();
     const int64_t chunks = group / 32;
-    const __m512i lo = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8), hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
+    /* q - 8 as fp32 for q = 0..15, looked up: vpermps reads an index's low 4 bits only, so a
+       byte's low nibble needs no mask and its high one a shift. Per block and input pair that
+       is the byte expansion, two lookups and a shift, where masks, subtractions and
+       conversions took seven operations: the same values, one-row int4 forwards ~1.2x faster
+       (this path is bound by its instructions, not by the memory) */
+    const __m512 wtab = _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8);
+    const __m512i hi16 = _mm512_set1_epi32((int)0xFFFF0000u);
     for (int64_t g = 0; g < G; g++) {
         __m512 c[MC];  /* the C tile: the group's chunks added in order */
         for (int r = 0; r < nbk * mc; r++) c[r] = _mm512_setzero_ps();
@@ -292,8 +299,8 @@ static inline __attribute__((always_inline)) void rows_amxe(const int mc, const 
                         _mm_prefetch((const char*)(blk + (nbk + b) * bstride + g * gstride + 16 * q), _MM_HINT_T0);
                 for (int b = 0; b < nbk; b++) {
                     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + b * bstride + g * gstride + 16 * q)));
-                    const __m512 we = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(d, lo), eight));
-                    const __m512 wo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(d, 4), eight));
+                    const __m512 we = _mm512_permutexvar_ps(d, wtab);
+                    const __m512 wo = _mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), wtab);
                     for (int r = 0; r < mc; r++) {
                         uint32_t xp; memcpy(&xp, x + r * K + k, 4);
                         const __m512 xe = _mm512_castsi512_ps(_mm512_set1_epi32((int)(xp << 16)));
