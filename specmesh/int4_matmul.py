@@ -12,7 +12,7 @@ rows a pass takes 4 blocks (3-4 rows: 2), so it keeps several accumulator chains
 weight streams going, and prefetches the next pass's weights: a decode step went 13.6 ->
 8.9 ms on an Intel Xeon (same bits: each output's sum is the same sequence of operations).
 Where the CPU has AMX-BF16, ``int4_mm_amx`` (the default there; comment in the source);
-it runs one-row calls with AVX-512 FMAs in the tiles' own order (``rows_amxe``: same bits).
+it runs calls of one or two rows with AVX-512 FMAs in the tiles' own order (``rows_amxe``: same bits).
 Where it has neither but AVX2 and FMA (AMD Zen 1-3, Intel before Ice Lake), ``int4_mm_avx2``
 on a layout of its own (``pack`` is the chosen matmul's): 8 nibbles of one output per
 dword, so input i's weights are ``v & 0xF << 4i`` converted to fp32, met by the row
@@ -414,7 +414,9 @@ static int amx_many_rows(const uint16_t* x, int64_t M, int64_t K, const uint8_t*
     return failed ? 2 : 0;
 }
 
-static int amx_few_rows = 1;  /* calls of at most this many rows take rows_amxe */
+/* calls of at most this many rows take rows_amxe: two rows on it were 1.07-1.45x faster
+   whole forwards than on the tiles (in-process A/B, docs/int4.md); from three the tiles win */
+static int amx_few_rows = 2;
 int int4_amx_few_rows(int n) { int old = amx_few_rows; if (n >= 0) amx_few_rows = n; return old; }
 
 int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
@@ -770,8 +772,8 @@ _state: dict = {}
 # "avx2" (the AVX2 matmul, on any CPU that has AVX2 and FMA), "avx2q8" (opt-in: AVX2 with
 # each row's inputs rounded to int8 per 32, llama.cpp's Q4 x Q8 arithmetic; 8-16 rows ~0.75x
 # the fp32 AVX2 matmul's time, at a quality cost, docs/int4.md), "torch" (torch's kernel).
-# AMX costs little more from 1 to 16 rows (8 rows ~0.55x AVX-512's); one row, on rows_amxe, is
-# as fast as AVX-512's (docs/int4.md)
+# AMX costs little more from 1 to 16 rows (8 rows ~0.55x AVX-512's); one or two rows, on rows_amxe,
+# are as fast as AVX-512's or faster (docs/int4.md)
 KERNEL_CHOICES = ("specmesh", "amx", "avx512", "avx2", "avx2q8", "torch")
 # each matmul of the library: its entry point and what it needs (each has its own bits)
 ISAS = {"avx512": ("int4_mm", ("int4_available",), "AVX-512 BF16"),
