@@ -723,7 +723,19 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
         int64_t m = 0;
         for (int64_t v = 0; v < V; v++) {
             const float f = o[v];
-            if (m == k && !(f > hv[0])) continue;
+            if (m == k) {
+                if (!(f > hv[0])) {
+                    /* the heap is full: skip 16 values at a time while none beats its root (the
+                       same entries enter, in the same order, as one at a time) */
+                    while (v + 16 < V) {
+                        int any = 0;
+                        for (int i = 1; i <= 16; i++) any |= o[v + i] > hv[0];
+                        if (any) break;
+                        v += 16;
+                    }
+                    continue;
+                }
+            }
             int64_t i;
             if (m < k) {  /* sift up */
                 i = m++;
@@ -745,19 +757,30 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
             hv[i] = f; hi[i] = (int32_t)v;
         }
 #undef LESS
+        /* the m dot products, eight at a time: each its own sum in input order (one chain
+           a product would wait on its previous add's latency) */
         const float* h = hn + r * H;
-        for (int64_t j = 0; j < m; j++) {
-            float a = 0.0f;
+        for (int64_t j0 = 0; j0 < m; j0 += 8) {
+            const int nj = m - j0 < 8 ? (int)(m - j0) : 8;
+            float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
             if (scales) {
-                const int8_t* t = (const int8_t*)table + (int64_t)hi[j] * H;
-                for (int64_t d = 0; d < H; d++) a += h[d] * (float)t[d];
-                uint32_t u = (uint32_t)scales[hi[j]] << 16; float sc; memcpy(&sc, &u, 4);
-                a *= sc;
+                const int8_t* t[8];
+                for (int q = 0; q < 8; q++) t[q] = (const int8_t*)table + (int64_t)hi[j0 + (q < nj ? q : 0)] * H;
+                for (int64_t d = 0; d < H; d++)
+                    for (int q = 0; q < 8; q++) a[q] += h[d] * (float)t[q][d];
+                for (int q = 0; q < nj; q++) {
+                    uint32_t u = (uint32_t)scales[hi[j0 + q]] << 16; float sc; memcpy(&sc, &u, 4);
+                    o[hi[j0 + q]] = a[q] * sc;
+                }
             } else {
-                const uint16_t* t = (const uint16_t*)table + (int64_t)hi[j] * H;
-                for (int64_t d = 0; d < H; d++) { uint32_t u = (uint32_t)t[d] << 16; float w; memcpy(&w, &u, 4); a += h[d] * w; }
+                const uint16_t* t[8];
+                for (int q = 0; q < 8; q++) t[q] = (const uint16_t*)table + (int64_t)hi[j0 + (q < nj ? q : 0)] * H;
+                for (int64_t d = 0; d < H; d++)
+                    for (int q = 0; q < 8; q++) {
+                        uint32_t u = (uint32_t)t[q][d] << 16; float w; memcpy(&w, &u, 4); a[q] += h[d] * w;
+                    }
+                for (int q = 0; q < nj; q++) o[hi[j0 + q]] = a[q];
             }
-            o[hi[j]] = a;
         }
     }
     return 0;

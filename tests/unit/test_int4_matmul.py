@@ -8,6 +8,7 @@ with int8 inputs (the AVX2 ones also compute exactly the order their source docu
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
 from specmesh import int4_matmul as im
@@ -285,6 +286,34 @@ def test_screen_recomputes_each_rows_top_k_from_the_table(kern):
     assert (out8[0, top].double() - exact8[0, top]).abs().max().item() < 1e-4
     with pytest.raises(ValueError, match="unsupported"):
         kern.screen(logits, hn, t8, k)  # an int8 table needs its scales
+
+
+def test_screen_sums_each_top_logit_in_input_order(kern):
+    """Each recomputed logit is one fp32 FMA chain over the hidden dimension in input order
+    (the bits the int4 engine's greedy choices rest on; the kernel runs eight chains side
+    by side), for the bf16 table and for the int8 one before its scale; 11 candidates a row
+    (one group of eight and a partial one), ties in the screen included."""
+    g = torch.Generator().manual_seed(3)
+    V, H, n, k = 300, 64, 2, 11
+    table = torch.randn(V, H, generator=g).bfloat16()
+    t8 = torch.randint(-127, 128, (V, H), generator=g, dtype=torch.int8)
+    sc = (torch.rand(V, generator=g) * 0.01 + 0.001).bfloat16()
+    hn = torch.randn(n, H, generator=g)
+    logits = (hn @ table.float().T).bfloat16()
+    logits[:, 40:60] = logits[:, :1]  # equal screen values: the lower indices are kept
+
+    def chain(h, w):  # fp32 FMAs: the product exact in float64, one rounding to fp32 a step
+        a = np.float32(0)
+        for d in range(len(h)):
+            a = np.float32(np.float64(a) + np.float64(h[d]) * np.float64(w[d]))
+        return a
+
+    out, out8 = kern.screen(logits, hn, table, k), kern.screen(logits, hn, t8, k, sc)
+    for r in range(n):
+        for v in logits[r].float().sort(descending=True, stable=True).indices[:k].tolist():
+            h = hn[r].numpy()
+            assert out[r, v].item() == chain(h, table[v].float().numpy()), (r, v)
+            assert out8[r, v].item() == np.float32(chain(h, t8[v].float().numpy()) * np.float32(sc[v].item())), (r, v)
 
 
 def test_turned_off_by_the_environment(monkeypatch):
