@@ -61,9 +61,12 @@ class VerifyCosts:
     units scoring 8 tokens costs little more than 1 (beta ~ 0.01-0.02); in fp32 about
     0.12."""
 
+    STALE = 32  # long rounds after the last short one: the unit is measured afresh (``needs_unit``)
+
     def __init__(self, prior: float = 0.06, ema: float = 0.2):
         self.prior, self.ema = prior, ema
         self._groups: dict[int, tuple[float, float]] = {}  # 0 short / 1 long: EMA (seconds, k)
+        self._since_short = 0  # long rounds observed since the last short one
         self._lock = threading.Lock()
 
     def observe(self, drafted: int, verify_s: float) -> None:
@@ -73,6 +76,9 @@ class VerifyCosts:
         w = self.ema
         with self._lock:
             old = self._groups.get(group)
+            if group == 0 and self._since_short >= self.STALE:
+                old = None  # a stale short EMA is replaced, not blended: the machine's speed moves
+            self._since_short = 0 if group == 0 else self._since_short + 1
             self._groups[group] = (verify_s, drafted) if old is None else \
                 ((1 - w) * old[0] + w * verify_s, (1 - w) * old[1] + w * drafted)
 
@@ -90,6 +96,17 @@ class VerifyCosts:
             if kl > ks and den > 0:
                 beta = min(0.5, max(0.0, (vl - vs) / den))
         return vs / (1 + beta * ks), beta
+
+    @property
+    def needs_unit(self) -> bool:
+        """Long rounds were measured but no short one, or none for ``STALE`` long rounds: the
+        long rounds' times alone cannot separate a one-token forward from a scored token's
+        cost (``beta`` stays at its prior), and an old short EMA no longer says what a plain
+        round costs (measured on 2 Xeon cores: a short EMA of 10.5 ms taken in a slow minute
+        against 5-6 ms plain rounds later fitted beta 0 and kept a losing block drafter on
+        for a whole request, 0.81x plain decoding)."""
+        with self._lock:
+            return 1 in self._groups and (0 not in self._groups or self._since_short >= self.STALE)
 
     @property
     def short_seconds(self) -> Optional[float]:
@@ -191,6 +208,14 @@ class AdaptiveBudget(BudgetPolicy):
     engine's numerics) drafts only where that still pays. For one-pass drafters c is
     the draft's seconds over a short round's verify seconds (``VerifyCosts``: about a
     one-token forward, the cost model's unit), not over the drafted round's.
+    Where the shared ``costs`` have long rounds but no short round's time (none yet, or
+    none for ``VerifyCosts.STALE`` long rounds), a one-pass drafter's policy first asks
+    for one plain round (``VerifyCosts.needs_unit``): a tree drafting full blocks would
+    otherwise price a scored token at the prior beta and measure its rounds against no
+    plain round (int4 on 2 Xeon cores: a first request drafted all 69 rounds at 0.60x
+    plain decoding; in a same-process A/B over four workloads the block tree went
+    0.94 / 0.92 / 0.83 / 0.89x -> 1.10 / 0.91 / 0.92 / 0.91x plain decoding on
+    code_write / reasoning / open_writing / chat_multiturn).
     ``for_drafter`` picks these settings by drafter name."""
 
     TREE_CHEAP = 0.5  # bf16 on CPU matrix units: 8 x 0.01-0.03; fp32 on a CPU: 8 x 0.12
@@ -267,6 +292,13 @@ class AdaptiveBudget(BudgetPolicy):
         return tokens / (1 + k * (self.cost + self.beta))
 
     def next(self) -> int:
+        if self.per_round_draft and self.costs.needs_unit:
+            # only long rounds so far, or for ``VerifyCosts.STALE`` rounds (a tree drafter
+            # drafts full blocks while it looks as if it paid): one plain round measures the
+            # cost model's unit afresh, else drafting that loses keeps looking as if it paid
+            # (int4 on 2 Xeon cores: all 69 rounds of a first request drafted, 0.60x plain
+            # decoding). At most one round in ``STALE + 1``.
+            return 0
         cap = self.max_budget
         if self.entropy > 0 and not self.per_round_draft:  # entropy-guided: at high entropy draft shorter
             # (not for one-pass block drafters: their draft costs the same at any length)

@@ -263,7 +263,9 @@ def test_block_policy_full_budget_measured_and_tree_all_or_nothing():
     chain_k = b.next()
     assert 0 < chain_k < 8  # the chain model at alpha 0.4 prefers a short block
     b.update(8, 4, draft_s=0.015, verify_s=0.1)  # but a full block accepted 4 (alpha -> 0.8 too)
-    assert b.full_accepted == 4 and b.next() == 8
+    assert b.full_accepted == 4 and b.next() == 0  # first a plain round: no short round measured yet
+    b.update(0, 0, verify_s=0.095)  # a plain round nearly as long as the full block's: tokens nearly free
+    assert b.next() == 8
     # a short block is refreshed by a full one every probe_every rounds
     s = AdaptiveBudget(8, alpha0=0.4, beta=0.02, per_round_draft=True, probe_every=3)
     s.cost = 0.15
@@ -279,7 +281,31 @@ def test_block_policy_full_budget_measured_and_tree_all_or_nothing():
     assert 0 < dear.next() < 8  # the chain model's length, not a full tree that would not pay
     dead = AdaptiveBudget.for_drafter("block_tree", 8, alpha0=0.4, beta=0.02, probe_every=4, ema=1.0)
     dead.update(8, 0, draft_s=0.05, verify_s=0.1)  # nothing accepted, a draft costing half a forward
+    dead.costs.observe(0, 0.1)  # a plain round measured (else the next round would be one)
     assert [dead.next() for _ in range(4)] == [0, 0, 0, 8]  # off, re-probed with the full tree
+
+
+def test_block_policy_measures_a_plain_round_when_the_unit_is_missing_or_stale():
+    """A one-pass drafter's policy with only long rounds measured (no short one, or none for
+    ``VerifyCosts.STALE`` long rounds) asks for one plain round: the cost model's unit; a
+    stale short EMA is replaced by the new round, not blended with it."""
+    costs = VerifyCosts(prior=0.01)
+    pol = AdaptiveBudget.for_drafter("block_tree", 8, costs=costs, alpha0=0.9)
+    assert pol.next() == 8  # nothing measured: the prior (a full tree that pays)
+    pol.update(8, 7, draft_s=0.001, verify_s=0.012)
+    assert costs.needs_unit and pol.next() == 0  # a long round only: measure a plain one
+    pol.update(0, 0, verify_s=0.010)
+    assert not costs.needs_unit and costs.short_seconds == pytest.approx(0.010) and pol.next() == 8
+    for _ in range(VerifyCosts.STALE - 1):
+        costs.observe(8, 0.012)
+    assert not costs.needs_unit
+    costs.observe(8, 0.012)
+    assert costs.needs_unit and pol.next() == 0  # STALE long rounds since the last short one
+    pol.update(0, 0, verify_s=0.005)  # the machine got faster: the new round replaces the old EMA
+    assert not costs.needs_unit and costs.short_seconds == pytest.approx(0.005)
+    tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=VerifyCosts())
+    tok.costs.observe(8, 0.012)
+    assert tok.next() > 0  # per-token drafters do not use the shared unit
 
 
 def test_cache_meter_counts_accepted_cache_drafts(ver):

@@ -91,6 +91,7 @@ def test_tree_schedule_switches_the_budget_by_entropy_with_live_costs():
     pol = AdaptiveBudget.for_drafter("block_tree", 16, costs=VerifyCosts(prior=0.01), schedule=sched)
     assert pol.schedule is sched and pol.next() == sched.budget(0.0, 0.0, pol.beta, 16) == 8  # before any round: bin 0
     pol.update(16, 3, entropy=2.5, draft_s=0.01, verify_s=0.1)  # the draft costs 0.1 of a forward
+    pol.costs.observe(0, 0.1)  # a plain round measured (else the next round would be one)
     assert pol.next() == sched.budget(2.5, pol.cost, pol.beta, 16)
     assert AdaptiveBudget.for_drafter("block", 8, schedule=sched).schedule is None  # chains: no schedule
 
@@ -157,6 +158,7 @@ def test_router_policy_and_checkpoint_schedule(tmp_path, monkeypatch):
     pol = TreeBudget.for_drafter("block_tree", 8, costs=VerifyCosts(prior=0.0), schedule=load_schedule(tmp_path))
     assert pol.next() == 4
     pol.update(4, 0, entropy=3.0, draft_s=0.02, verify_s=0.1)
+    pol.costs.observe(0, 0.1)  # a plain round measured (else the next round would be one)
     assert pol.next() == sched.budget(3.0, pol.cost, pol.beta, 8)
 
     from specmesh.router.strategies import Collaborators, Strategies
