@@ -292,13 +292,8 @@ class AdaptiveBudget(BudgetPolicy):
         return tokens / (1 + k * (self.cost + self.beta))
 
     def next(self) -> int:
-        if self.per_round_draft and self.costs.needs_unit:
-            # only long rounds so far, or for ``VerifyCosts.STALE`` rounds (a tree drafter
-            # drafts full blocks while it looks as if it paid): one plain round measures the
-            # cost model's unit afresh, else drafting that loses keeps looking as if it paid
-            # (int4 on 2 Xeon cores: all 69 rounds of a first request drafted, 0.60x plain
-            # decoding). At most one round in ``STALE + 1``.
-            return 0
+        if self.per_round_draft and self.costs.needs_unit:  # no plain round's time, or a stale
+            return 0  # one: this round measures it (class docstring; at most one in STALE + 1)
         cap = self.max_budget
         if self.entropy > 0 and not self.per_round_draft:  # entropy-guided: at high entropy draft shorter
             # (not for one-pass block drafters: their draft costs the same at any length)
