@@ -723,18 +723,16 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
         int64_t m = 0;
         for (int64_t v = 0; v < V; v++) {
             const float f = o[v];
-            if (m == k) {
-                if (!(f > hv[0])) {
-                    /* the heap is full: skip 16 values at a time while none beats its root (the
-                       same entries enter, in the same order, as one at a time) */
-                    while (v + 16 < V) {
-                        int any = 0;
-                        for (int i = 1; i <= 16; i++) any |= o[v + i] > hv[0];
-                        if (any) break;
-                        v += 16;
-                    }
-                    continue;
+            if (m == k && !(f > hv[0])) {
+                /* the heap is full: skip 16 values at a time while none beats its root (the
+                   same entries enter, in the same order, as one at a time) */
+                while (v + 16 < V) {
+                    int any = 0;
+                    for (int i = 1; i <= 16; i++) any |= o[v + i] > hv[0];
+                    if (any) break;
+                    v += 16;
                 }
+                continue;
             }
             int64_t i;
             if (m < k) {  /* sift up */
