@@ -7,8 +7,8 @@ with int8 inputs (the AVX2 ones also compute exactly the order their source docu
 
 from __future__ import annotations
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from specmesh import int4_matmul as im
