@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Whole int4 forwards on this code's int4 kernel against another commit's, in one process.
+
+Builds two ``Runtime``s of the same model: one on the int4 library compiled from the C
+source of ``specmesh/int4_matmul.py`` at ``--rev`` (read with ``git show``), one on this
+checkout's; the rest of the engine is this checkout's. After a prompt of ``--ctx``
+tokens it times a forward scoring a chain of N tokens on each, alternating, and checks
+that both return the same logits bit for bit (a kernel change that keeps the
+arithmetic must). Medians; the machine may be shared, so only the ratio means much.
+
+    .venv/bin/python scripts/kernel_ab.py --rev d077749 --rows 1,2,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import specmesh  # noqa: E402 - before torch: this script has the machine to itself
+
+specmesh.own_machine_threads()
+
+import torch
+
+from specmesh import int4_matmul as im
+from specmesh.runtime import Runtime
+
+
+def source_at(rev: str) -> str:
+    """The int4 kernel's C source at a git revision."""
+    text = subprocess.run(["git", "show", f"{rev}:specmesh/int4_matmul.py"], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "int4_matmul_at_rev.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location("int4_matmul_at_rev", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return mod._SOURCE
+
+
+def runtime_on(source: str, model: str) -> Runtime:
+    """A Runtime whose int4 layers run on the library built from ``source``."""
+    im._state.clear()
+    saved, im._SOURCE = im._SOURCE, source
+    try:
+        return Runtime(model, dtype="int4", n_slots=1, max_seq_len=2048, quiet=True, block_drafter=False)
+    finally:
+        im._SOURCE = saved
+        im._state.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rev", required=True, help="the commit whose int4 kernel is the baseline")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--ctx", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    rts = {a.rev: runtime_on(source_at(a.rev), a.model), "this": runtime_on(im._SOURCE, a.model)}
+    prompt = [int(t) % 49152 for t in range(100, 100 + a.ctx)]
+    for rt in rts.values():
+        rt.engine.reset(0)
+        rt.engine.prefill(0, prompt)
+    with torch.inference_mode():
+        for n in (int(r) for r in a.rows.split(",")):
+            toks, parents = [42 + i for i in range(n)], [i - 1 for i in range(n)]
+            ms = {k: [] for k in rts}
+            out = {}
+            for _ in range(a.reps):
+                for k, rt in rts.items():
+                    t0 = time.perf_counter()
+                    for _ in range(3):
+                        out[k] = rt.engine.score(0, toks, parents).logits
+                    ms[k].append((time.perf_counter() - t0) / 3 * 1e3)
+            base, new = (statistics.median(ms[k]) for k in rts)
+            same = torch.equal(*out.values())
+            print(f"{n} rows: {a.rev} {base:.2f} ms, this {new:.2f} ms, {base / new:.3f}x; identical logits {same}")
+
+
+if __name__ == "__main__":
+    main()
