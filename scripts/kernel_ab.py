@@ -2,7 +2,7 @@
 """Whole int4 forwards on this code's int4 kernel against another commit's, in one process.
 
 Builds two ``Runtime``s of the same model: one on the int4 library compiled from the C
-source of ``specmesh/int4_matmul.py`` at ``--rev`` (read with ``git show``), one on this
+source of ``specmesh/int4_matmul.py`` at ``--rev`` (``at_rev.module_at``), one on this
 checkout's; the rest of the engine is this checkout's. After a prompt of ``--ctx``
 tokens it times a forward scoring a chain of N tokens on each, alternating, and checks
 that both return the same logits bit for bit (a kernel change that keeps the
@@ -14,12 +14,8 @@ arithmetic must). Medians; the machine may be shared, so only the ratio means mu
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
@@ -30,18 +26,7 @@ import torch
 from specmesh import int4_matmul as im
 from specmesh.runtime import Runtime
 
-
-def source_at(rev: str) -> str:
-    """The int4 kernel's C source at a git revision."""
-    text = subprocess.run(["git", "show", f"{rev}:specmesh/int4_matmul.py"], capture_output=True, text=True,
-                          check=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "int4_matmul_at_rev.py"
-        path.write_text(text)
-        spec = importlib.util.spec_from_file_location("int4_matmul_at_rev", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    return mod._SOURCE
+from at_rev import module_at  # scripts/at_rev.py
 
 
 def runtime_on(source: str, model: str) -> Runtime:
@@ -63,7 +48,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=300)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
-    rts = {a.rev: runtime_on(source_at(a.rev), a.model), "this": runtime_on(im._SOURCE, a.model)}
+    rts = {a.rev: runtime_on(module_at(a.rev, "specmesh/int4_matmul.py")._SOURCE, a.model), "this": runtime_on(im._SOURCE, a.model)}
     prompt = [int(t) % 49152 for t in range(100, 100 + a.ctx)]
     for rt in rts.values():
         rt.engine.reset(0)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A self drafter under this code's budget policy against another commit's, in one process.
 
-Loads ``specmesh/loop.py`` as it was at ``--rev`` (``git show``; its relative imports
-resolve to this checkout's modules) beside this checkout's, and on each prompt of the
+Loads ``specmesh/loop.py`` as it was at ``--rev`` (``at_rev.module_at``: its relative
+imports resolve to this checkout's modules) beside this checkout's, and on each prompt of the
 chosen bench workloads runs, alternating the order prompt by prompt: plain decoding,
 the drafter under this policy, the drafter under the one at ``--rev`` (each loop with its
 own ``AdaptiveBudget.for_drafter`` and one ``VerifyCosts`` per policy shared by all its
@@ -15,12 +15,7 @@ decoding per workload, and checks that all three outputs are identical (greedy).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
@@ -30,19 +25,7 @@ from specmesh import loop  # noqa: E402
 from specmesh.bench.workloads import load  # noqa: E402
 from specmesh.runtime import Runtime  # noqa: E402
 
-
-def loop_at(rev: str):
-    """``specmesh/loop.py`` at a git revision, as the module ``specmesh._loop_at_rev``."""
-    text = subprocess.run(["git", "show", f"{rev}:specmesh/loop.py"], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[1]).stdout
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "loop.py"
-        path.write_text(text)
-        spec = importlib.util.spec_from_file_location("specmesh._loop_at_rev", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod  # dataclasses look their module up
-        spec.loader.exec_module(mod)
-    return mod
+from at_rev import module_at  # noqa: E402 - scripts/at_rev.py
 
 
 def main() -> None:
@@ -56,7 +39,7 @@ def main() -> None:
     a = ap.parse_args()
     rt = Runtime("smollm2-135m-instruct", dtype=a.dtype, n_slots=2, max_seq_len=2048, quiet=True)
     v = rt.verifier
-    mods = {"this": loop, a.rev: loop_at(a.rev)}
+    mods = {"this": loop, a.rev: module_at(a.rev, "specmesh/loop.py")}
     costs = {k: m.VerifyCosts() for k, m in mods.items()}
     for wl, ps in load(a.workloads.split(","), a.prompts).items():
         ids = [rt.encode(p.prompt, p.messages) for p in ps]
