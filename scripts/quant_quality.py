@@ -50,7 +50,7 @@ from specmesh.verifier import EngineVerifier
 def _engine(model: str, spec: str, max_seq_len: int) -> LlamaEngine:
     dtype, *opts = spec.split(":")
     kw = {"int4_group": int(opts[0])} if opts else {}
-    heads = {"head4": "int4", "head8": "int8", "screen": "screen"}
+    heads = {"head4": "int4", "head8": "int8", "screen": "screen", "screen8": "screen8"}
     for o in opts[1:]:
         kw["int4_head"] = heads[o]
     return LlamaEngine.from_pretrained(model, dtype=dtype, n_slots=1, max_seq_len=max_seq_len, quiet=True, **kw)

@@ -86,7 +86,7 @@ DTYPE_NAMES = ("fp32", "bf16", "int8", "int4")  # what ``dtype=`` accepts (and t
 # ships (its minimum and maximum per block give back that grid, up to the bf16 rounding of
 # scale and zero); 64/128 halve/quarter the scale bytes (docs/int4.md has the measured cost).
 INT4_GROUP = 32
-INT4_HEADS = ("auto", "screen", "int8", "int4")  # the LM head of an int4 engine (LlamaEngine's int4_head)
+INT4_HEADS = ("auto", "screen", "screen8", "int8", "int4")  # the LM head of an int4 engine (LlamaEngine's int4_head)
 SCREEN_TOP = 64  # screen head: logits per row recomputed from the bf16 table (16 -> 64: KL to fp32 0.0099 -> 0.0056)
 
 # Batch-invariant forward, per dtype (measured on CPU, see the module docstring):
@@ -181,10 +181,12 @@ class Linear:
     zeros; a weight torch's pack cannot take (out
     features not a multiple of 16, in features not of the group) falls back to int8.
     ``keep_rows`` (int4): keep a plain nibble copy so ``rows_fp32`` can dequantise rows
-    (the packed layout is the kernel's own)."""
+    (the packed layout is the kernel's own). ``kernel`` (int4): this matmul of our int4
+    library instead of the default one (``int4_matmul.load()``; the screen head's W4A8
+    matmul: ``int4_matmul.load_q8()``)."""
 
     def __init__(self, w: torch.Tensor, b: Optional[torch.Tensor], mode: str, group: int = INT4_GROUP,
-                 keep_rows: bool = False):
+                 keep_rows: bool = False, kernel: Optional["int4_matmul.Int4Matmul"] = None):
         if mode == "int4" and (w.device.type != "cpu" or not int4_supported(*w.shape, group)):
             mode = "int8"
         self.mode = mode
@@ -202,7 +204,7 @@ class Linear:
         elif mode == "int4":
             q, scale, lo = quantize_int4(w, group)
             # both kernels compute (q - 8) * scale + zero: zero = minimum + 8 * scale
-            self._k4 = int4_matmul.load()
+            self._k4 = kernel if kernel is not None else int4_matmul.load()
             if self._k4 is not None:  # ours: cost grows slowly with the rows (specmesh.int4_matmul)
                 self.w = self._k4.pack(q, scale, lo + 8 * scale, group)  # scales inside
             else:
@@ -325,11 +327,14 @@ class LlamaEngine:
         ``row_tiles`` / ``attn_rows`` / ``key_block`` override the per-dtype tiling
         (``ROW_TILES``, ``ATTN_ROWS``, ``KEY_BLOCK``). ``int4_group``: the int4 weights'
         group size along the input dimension (32, 64, 128; ``INT4_GROUP``). ``int4_head``:
-        the LM head of an int4 engine: ``"screen"`` (= ``"auto"``, the default): the head
-        in int4 as a screen, each row's top ``SCREEN_TOP`` logits then recomputed exactly
-        from the engine's bf16 embedding table (a tied head: half the int8 head's bytes a
-        step, and closer to fp32 than it: docs/int4.md) or from an int8 copy of an untied
-        head (its rows are read only for those logits); ``"int8"`` (GGUF files keep the
+        the LM head of an int4 engine: ``"screen"``: the head in int4 as a screen, each
+        row's top ``SCREEN_TOP`` logits then recomputed exactly from the engine's bf16
+        embedding table (a tied head: half the int8 head's bytes a step, and closer to
+        fp32 than it: docs/int4.md) or from an int8 copy of an untied head (its rows are
+        read only for those logits); ``"screen8"``: the same screen on int8 inputs (W4A8,
+        ``int4_matmul.load_q8()``: a one-row head ~1.6x faster on AVX-512 VNNI; only the
+        logits outside the top ``SCREEN_TOP`` change); ``"auto"`` (the default): ``screen8``
+        where our kernel has it (x86 with AVX2), else ``screen``; ``"int8"`` (GGUF files keep the
         head at 8 bits or more; int8 costs it 1% relative weight error); ``"int4"`` (its
         top logits refined from its own int4 rows: 9% error). ``attention`` (the
         batch-invariant forward's): ``"keylist"`` (each row attends to the keys it names,
@@ -518,11 +523,18 @@ class LlamaEngine:
         # weights, in the engine's dtype)
         # (tied) or of an int8 copy of the head (untied) give the top logits their values
         tied = "lm_head.weight" not in names or bool(self.config.get("tie_word_embeddings"))
-        choice = "screen" if self.int4_head == "auto" else self.int4_head
-        self._screen = mode == "int4" and choice == "screen"
+        choice = self.int4_head
+        q8 = int4_matmul.load_q8() if mode == "int4" and choice in ("auto", "screen8") else None
+        if choice == "screen8" and q8 is None:
+            raise InvalidArgument("int4_head", "screen8 needs our int4 kernel's int8-input matmul (x86 with "
+                                               f"AVX2 and FMA): {int4_matmul.load_error() or 'not on this CPU'}")
+        if choice == "auto":
+            choice = "screen8" if q8 is not None else "screen"
+        self._screen = mode == "int4" and choice in ("screen", "screen8")
         self._screen_rows = None if tied or not self._screen else Linear(head, None, "int8")
         head_mode = "int8" if mode == "int4" and choice == "int8" else mode
-        self.head = Linear(head, None, head_mode, self.int4_group, keep_rows=not self._screen)
+        self.head = Linear(head, None, head_mode, self.int4_group, keep_rows=not self._screen,
+                           kernel=q8 if choice == "screen8" else None)
 
     # ------------------------------------------------------------------ sizes
     def weight_bytes(self) -> int:

@@ -640,6 +640,68 @@ static inline __attribute__((always_inline)) void rows_avx2q8(const int mc, cons
             for (int h = 0; h < 2; h++) store8_bf16(y + r * N + 16 * b + 8 * h, acc[2 * (b * mc + r) + h]);
 }
 
+/* The same sums on AVX-512 VNNI, 16 outputs a vector: vpdpbusd adds four u8 x s8 products
+   a lane into an int32, so a chunk of 8 inputs is two instructions where vpmaddubsw took
+   four plus the adds. A chunk's dword l (v) holds output l's nibbles; v & 0x0F0F0F0F has its
+   inputs 0, 2, 4, 6 in bytes 0-3 and (v >> 4) & 0x0F0F0F0F its inputs 1, 3, 5, 7, the order
+   quantize_row_q8 stores the inputs in. The sums are the integers T_a of rows_avx2q8 (exact
+   in any order), then the same fp32 steps in the same order on 16 lanes (add_group is
+   fma(z, sum_g x, fma(t, s, acc))), rounded alike: the same bits as rows_avx2q8 (tested).
+   ``int4_q8_vnni(0)`` runs rows_avx2q8 instead (tests). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+static int q8_vnni = 1;
+int int4_q8_vnni(int on) { int old = q8_vnni; if (on >= 0) q8_vnni = on; return old; }
+static inline __attribute__((always_inline)) void rows_q8_vnni(const int mc, const int nbk, const int8_t* xq,
+        int64_t K, const int32_t* sd, const float* xs, int64_t G, const uint8_t* blk,
+        int64_t bstride, int64_t gstride, int64_t group, uint16_t* y, int64_t N) {
+    const int64_t S = K / 32, subs = group / 32;
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512 acc[MC];
+    for (int r = 0; r < nbk * mc; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++)
+        for (int b = 0; b < nbk; b++) {
+            const uint8_t* gb = blk + b * bstride + g * gstride;
+            if (b == 0)  /* the next pass's blocks, while these are read */
+                for (int i = 0; i < nbk; i++)
+                    for (int64_t o = 0; o < gstride; o += 64)
+                        _mm_prefetch((const char*)(gb + (nbk + i) * bstride + o), _MM_HINT_T0);
+            __m512 t[MC];
+            for (int r = 0; r < mc; r++) t[r] = _mm512_setzero_ps();
+            for (int64_t u = 0; u < subs; u++) {
+                const int64_t a = g * subs + u;
+                __m512i w[8];  /* chunk c's even inputs at 2c, its odd ones at 2c + 1 */
+                for (int c = 0; c < 4; c++) {
+                    const __m512i v = _mm512_loadu_si512((const void*)(gb + 64 * (4 * u + c)));
+                    w[2 * c] = _mm512_and_si512(v, m4);
+                    w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+                }
+                for (int r = 0; r < mc; r++) {
+                    const int8_t* p = xq + r * K + 32 * a;
+                    __m512i T0 = _mm512_setzero_si512(), T1 = _mm512_setzero_si512();
+                    for (int c = 0; c < 4; c++) {
+                        int32_t e, o;
+                        memcpy(&e, p + 8 * c, 4);
+                        memcpy(&o, p + 8 * c + 4, 4);
+                        T0 = _mm512_dpbusd_epi32(T0, w[2 * c], _mm512_set1_epi32(e));
+                        T1 = _mm512_dpbusd_epi32(T1, w[2 * c + 1], _mm512_set1_epi32(o));
+                    }
+                    const int32_t* q = sd + 16 * (r * S + a);  /* 8 S, then d */
+                    float d;
+                    memcpy(&d, q + 8, 4);
+                    const __m512i T = _mm512_sub_epi32(_mm512_add_epi32(T0, T1), _mm512_set1_epi32(q[0]));
+                    t[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(T), _mm512_set1_ps(d), t[r]);
+                }
+            }
+            __m512 sc, z;
+            scale_zero(gb, group, &sc, &z);
+            for (int r = 0; r < mc; r++) acc[b * mc + r] = add_group(acc[b * mc + r], t[r], sc, z, xs[r * G + g]);
+        }
+    store_rows(mc, nbk, acc, y, N);
+}
+#else
+int int4_q8_vnni(int on) { return 0; }
+#endif
+
 /* a row's bf16 inputs [K] to int8 in blocks of 32 (each 8 stored as inputs 0, 2, 4, 6, 1, 3,
    5, 7: the order rows_avx2q8 broadcasts them in), the blocks' scales d and sums S */
 static void quantize_row_q8(const uint16_t* x, int64_t K, int8_t* q, int32_t* sd) {
@@ -688,6 +750,16 @@ int int4_mm_avx2q8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, in
     int8_t* xq = (int8_t*)(buf + rows * (size_t)S * 64);
     for (int64_t m = 0; m < M; m++) quantize_row_q8(x + m * K, K, xq + m * K, sd + m * S * 16);
     group_sums(x, M, K, G, group, xs);
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__) && defined(__AVX512BW__)
+    if (q8_vnni) {
+#define R_(m_, k_) rows_q8_vnni(m_, k_, xq + m0 * K, K, sd + m0 * S * 16, xs + m0 * G, G, blk, bstride, gstride, \
+                                group, y + m0 * N + b0 * 16, N)
+/*ROW_PASSES*/
+#undef R_
+        free(buf);
+        return 0;
+    }
+#endif
 #define R_(m_, k_) rows_avx2q8(m_, k_, xq + m0 * K, K, sd + m0 * S * 16, xs + m0 * G, G, blk, bstride, gstride, \
                                group, y + m0 * N + b0 * 16, N)
 /*ROW_PASSES*/
@@ -701,6 +773,7 @@ int int4_mm_avx2(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int6
                  float* xs, uint16_t* y) { return 1; }
 int int4_mm_avx2q8(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
                    float* xs, uint16_t* y) { return 1; }
+int int4_q8_vnni(int on) { return 0; }
 #endif
 
 /* The screen head's logits: lg bf16 [n, V] (the int4 head's) -> out fp32 [n, V], each row's
@@ -816,9 +889,18 @@ class Int4Matmul:
         self._mm.restype = ctypes.c_int
         self._few = lib.int4_amx_few_rows
         self._few.argtypes, self._few.restype = [ctypes.c_int], ctypes.c_int
+        self._q8v = lib.int4_q8_vnni
+        self._q8v.argtypes, self._q8v.restype = [ctypes.c_int], ctypes.c_int
         self._screen = lib.screen_refine
         self._screen.argtypes = [P, I, I, P, P, P, I, I, P]
         self._screen.restype = ctypes.c_int
+
+    def q8_vnni(self, on: int = -1) -> int:
+        """Whether the int8-input matmul (``avx2q8``) runs its AVX-512 VNNI loop (the default
+        where the build has it) rather than its AVX2 one (same bits; C source): sets it where
+        ``on`` >= 0 (process-wide), returns the previous value (0 where there is none). For
+        tests and measurements."""
+        return int(self._q8v(int(on)))
 
     def amx_few_rows(self, n: int = -1) -> int:
         """The AMX matmul's row count up to which a call runs the tiles' arithmetic with
@@ -903,6 +985,21 @@ def load() -> Optional[Int4Matmul]:
         return pick_variant(choice, lambda isa: variant(lib, path, isa), ("amx", "avx512", "avx2"))
 
     return cached_load(_state, _lock, make)
+
+
+def load_q8() -> Optional[Int4Matmul]:
+    """The int8-input matmul (``avx2q8``: W4A8, its AVX-512 VNNI loop where the build has
+    it) of the loaded library, for the int4 engine's screen head; None where ``load()``
+    returned None or the CPU lacks AVX2 and FMA."""
+    k = load()
+    if k is None:
+        return None
+    if k.isa == "avx2q8":
+        return k
+    try:
+        return variant(k.lib, k.path, "avx2q8")
+    except RuntimeError:
+        return None
 
 
 def variant(lib: ctypes.CDLL, path: Path, isa: str) -> Int4Matmul:

@@ -138,15 +138,26 @@ def test_int4_reproduces_a_4bit_grid_model(group):
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.99
 
 
-def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table():
+@pytest.mark.parametrize("head", ["auto", "screen", "screen8"])
+def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table(head):
     """The int4 engine's default head on a tied model: int4 ranks, each row's top
     ``SCREEN_TOP`` logits are the fp32 products with the bf16 embedding rows (an untied
-    head: with its int8 copy's rows); "int8" keeps the int8 head."""
+    head: with its int8 copy's rows); "int8" keeps the int8 head. The screen runs on bf16
+    inputs ("screen") or int8 ones ("screen8": our W4A8 matmul, the default where it
+    exists; where it does not, asking for it is refused and the default is "screen")."""
+    from specmesh import int4_matmul
     from specmesh.engine import SCREEN_TOP, InvalidArgument, LlamaEngine, rms_norm
 
     model, cfg = tiny_hf()
     sd = model.state_dict()
-    scr = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64)
+    q8 = int4_matmul.load_q8()
+    if head == "screen8" and q8 is None:
+        with pytest.raises(InvalidArgument, match="screen8"):
+            LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head=head)
+        return
+    scr = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head=head)
+    w4a8 = head == "screen8" or (head == "auto" and q8 is not None)
+    assert scr._screen and (scr.head._k4 is not None and scr.head._k4.isa == "avx2q8") == w4a8
     i8 = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head="int8")
     assert scr.head.mode == "int4" and i8.head.mode == "int8" and scr.head.nbytes() < i8.head.nbytes()
     ids = list(range(10, 30))
@@ -159,7 +170,7 @@ def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table():
     # an untied head: the int4 screen ranks, an int8 copy of the head gives the top values
     untied = dict(cfg, tie_word_embeddings=False)
     sd2 = dict(sd, **{"lm_head.weight": sd["lm_head.weight"] + 0.1 * torch.randn_like(sd["lm_head.weight"])})
-    u = LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64)
+    u = LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64, int4_head=head)
     assert u.head.mode == "int4" and u._screen_rows.mode == "int8"
     out = u.score(0, ids, list(range(-1, 19)), hidden_layers=(cfg["num_hidden_layers"] - 1,))
     hn = rms_norm(out.hidden[cfg["num_hidden_layers"] - 1].float(), u.norm, u.eps)

@@ -188,14 +188,26 @@ def _q8_order(x, q, scale, zero, group):
     return acc.float().bfloat16()
 
 
+@pytest.mark.parametrize("vnni", [1, 0], ids=["vnni", "ymm"])
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_the_int8_input_avx2_matmul_computes_its_documented_order(group):
+def test_the_int8_input_avx2_matmul_computes_its_documented_order(group, vnni):
     """Bit for bit, on random weights and inputs whose blocks range over 2^-12..2^12, and
     on mirrored blocks whose sums are residues (the cancelling case's equal pairs cancel
     exactly in int8, so it shows nothing here). Checked to fail with x_q truncated, with
     the zero term added before the scale term (group 32), and with t summed unrounded
-    (group 128)."""
+    (group 128). Both of its loops: AVX-512 VNNI (the default where the build has it; checked
+    to fail with the even and odd inputs' weights swapped) and AVX2."""
     a = _variant("avx2q8")
+    if vnni and not a.q8_vnni():
+        pytest.skip("the int4 kernel was built without AVX-512 VNNI")
+    old = a.q8_vnni(vnni)
+    try:
+        _check_q8_order(a, group)
+    finally:
+        a.q8_vnni(old)
+
+
+def _check_q8_order(a, group):
     N, K = 48, 256
     g = torch.Generator().manual_seed(group)
     for m in (1, 3, 9):
