@@ -6,8 +6,10 @@ by default: SmolLM2's hidden size 576 is no multiple of 128, so int4:128 would r
 of its matrices in int8) on the prompts of the bench workloads:
 
 ``int4:G`` is the int4 engine with group size G and its default LM head (tied: the
-int4 screen whose top 64 logits per row are recomputed from the bf16 embedding table);
-``int4:G:head8`` puts the head in int8, ``int4:G:head4`` in plain int4.
+int4 screen whose top 64 logits per row are recomputed from the bf16 embedding table, on
+int8 inputs where our kernel has AVX2); ``int4:G:head8`` puts the head in int8,
+``int4:G:head4`` in plain int4, ``int4:G:screen`` / ``int4:G:screen8`` the screen on bf16 /
+int8 inputs.
 
 - greedy agreement: plain greedy decoding of ``--max-new-tokens`` tokens; how many
   generations equal fp32's token for token, and the mean common prefix (share of fp32's
@@ -69,8 +71,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--engines", default="bf16,int8,int4:32,int4:32:head8,int4:64,int4:32:head4",
-                    help="dtype, int4:<group>, int4:<group>:head8 / :head4 / :screen (the LM head in int8 / "
-                         "plain int4 / the int4 screen; default: screen for a tied head); "
+                    help="dtype, int4:<group>, int4:<group>:head8 / :head4 / :screen / :screen8 (the LM head "
+                         "in int8 / plain int4 / the int4 screen on bf16 / int8 inputs; default: the "
+                         "screen, on int8 inputs where our kernel has AVX2); "
                          "fp32 is always the reference")
     ap.add_argument("--workloads", default="", help="comma list (default: all)")
     ap.add_argument("--prompts", type=int, default=3, help="prompts per workload")

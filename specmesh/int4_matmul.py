@@ -38,7 +38,9 @@ defines ``__AVX512BF16__`` / ``__AVX2__``); where the CPU has neither AVX-512 BF
 AVX2 with FMA, ``load()`` returns None and the engine keeps torch's int4 kernel.
 ``SPECMESH_INT4_KERNEL`` chooses (``KERNEL_CHOICES``; ``torch`` turns it off;
 ``avx2q8``, opt-in, rounds each row's inputs to int8 per block of 32 first, the W4A8
-arithmetic llama.cpp uses on AVX2: faster from ~4 rows, less exact). ``screen`` is the int4 engine's screen head in one call: its bf16 logits
+arithmetic llama.cpp uses on AVX2: faster from ~4 rows, less exact; with an AVX-512 VNNI
+loop of the same bits where the build has it, and ``load_q8()`` for the engine's screen
+head, which runs it by default). ``screen`` is the int4 engine's screen head in one call: its bf16 logits
 to fp32 with each row's top k recomputed from the tied embedding table (a heap per row;
 torch's ``topk`` over a 49k vocabulary costs ~0.5 ms for 8 rows here). Knows nothing
 about models: weights, scales, rows and a table.
