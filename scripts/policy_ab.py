@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
-"""A self drafter under this code's budget policy against another commit's, in one process.
+"""A drafter under this code's budget policy against another commit's, in one process.
 
 Loads ``specmesh/loop.py`` as it was at ``--rev`` (``at_rev.module_at``: its relative
 imports resolve to this checkout's modules) beside this checkout's, and on each prompt of the
 chosen bench workloads runs, alternating the order prompt by prompt: plain decoding,
 the drafter under this policy, the drafter under the one at ``--rev`` (each loop with its
 own ``AdaptiveBudget.for_drafter`` and one ``VerifyCosts`` per policy shared by all its
-requests, as a ``Runtime`` shares one). Prints tokens/s and each policy's ratio to plain
-decoding per workload, and checks that all three outputs are identical (greedy).
+requests, as a ``Runtime`` shares one). ``--drafter``: a self drafter of the verifier
+(``block_tree``, ``block``, ...) or a drafter ``Runtime.drafter`` builds (``prompt_lookup``,
+``suffix``, ``draft_lm``: one instance per policy, so a suffix tree learns only from its
+own arm's outputs). Prints tokens/s and each policy's ratio to plain decoding per
+workload, and checks that all three outputs are identical (greedy).
 
     .venv/bin/python scripts/policy_ab.py --rev d077749 --dtype int4 --workloads open_writing,code_write
+    .venv/bin/python scripts/policy_ab.py --rev 531f17a --drafter prompt_lookup --workloads open_writing
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def main() -> None:
     v = rt.verifier
     mods = {"this": loop, a.rev: module_at(a.rev, "specmesh/loop.py")}
     costs = {k: m.VerifyCosts() for k, m in mods.items()}
+    own = a.drafter in v.self_drafters
+    drafters = {k: None if own else rt.drafter(a.drafter) for k in mods}
     for wl, ps in load(a.workloads.split(","), a.prompts).items():
         ids = [rt.encode(p.prompt, p.messages) for p in ps]
         loop.generate_tokens(None, v, ids[0], max_new_tokens=16, stop_ids=rt.stop_ids)  # warm-up
@@ -55,8 +61,8 @@ def main() -> None:
                 else:
                     m = mods[arm]
                     pol = m.AdaptiveBudget.for_drafter(a.drafter, 8, costs=costs[arm])
-                    out, _ = m.generate_tokens(None, v, prompt, max_new_tokens=a.max_new_tokens, stop_ids=rt.stop_ids,
-                                               budget=pol, self_draft=a.drafter)
+                    out, _ = m.generate_tokens(drafters[arm], v, prompt, max_new_tokens=a.max_new_tokens,
+                                               stop_ids=rt.stop_ids, budget=pol, self_draft=a.drafter if own else None)
                 secs[arm] += time.perf_counter() - t0
                 toks[arm] += len(out)
                 outs[arm] = out

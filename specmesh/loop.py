@@ -174,11 +174,18 @@ class AdaptiveBudget(BudgetPolicy):
     off rounds so a session whose text turns repetitive picks it back up; each probe
     that leaves it off doubles the wait, up to ``PROBE_BACKOFF`` x ``probe_every``
     (a probe of a one-pass drafter costs a draft and a full verify: on open text,
-    where nothing pays, probing every 8 rounds cost ~5% of plain decoding). One-pass
-    drafters are also held to what their rounds measured: when drafted rounds cost more
+    where nothing pays, probing every 8 rounds cost ~5% of plain decoding). Every
+    drafter is also held to what its rounds measured: when drafted rounds cost more
     seconds per committed token than a plain round (``measured_pays``), drafting is off
-    whatever the model says (its acceptance EMAs lag, and it leaves out the round's
-    bookkeeping), re-probed as above. High target
+    whatever the model says (its acceptance EMAs lag, it leaves out the round's
+    bookkeeping, and a verify's cost is not linear in its rows: on the int4 engine two
+    rows cost ~1.2 forwards, eight ~1.6-1.9), re-probed as above (before 2026-12-05 only
+    one-pass drafters were; in a same-process A/B on int4, 6 prompts each, prompt lookup
+    and suffix decoding stayed within noise of the old policy: open writing 0.95 / 1.01x
+    plain decoding against 0.97 / 0.96x, code edits 1.54 / 1.86x against 1.52 / 1.84x; the
+    draft LM on open writing 0.85 / 0.88x against 0.92 / 0.80x in two runs).
+    Every round's verify time feeds ``costs`` (a plain round's time is the unit the
+    guard compares with). High target
     entropy at the last round shortens the draft (entropy-guided scheduling).
 
     ``per_round_draft``: the drafter proposes a whole block in one pass (the block
@@ -220,7 +227,7 @@ class AdaptiveBudget(BudgetPolicy):
 
     TREE_CHEAP = 0.5  # bf16 on CPU matrix units: 8 x 0.01-0.03; fp32 on a CPU: 8 x 0.12
     PROBE_BACKOFF = 4  # re-probes of switched-off drafting: every probe_every rounds, up to 4x that apart
-    SPEED_EMA = 0.1  # one-pass drafters: the measured seconds per token of drafted rounds (~10 rounds)
+    SPEED_EMA = 0.1  # the measured seconds per token of drafted rounds (~10 rounds)
     SPEED_MIN = 8  # ... from this many drafted rounds on
 
     def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
@@ -350,17 +357,17 @@ class AdaptiveBudget(BudgetPolicy):
 
     @property
     def drafted_spt(self) -> Optional[float]:
-        """One-pass drafters: seconds per committed token of the drafted rounds (EMAs of
+        """Seconds per committed token of the drafted rounds (draft and verify; EMAs of
         seconds and of tokens, weight ``SPEED_EMA``; after the first round), once
         ``SPEED_MIN`` were measured; else None."""
         sec, tok, n = self._spd
         return sec / tok if n >= self.SPEED_MIN and tok > 0 else None
 
     def measured_pays(self) -> bool:
-        """One-pass drafters: False once drafted rounds cost more seconds per committed
-        token (``drafted_spt``) than a plain round (``VerifyCosts.short_seconds``: one
-        token a round); True before both are measured, and for per-token drafters."""
-        plain = self.costs.short_seconds if self.per_round_draft else None
+        """False once drafted rounds cost more seconds per committed token
+        (``drafted_spt``) than a plain round (``VerifyCosts.short_seconds``: one token a
+        round); True before both are measured."""
+        plain = self.costs.short_seconds
         return plain is None or self.drafted_spt is None or self.drafted_spt <= plain
 
     def _predict(self, n: int) -> None:
@@ -371,14 +378,14 @@ class AdaptiveBudget(BudgetPolicy):
                verify_s: float = 0.0) -> None:
         self.entropy = entropy
         self._updates += 1
-        if self.per_round_draft and verify_s > 0:
+        if verify_s > 0:
             self.costs.observe(drafted, verify_s)
         pending, self._pending = self._pending, None
         if drafted <= 0:
             return
         fails = 1 if accepted < drafted else 0
         w = self.ema
-        if self.per_round_draft and verify_s > 0 and self._updates > 1:  # what the round bought (not
+        if verify_s > 0 and self._updates > 1:  # what the round bought (not
             # the first round: it carries the prefill); a ratio of EMAs (an EMA of per-round
             # ratios would be biased high: a round accepting 0 costs its seconds for 1 token)
             sec, tok, n = self._spd

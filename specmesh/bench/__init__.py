@@ -56,6 +56,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="bench-out", help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="passes over every prompt and system (each rotated once more, our systems built afresh); "
+                        "each (system, prompt) keeps its fastest run: filters a shared machine's bursts")
     p.set_defaults(module="specmesh.bench", func="main")
 
     s = subparsers.add_parser("bench-sweep", help="concurrency sweep through the gRPC services (1/4/8 streams)",
@@ -75,7 +78,7 @@ def config_from_args(args):
                        budget=args.budget, adaptive=not args.fixed_budget, out=args.out, model=args.model, workloads_dir=args.workloads_dir,
                        slots=args.slots, max_seq_len=args.max_seq_len, threads=args.threads,
                        progress=not args.no_progress, charts=not args.no_charts, device=args.device,
-                       cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype)
+                       cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype, repeats=args.repeats)
 
 
 def run(cfg, log=print, runtimes=None) -> dict:

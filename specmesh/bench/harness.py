@@ -1,6 +1,11 @@
 """Run a benchmark in one process: build the systems, warm each up, then run every
 prompt on every system back to back (the order rotates per prompt) so machine
 drift hits all systems alike, and aggregate one record per (system, workload).
+With ``repeats`` N > 1 the whole rotation runs N times (each pass rotated once more,
+our systems built afresh for each pass so no drafter learns from an earlier pass's
+outputs) and each (system, prompt) keeps its fastest run, as ``timeit`` does: on a
+shared machine a neighbour's burst slows a few runs in a row, whichever system they
+belong to, and the fastest of N filters it for every system alike.
 
 Records carry new tokens, seconds, tokens/s, speedup over the system's own AR
 (measured side by side in this run), τ, the acceptance histogram, token identity
@@ -55,6 +60,7 @@ class BenchConfig:
     device: str = "cpu"  # auto | cpu | cuda | cuda:N: our engines and the HF peers
     cuda_graphs: bool = True  # on CUDA: GraphedEngine (False: the eager engine)
     hf_dtype: str = "fp32"  # the HF peers' dtype (fp32 | bf16)
+    repeats: int = 1  # passes over every prompt and system; each (system, prompt) keeps its fastest
 
 
 def peak_rss_mb() -> float:
@@ -167,6 +173,8 @@ class Bench:
             raise InvalidArgument("max_new_tokens", f"must be positive, got {cfg.max_new_tokens}")
         if cfg.budget <= 0:
             raise InvalidArgument("budget", f"must be positive, got {cfg.budget}")
+        if cfg.repeats < 1:
+            raise InvalidArgument("repeats", f"must be at least 1, got {cfg.repeats}")
         names = expand(cfg.systems)
         loads = wl.load(cfg.workloads, cfg.prompts, Path(cfg.workloads_dir) if cfg.workloads_dir else None)
         if not cfg.threads:
@@ -190,27 +198,45 @@ class Bench:
                                                     f"max_seq_len {main.max_seq_len}")
         self.build(names)
         runs: dict[tuple[str, str], list[tuple[str, RunOutput, float]]] = {}
-        total = sum(len(v) for v in encoded.values()) * len(self.systems)
+        times: dict[tuple[str, str, str], list[float]] = {}  # (system, workload, prompt) -> every pass's seconds
+        unstable: list[str] = []  # (system prompt) whose passes generated different tokens
+        total = sum(len(v) for v in encoded.values()) * len(self.systems) * cfg.repeats
         bar = _progress(total, cfg.progress)
         k = 0
-        for w, items in encoded.items():
-            for p, ids in items:
-                order = self.systems[k % len(self.systems):] + self.systems[: k % len(self.systems)]
-                k += 1
-                for s in order:
-                    if s not in self.systems:  # dropped earlier in this rotation
-                        continue
-                    bar.set_description(f"{w} {p.id} {s.name}")
-                    try:
-                        out = s.run(ids, p.budget(cfg.max_new_tokens))
-                    except PeerFailed as e:  # a peer's child process died: the run goes on without it
-                        done = sum(len(v) for (n, _), v in runs.items() if n == s.name)
-                        self._drop(s, f"{e} (after {done} generations; its partial results are dropped)")
-                        for key in [key for key in runs if key[0] == s.name]:
-                            del runs[key]
-                        continue
-                    runs.setdefault((s.name, w), []).append((p.id, out, peak_rss_mb()))
-                    bar.update(1)
+        for rep in range(cfg.repeats):
+            if rep:  # our systems afresh: no drafter state (a suffix tree's outputs) carried into this pass
+                self.systems = [make_ours(s.name, self.runtime(parse_ours(s.name, cfg.dtype)[1]), cfg.budget,
+                                          cfg.dtype, adaptive=cfg.adaptive) if s.family == "ours" else s
+                                for s in self.systems]
+                self._warmup([s for s in self.systems if s.family == "ours"])
+                k += 1  # each pass rotated once more, so no system always follows the same one
+            for w, items in encoded.items():
+                for p, ids in items:
+                    order = self.systems[k % len(self.systems):] + self.systems[: k % len(self.systems)]
+                    k += 1
+                    for s in order:
+                        if s not in self.systems:  # dropped earlier in this rotation
+                            continue
+                        bar.set_description(f"{w} {p.id} {s.name}" + (f" (pass {rep + 1})" if cfg.repeats > 1 else ""))
+                        try:
+                            out = s.run(ids, p.budget(cfg.max_new_tokens))
+                        except PeerFailed as e:  # a peer's child process died: the run goes on without it
+                            done = sum(len(v) for (n, _), v in runs.items() if n == s.name)
+                            self._drop(s, f"{e} (after {done} generations; its partial results are dropped)")
+                            for key in [key for key in runs if key[0] == s.name]:
+                                del runs[key]
+                            continue
+                        times.setdefault((s.name, w, p.id), []).append(out.seconds)
+                        rs = runs.setdefault((s.name, w), [])
+                        old = next((i for i, r in enumerate(rs) if r[0] == p.id), None)
+                        if old is None:
+                            rs.append((p.id, out, peak_rss_mb()))
+                        else:
+                            if out.tokens != rs[old][1].tokens:  # a pass generated other tokens: reported
+                                unstable.append(f"{s.name} {p.id}")
+                            if out.seconds < rs[old][1].seconds:  # the fastest pass of this prompt
+                                rs[old] = (p.id, out, peak_rss_mb())
+                        bar.update(1)
         bar.close()
         for s in self.systems:
             close = getattr(s, "close", None)
@@ -219,6 +245,7 @@ class Bench:
         self._stage("end of run")
         records = self.aggregate(list(encoded), runs)
         outputs = [{"system": s, "workload": w, "id": pid, "tokens": o.tokens, "seconds": round(o.seconds, 4),
+                    "seconds_all": [round(t, 4) for t in times.get((s, w, pid), [])],
                     "text": main.decode(o.tokens)} for (s, w), rs in runs.items() for pid, o, _ in rs]
         meta = {
             "config": asdict(cfg), "systems": [s.name for s in self.systems], "skipped": self.skipped,
@@ -229,7 +256,8 @@ class Bench:
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "(unset)"),
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
             "wall_s": round(time.time() - t_start, 1), "python": sys.version.split()[0],
-            "hf_pld_tokens": 10, "device": str(_device_of(main)),
+            "hf_pld_tokens": 10, "device": str(_device_of(main)), "repeats": cfg.repeats,
+            "unstable_outputs": unstable,
             "cuda_graphs": type(main.engine).__name__ == "GraphedEngine",
         }
         return {"meta": meta, "records": records, "outputs": outputs}

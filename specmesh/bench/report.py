@@ -174,7 +174,11 @@ def render(result: dict) -> str:
              f"max_new_tokens {cfg.get('max_new_tokens')}, draft budget {cfg.get('budget')} tokens/round "
              f"(hf_pld/llamacpp_pld: {meta.get('hf_pld_tokens')}), torch threads {meta.get('torch_threads')} "
              f"(OMP_WAIT_POLICY {meta.get('omp_wait_policy', '?')}, GOMP_SPINCOUNT {meta.get('gomp_spincount', '?')}), "
-             f"started {meta.get('started')}, wall {meta.get('wall_s')} s.")
+             f"started {meta.get('started')}, wall {meta.get('wall_s')} s."
+             + (f" Every prompt ran {meta['repeats']} times on every system (each pass rotated once more, our "
+                f"systems built afresh); each keeps its fastest run." if meta.get("repeats", 1) > 1 else "")
+             + (f" Passes that generated other tokens: {', '.join(meta['unstable_outputs'])}."
+                if meta.get("unstable_outputs") else ""))
     L.append("All systems ran in one process, alternating per prompt (rotating order) after one warm-up each; "
              "speedups are ratios to the system's own AR measured side by side in this run. "
              "τ = tokens per target forward after the prefill. Identity is per prompt against the reference AR "

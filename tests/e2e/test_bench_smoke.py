@@ -159,6 +159,32 @@ def test_bench_smoke_real_model(tmp_path, runtime):
     assert len((tmp_path / "outputs.jsonl").read_text().splitlines()) == len(SMOKE_SYSTEMS) * len(WORKLOADS)
 
 
+@pytest.mark.slow
+def test_bench_repeats_keep_each_prompts_fastest_pass(tmp_path, runtime):
+    """``repeats`` 2: every (system, prompt) runs twice, keeps its fastest run (the
+    record's seconds are the sum of those), and both passes generate the same tokens;
+    fewer than one pass is refused."""
+    from specmesh.bench import run
+
+    cfg = BenchConfig(systems=["ours_ar", "ours_suffix"], workloads=["code_edit", "open_writing"], max_new_tokens=8,
+                      prompts=2, dtype="fp32", out=str(tmp_path), progress=False, charts=False, threads=1, repeats=2)
+    run(cfg, log=lambda *a: None, runtimes={"fp32": runtime})
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["meta"]["repeats"] == 2 and data["meta"]["unstable_outputs"] == []
+    outs = [json.loads(x) for x in (tmp_path / "outputs.jsonl").read_text().splitlines()]
+    assert len(outs) == 2 * 2 * 2  # systems x workloads x prompts: one line each, not one per pass
+    for o in outs:
+        assert len(o["seconds_all"]) == 2 and o["seconds"] == min(o["seconds_all"]), o
+    for r in data["records"]:
+        mine = [o["seconds"] for o in outs if (o["system"], o["workload"]) == (r["system"], r["workload"])]
+        assert r["prompts"] == 2 and r["seconds"] == pytest.approx(sum(mine), abs=1e-3)
+        assert r["identical_to_ar"] is True
+    assert "ran 2 times" in (tmp_path / "report.md").read_text()
+    with pytest.raises(InvalidArgument, match="repeats"):
+        run(BenchConfig(systems=["ours_ar"], repeats=0, out=str(tmp_path)), log=lambda *a: None,
+            runtimes={"fp32": runtime})
+
+
 def test_llamacpp_side_by_side_from_synthetic_records():
     """Every report with llamacpp_ar carries the ratios to it (issue 20's targets as verdicts)."""
     recs = [_rec("ours_ar", "code_edit", 50, 1.0, "ours_ar"), _rec("ours_prompt_lookup", "code_edit", 160, 3.2, "ours_ar"),
