@@ -203,10 +203,12 @@ def test_adaptive_budget_alpha_and_per_round_cost_model():
     assert [dear.next() for _ in range(2)] == [0, 2]
 
 
-def test_block_policy_is_held_to_the_seconds_per_token_its_rounds_measured():
+def test_every_policy_is_held_to_the_seconds_per_token_its_rounds_measured():
     """The cost model says a full block pays; the drafted rounds cost more seconds per
     committed token than a plain round: drafting goes off (re-probed later); cheap
-    rounds keep it on. The first round (it carries the prefill) is not counted."""
+    rounds keep it on. The first round (it carries the prefill) is not counted. A
+    per-token drafter (prompt lookup) is held to the same measure, and its rounds feed
+    the shared costs."""
     costs = VerifyCosts(ema=1.0)
     costs.observe(0, 0.010)  # a plain round: 10 ms for its one token
     slow = AdaptiveBudget.for_drafter("block_tree", 8, costs=costs, alpha0=0.9, beta=0.01)
@@ -220,9 +222,16 @@ def test_block_policy_is_held_to_the_seconds_per_token_its_rounds_measured():
     assert slow.drafted_spt == pytest.approx(0.022 / 2) and fast.drafted_spt == pytest.approx(0.022 / 5)
     assert not slow.measured_pays() and slow.next() == 0  # 11 ms a token > 10 ms: off
     assert fast.measured_pays() and fast.next() == 8  # 4.4 ms a token: on
-    tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=costs)
-    tok.update(4, 0, draft_s=0.01, verify_s=0.1)
-    assert tok.drafted_spt is None and tok.measured_pays()  # per-token drafters: the model alone
+    own = VerifyCosts(ema=1.0)
+    tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=own, alpha0=0.9)
+    tok.update(0, 0, verify_s=0.010)  # the first round (a prefill): a plain one, 10 ms
+    tok.update(0, 0, verify_s=0.010)  # a plain round: the unit
+    assert own.short_seconds == pytest.approx(0.010)
+    for _ in range(AdaptiveBudget.SPEED_MIN):
+        assert tok.measured_pays()
+        tok.update(4, 0, draft_s=0.001, verify_s=0.013)  # 14 ms for its one token
+        tok.alpha = 0.9  # the model keeps saying drafting pays
+    assert tok.drafted_spt == pytest.approx(0.014) and not tok.measured_pays() and tok.next() == 0
 
 
 def test_verify_costs_shared_across_requests_and_block_policies():
