@@ -525,9 +525,9 @@ class LlamaEngine:
         tied = "lm_head.weight" not in names or bool(self.config.get("tie_word_embeddings"))
         choice = self.int4_head
         q8 = int4_matmul.load_q8() if mode == "int4" and choice in ("auto", "screen8") else None
-        if choice == "screen8" and q8 is None:
-            raise InvalidArgument("int4_head", "screen8 needs our int4 kernel's int8-input matmul (x86 with "
-                                               f"AVX2 and FMA): {int4_matmul.load_error() or 'not on this CPU'}")
+        if mode == "int4" and choice == "screen8" and q8 is None:
+            raise InvalidArgument("int4_head", "screen8 needs our int4 kernel's int8-input matmul (x86 with AVX2 "
+                                               f"and FMA): {int4_matmul.load_error() or 'this CPU or build has none'}")
         if choice == "auto":
             choice = "screen8" if q8 is not None else "screen"
         self._screen = mode == "int4" and choice in ("screen", "screen8")

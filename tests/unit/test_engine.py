@@ -179,6 +179,7 @@ def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table(head):
     assert torch.allclose(out.logits.gather(-1, top), exact.gather(-1, top), atol=1e-3)
     with pytest.raises(InvalidArgument, match="int4_head"):
         LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head="int2")
+    assert not LlamaEngine(cfg, sd, dtype="bf16", n_slots=1, max_seq_len=64, int4_head=head)._screen  # int4 only
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int4"])
