@@ -108,8 +108,7 @@ class Bench:
         ours = [n for n in names if n.startswith("ours_")]
         peers = [n for n in names if not n.startswith("ours_")]
         for n in ours:
-            self.systems.append(make_ours(n, self.runtime(parse_ours(n, self.cfg.dtype)[1]), self.cfg.budget,
-                                          self.cfg.dtype, adaptive=self.cfg.adaptive))
+            self.systems.append(self._ours(n))
         self._stage("specmesh systems loaded")
         self._warmup(self.systems)
         self._stage("specmesh systems warmed up (before any peer is loaded)")
@@ -146,6 +145,11 @@ class Bench:
         self._warmup([s for s in self.systems[first_peer:] if s.name != "hf_static_compile"
                       and s.family != "llamacpp"])
         self._stage("all systems loaded and warmed up")
+
+    def _ours(self, name: str) -> System:
+        """An ``ours_*`` system on the runtime of its dtype (a new drafter where it has one)."""
+        return make_ours(name, self.runtime(parse_ours(name, self.cfg.dtype)[1]), self.cfg.budget, self.cfg.dtype,
+                         adaptive=self.cfg.adaptive)
 
     def _drop(self, s: System, why: str) -> None:
         """Skip a peer from here on (its child process died or cannot start)."""
@@ -205,9 +209,7 @@ class Bench:
         k = 0
         for rep in range(cfg.repeats):
             if rep:  # our systems afresh: no drafter state (a suffix tree's outputs) carried into this pass
-                self.systems = [make_ours(s.name, self.runtime(parse_ours(s.name, cfg.dtype)[1]), cfg.budget,
-                                          cfg.dtype, adaptive=cfg.adaptive) if s.family == "ours" else s
-                                for s in self.systems]
+                self.systems = [self._ours(s.name) if s.family == "ours" else s for s in self.systems]
                 self._warmup([s for s in self.systems if s.family == "ours"])
                 k += 1  # each pass rotated once more, so no system always follows the same one
             for w, items in encoded.items():
