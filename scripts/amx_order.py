@@ -93,10 +93,9 @@ NAMES = ("seq even-odd", "seq odd-even", "exact", "pair sums", "tree", "two chai
 
 
 def main() -> None:
-    from specmesh.int4_matmul import AMX_PREAMBLE
-    from specmesh.keylist_attention import compile_library
+    from specmesh.keylist_attention import c_source, compile_library
 
-    lib, _ = compile_library("amxorder", _SOURCE.replace("/*AMX_PREAMBLE*/", AMX_PREAMBLE))
+    lib, _ = compile_library("amxorder", _SOURCE.replace("/*AMX_PREAMBLE*/", c_source("amx_preamble.h")))
     lib.amx_order.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_long)]
     lib.amx_order.restype = ctypes.c_long
     print("| pairs | initial C | outputs | " + " | ".join(NAMES) + " |")

@@ -2,7 +2,8 @@
 """Whole int4 forwards on this code's int4 kernel against another commit's, in one process.
 
 Builds two ``Runtime``s of the same model: one on the int4 library compiled from the C
-source of ``specmesh/int4_matmul.py`` at ``--rev`` (``at_rev.module_at``), one on this
+source at ``--rev`` (``csrc/int4_matmul.c`` with its includes; at revisions before the C
+left the Python module, ``_SOURCE`` of ``int4_matmul.py``, by ``at_rev.module_at``), one on this
 checkout's; the rest of the engine is this checkout's. After a prompt of ``--ctx``
 tokens it times a forward scoring a chain of N tokens on each, alternating, and checks
 that both return the same logits bit for bit (a kernel change that keeps the
@@ -15,7 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import tarfile
+import tempfile
 import time
+from io import BytesIO
+from pathlib import Path
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
@@ -24,9 +30,23 @@ specmesh.own_machine_threads()
 import torch
 
 from specmesh import int4_matmul as im
+from specmesh.keylist_attention import CSRC, c_source
 from specmesh.runtime import Runtime
 
 from at_rev import module_at  # scripts/at_rev.py
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def source_at(rev: str) -> str:
+    """The int4 library's C text at ``rev``, as the builder compiles it."""
+    csrc = CSRC.relative_to(ROOT).as_posix()
+    r = subprocess.run(["git", "archive", rev, csrc], capture_output=True, cwd=ROOT)
+    if r.returncode != 0:  # before the C moved to csrc/: the module's string
+        return module_at(rev, Path(im.__file__).relative_to(ROOT).as_posix())._SOURCE
+    with tempfile.TemporaryDirectory() as d:
+        tarfile.open(fileobj=BytesIO(r.stdout)).extractall(d, filter="data")
+        return c_source("int4_matmul.c", root=Path(d) / csrc)
 
 
 def runtime_on(source: str, model: str) -> Runtime:
@@ -48,7 +68,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=300)
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
-    rts = {a.rev: runtime_on(module_at(a.rev, "specmesh/int4_matmul.py")._SOURCE, a.model), "this": runtime_on(im._SOURCE, a.model)}
+    rts = {a.rev: runtime_on(source_at(a.rev), a.model), "this": runtime_on(im._SOURCE, a.model)}
     prompt = [int(t) % 49152 for t in range(100, 100 + a.ctx)]
     for rt in rts.values():
         rt.engine.reset(0)
