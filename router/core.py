@@ -13,6 +13,12 @@ deadline passed) stops it between rounds and releases the session on the
 verifier and the drafter. Stop strings (``GenerateSpec.stop``) end a generation
 just before the first one in its text (``StopText``, the OpenAI/vLLM rule;
 finish reason ``stop``; the kept token ids run through the one that completed it).
+A request with ``GenerateSpec.resume`` continues an interrupted stream of itself
+(a lost router): the loop prefills prompt + the delivered tokens and counts
+``max_new_tokens`` from the original start (``LoopOptions.resumed``); the text
+and stop-string state are replayed from those tokens (``resume_state``), the new
+stream sends only text the caller lacks, and the final message carries the
+whole output and ``resumed_tokens``.
 
 Strategies: ``autoregressive``, ``external`` (a drafter of the registry's
 ``EXTERNAL``: prompt_lookup | suffix | adaptive_lookup | draft_lm | block |
@@ -74,6 +80,16 @@ class GenerateSpec:
     reasoning: bool = False
     thinking_budget: Optional[int] = None
     stop: tuple[str, ...] = ()  # stop strings on the output text
+    resume: Optional["Resume"] = None  # continue an interrupted stream of this request
+
+
+@dataclass
+class Resume:
+    """What the caller already received of an interrupted stream (GenerateRequest.resume)."""
+
+    token_ids: list[int]
+    text_chars: int = 0  # code points of output text it has
+    session_id: str = ""  # the interrupted stream's (logs only)
 
 
 @dataclass
@@ -106,6 +122,8 @@ class Plan:
     messages: Optional[list[dict]] = None  # the conversation (for anticipation after the turn)
     client: str = ""
     stop: tuple[str, ...] = ()
+    resume: tuple[int, ...] = ()  # output tokens delivered before (a resumed request)
+    resume_chars: int = 0  # ... and the characters of their text the caller has
 
 
 class TextStream:
@@ -170,6 +188,25 @@ class StopText:
             return ""
         out, self.emitted = self.text[self.emitted:], len(self.text)
         return out
+
+
+def resume_state(text: "TextStream", stop: Optional[StopText], ids: Sequence[int]) -> str:
+    """Replay a resumed request's delivered tokens through its text and stop-string
+    state; return the text the router counts as sent for them (held-back characters
+    excluded). Raises INVALID_ARGUMENT when a stop string already matched."""
+    sent = text.push(list(ids)) if ids else ""
+    if stop is not None:
+        sent = stop.push(sent)
+        if stop.matched is not None:
+            raise InvalidArgument("resume.token_ids", f"the stop string {stop.matched!r} already matched in their "
+                                  "text: that generation ended")
+    return sent
+
+
+def owed_text(sent: str, text_chars: int) -> tuple[str, int]:
+    """(text the caller lacks of ``sent``, characters of later text it already has):
+    the caller has ``text_chars`` characters of the output."""
+    return (sent[text_chars:], 0) if text_chars <= len(sent) else ("", text_chars - len(sent))
 
 
 def tokens_through(decode: Callable[[list[int]], str], ids: list[int], chars: int, lo: int = 0) -> int:
@@ -264,6 +301,10 @@ class Router:
     def plan(self, spec: GenerateSpec) -> Plan:
         """Validate every field (INVALID_ARGUMENT naming it); nothing changes."""
         self.runner.check(spec)
+        if spec.resume is not None and (spec.resume.token_ids or spec.resume.text_chars) and (
+                spec.reasoning or spec.strategy == "ssr"):
+            raise InvalidArgument("resume", "a reasoning request cannot be resumed (its thinking phase is not "
+                                  "replayed); send it anew")
         n = self.s.default_max_new_tokens if spec.max_new_tokens is None else spec.max_new_tokens
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument("max_new_tokens", f"must be a positive integer, got {n!r}")
@@ -287,8 +328,32 @@ class Router:
                                   f"context of {self.s.max_seq_len} tokens")
         strategy, reason, drafter, self_draft = self._strategy(spec, ids, reasoning)
         messages = spec.messages or ([{"role": "user", "content": spec.prompt}] if not spec.raw_prompt else None)
+        resume = self._resume(spec, n)
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
-                    reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop))
+                    reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
+                    resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0)
+
+    def _resume(self, spec: GenerateSpec, n: int) -> Optional[Resume]:
+        """Validate ``spec.resume`` against the request it continues (INVALID_ARGUMENT naming the field)."""
+        r = spec.resume
+        if r is None or (not r.token_ids and not r.text_chars):
+            return None
+        if len(r.token_ids) > n:
+            raise InvalidArgument("resume.token_ids", f"{len(r.token_ids)} tokens exceed max_new_tokens {n}")
+        stops = set(self.codec.stop_ids)
+        for t in r.token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgument("resume.token_ids", f"token id {t} outside [0, {self.vocab_size})")
+            if t in stops:
+                raise InvalidArgument("resume.token_ids", f"token id {t} is a stop token: that generation ended")
+        if len(r.session_id.encode()) > 128:
+            raise InvalidArgument("resume.session_id", "longer than 128 bytes")
+        full = self.codec.decode(list(r.token_ids))
+        if not 0 <= r.text_chars <= len(full):
+            raise InvalidArgument("resume.text_chars", f"must be in [0, {len(full)}] (the characters of "
+                                  f"resume.token_ids' text), got {r.text_chars}")
+        resume_state(TextStream(self.codec.decode), StopText(spec.stop) if spec.stop else None, r.token_ids)
+        return r
 
     # ------------------------------------------------------------ generation
     def start(self, spec: GenerateSpec, client: str = "", deadline: Optional[float] = None) -> Generation:
@@ -329,9 +394,17 @@ class Router:
                                 drafter=plan.drafter or plan.self_draft or "")
             text = TextStream(self.codec.decode)
             stop = StopText(plan.stop) if plan.stop else None
-            out_ids: list[int] = []
-            pieces: list[str] = []
+            out_ids: list[int] = list(plan.resume)
+            sent = resume_state(text, stop, plan.resume)  # a resumed request: what the caller was sent
+            pieces: list[str] = [sent] if sent else []
+            owed, skip = owed_text(sent, plan.resume_chars)
+            if plan.resume:
+                stats.resumed_tokens = len(plan.resume)
+                log.info("session %s resumes a stream after %d tokens (%d characters delivered)", sid,
+                         len(plan.resume), plan.resume_chars)
             obs = self.observer.request(plan, sid, stats, verifier, drafter)
+            if owed:
+                yield Delta([], owed)
             rounds = run.rounds(stats, self._drafter_error, round_scope=obs.round_scope)
             try:
                 for chunk in rounds:
@@ -344,6 +417,7 @@ class Router:
                             out_ids = out_ids[:tokens_through(self.codec.decode, out_ids, stop.end, first)]
                             chunk = out_ids[first:]
                     pieces.append(piece)
+                    piece, skip = piece[skip:], max(0, skip - len(piece))  # text the caller already has
                     yield Delta(chunk, piece)
                     if cancelled.is_set():
                         return
@@ -359,7 +433,8 @@ class Router:
                     out_ids = out_ids[:tokens_through(self.codec.decode, out_ids, stop.end)]
             if tail:
                 pieces.append(tail)
-                yield Delta([], tail)
+                if tail[skip:]:
+                    yield Delta([], tail[skip:])
             if stop is not None and stop.matched is not None:
                 stats.finish_reason, stats.new_tokens = "stop", len(out_ids)
             stats.network_s = run.network_s()

@@ -23,7 +23,7 @@ from specmesh.serving.server import Service, peer_channel, time_left
 from specmesh.serving.settings import ServeSettings
 from specmesh.v1 import router_pb2, router_pb2_grpc
 
-from .core import Delta, GenerateSpec, Router, monotonic_deadline
+from .core import Delta, GenerateSpec, Resume, Router, monotonic_deadline
 from .replicas import DrafterPool, ReplicaSet, drafter_peer
 
 
@@ -34,7 +34,9 @@ def spec_from_proto(m: router_pb2.GenerateRequest) -> GenerateSpec:
         sampling=convert.sampling_from_proto(m.sampling),
         draft_budget=m.draft_budget if m.HasField("draft_budget") else None, raw_prompt=m.raw_prompt,
         conversation_id=m.conversation_id, reasoning=m.reasoning,
-        thinking_budget=m.thinking_budget if m.HasField("thinking_budget") else None, stop=tuple(m.stop))
+        thinking_budget=m.thinking_budget if m.HasField("thinking_budget") else None, stop=tuple(m.stop),
+        resume=Resume(list(m.resume.token_ids), m.resume.text_chars, m.resume.session_id)
+        if m.HasField("resume") else None)
 
 
 def event_to_proto(ev) -> router_pb2.GenerateResponse:

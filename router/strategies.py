@@ -197,7 +197,8 @@ class Run:
         p, s = self.plan, self.owner.parts.s
         stop_ids = self.owner.parts.codec.stop_ids
         if not p.reasoning:
-            return speculative_generate(self.loop_drafter, self.loop_verifier, p.ids, LoopOptions(
+            return speculative_generate(self.loop_drafter, self.loop_verifier, p.ids + list(p.resume), LoopOptions(
+                resumed=len(p.resume),  # a resumed request (router.core): its delivered output, prefilled
                 sampling=p.sampling, max_new_tokens=p.max_new_tokens, stop_ids=stop_ids, session_id=self.sid,
                 budget=self.policy(), self_draft=p.self_draft, on_drafter_error=on_drafter_error,
                 max_new_limit=s.max_new_tokens, round_scope=round_scope,

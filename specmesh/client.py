@@ -8,6 +8,22 @@
         print(piece, end="", flush=True)
     print(s.result.stats.finish_reason)
 
+Resume (on by default, ``resume=False`` turns it off): when a stream fails
+with UNAVAILABLE after it started (the router process died or restarted), the
+stream resumes by itself: it sends the same request again with
+``GenerateRequest.resume`` (the tokens and the count of characters it already
+delivered) to the next router address (``address`` may list several,
+``"a:50051,b:50051"`` or a list, or be a DNS name with several records: the
+channel balances over them), waiting for one to be ready, within the call's
+deadline (DEADLINE_EXCEEDED when it passes) or ``resume_window_s`` when the
+call has none, at most ``max_resumes`` times per stream. The router sends only
+text the caller lacks, so the caller sees each character once; each resume is
+logged (logger ``specmesh.client``) and counted (``Client.resumes``,
+``Stream.resumes``, ``Result.stats.resumed_tokens``). Greedy output, and seeded
+sampled output under a fixed draft budget, is the uninterrupted run's
+(docs/serving.md, "Failure model"). A call that fails before its first message
+is not retried.
+
 TLS: pass ``root_certificates`` (PEM bytes or a path; ``tls=True`` alone uses
 the system roots) and, for mutual TLS, ``private_key`` and
 ``certificate_chain``. A bearer ``token`` is sent as ``authorization: Bearer``.
@@ -24,8 +40,12 @@ grpc, the generated stubs and the proto -> stats conversion only.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Iterator, Optional, Sequence
+from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
 import grpc
 
@@ -35,6 +55,11 @@ from .serving.convert import RouterStats, messages_to_proto, stats_from_proto
 from .v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+RESUME_WINDOW_S = 60.0  # a call without a deadline waits this long for a router to resume on
+MAX_RESUMES = 5  # resumes of one stream
+READY_WAIT_S = 2.0  # with several addresses: wait this long for one before trying the next
+
+log = logging.getLogger("specmesh.client")
 
 
 @dataclass
@@ -111,54 +136,171 @@ class _Collector:
         return self.result.stats if self.result else None
 
 
-class Stream(_Collector):
-    """Iterate for text deltas; ``result`` / ``stats`` are set after the last one."""
+class _Resumable(_Collector):
+    """What a resumable stream tracks: the request, its deadline, the text
+    characters delivered, the resumes made; ``_next_try`` decides each retry."""
 
-    def __init__(self, call):
+    def __init__(self, client: "_Base", request, timeout: Optional[float], metadata: tuple):
         super().__init__()
-        self._call = call
+        self._client, self._request, self._metadata = client, request, metadata
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._at = client._start_index()
+        self.text_chars = 0  # characters delivered to the caller
+        self.resumes = 0
+        self._cancelled = False
+        self._failed_tries = 0  # calls of the current resume that failed before a message
+
+    def feed(self, resp) -> str:
+        self._failed_tries = 0  # this call delivers: the next failure starts a new resume
+        text = super().feed(resp)
+        self.text_chars += len(text)
+        return text
+
+    def _left(self) -> Optional[float]:
+        return None if self._deadline is None else self._deadline - time.monotonic()
+
+    def _resume_request(self):
+        req = router_pb2.GenerateRequest()
+        req.CopyFrom(self._request)
+        if self.token_ids or self.text_chars:
+            req.resume.token_ids.extend(self.token_ids)
+            req.resume.text_chars = self.text_chars
+        return req
+
+    def _may_resume(self, e: grpc.RpcError, got_message: bool) -> bool:
+        return (self._client.resume and not self._cancelled and self.result is None
+                and e.code() == grpc.StatusCode.UNAVAILABLE and (got_message or self._failed_tries > 0))
+
+    def _give_up(self, e: grpc.RpcError, why: str):
+        log.warning("specmesh: not resuming the stream (%s): %s", why, e.details() if hasattr(e, "details") else e)
+        return from_rpc_error(e)
+
+    def _next_try(self, e: grpc.RpcError, got_message: bool) -> tuple[int, float, float]:
+        """(address index, pause before it, seconds to wait for it to be ready) of the
+        next try, or raises the error the caller gets."""
+        if not self._may_resume(e, got_message):
+            raise from_rpc_error(e)
+        if got_message or self._failed_tries == 0:  # a new resume (after progress)
+            if self.resumes >= self._client.max_resumes:
+                raise self._give_up(e, f"{self.resumes} resumes already")
+            self.resumes += 1
+            self._client._count_resume()
+            self._window_end = time.monotonic() + self._client.resume_window_s
+        self._failed_tries += 1
+        left = self._left()
+        window = self._window_end - time.monotonic()
+        if left is not None and left <= 0:
+            raise from_rpc_error(_Deadline())
+        if left is None and window <= 0:
+            raise self._give_up(e, f"no router came back within {self._client.resume_window_s} s")
+        n = len(self._client.addresses)
+        self._at = (self._at + 1) % n  # several addresses: each try the next one
+        wait = min(x for x in (left, window, READY_WAIT_S if n > 1 else None) if x is not None)
+        pause = 0.0 if self._failed_tries == 1 else min(1.0, 0.05 * 2 ** self._failed_tries, wait)
+        log.warning("specmesh: stream lost (%s: %s) after %d tokens; resuming on %s (resume %d of %d)",
+                    e.code().name, e.details(), len(self.token_ids), self._client.addresses[self._at], self.resumes,
+                    self._client.max_resumes)
+        return self._at, pause, max(0.0, wait - pause)
+
+
+class Stream(_Resumable):
+    """Iterate for text deltas; ``result`` / ``stats`` are set after the last one.
+    Resumes by itself after a lost router (module docstring)."""
+
+    def __init__(self, client: "Client", request, timeout: Optional[float], metadata: tuple):
+        super().__init__(client, request, timeout, metadata)
+        self._lock = threading.Lock()
+        self._call = client._call(self._at, request, timeout, metadata)
 
     def __iter__(self) -> Iterator[str]:
-        try:
-            for resp in self._call:
-                text = self.feed(resp)
-                if text:
-                    yield text
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        while True:
+            got = False
+            try:
+                for resp in self._call:
+                    got = True
+                    text = self.feed(resp)
+                    if text:
+                        yield text
+                return
+            except grpc.RpcError as e:
+                at, pause, wait = self._next_try(e, got)
+            time.sleep(pause)
+            try:
+                grpc.channel_ready_future(self._client._channel_at(at)).result(timeout=wait)
+            except grpc.FutureTimeoutError:
+                pass  # the call below fails at once (UNAVAILABLE: the next try) or passes the deadline
+            with self._lock:
+                if self._cancelled:
+                    raise from_rpc_error(_Cancelled())
+                left = self._left()
+                self._call = self._client._call(at, self._resume_request(), left, self._metadata)
 
     def cancel(self) -> None:
         """Cancel the call; the router frees the session."""
-        self._call.cancel()
+        with self._lock:
+            self._cancelled = True
+            self._call.cancel()
 
 
-class AsyncStream(_Collector):
-    def __init__(self, call):
-        super().__init__()
-        self._call = call
+class AsyncStream(_Resumable):
+    def __init__(self, client: "AsyncClient", request, timeout: Optional[float], metadata: tuple):
+        super().__init__(client, request, timeout, metadata)
+        self._call = client._call(self._at, request, timeout, metadata)
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        try:
-            async for resp in self._call:
-                text = self.feed(resp)
-                if text:
-                    yield text
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        while True:
+            got = False
+            try:
+                async for resp in self._call:
+                    got = True
+                    text = self.feed(resp)
+                    if text:
+                        yield text
+                return
+            except grpc.RpcError as e:
+                at, pause, wait = self._next_try(e, got)
+            await asyncio.sleep(pause)
+            try:
+                await asyncio.wait_for(self._client._channel_at(at).channel_ready(), wait)
+            except asyncio.TimeoutError:
+                pass
+            if self._cancelled:
+                raise from_rpc_error(_Cancelled())
+            self._call = self._client._call(at, self._resume_request(), self._left(), self._metadata)
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._call.cancel()
+
+
+def split_addresses(address: Union[str, Sequence[str]]) -> list[str]:
+    """``"a:1,b:2"`` or ``["a:1", "b:2"]`` -> ``["a:1", "b:2"]`` (one DNS name stays one:
+    its channel balances over the name's records)."""
+    items = address.split(",") if isinstance(address, str) else list(address)
+    out = [a.strip() for a in items if a and a.strip()]
+    if not out:
+        raise ValueError("address: no router address given")
+    return out
 
 
 class _Base:
-    def __init__(self, address: str = DEFAULT_ADDRESS, token: Optional[str] = None, root_certificates=None,
-                 timeout: Optional[float] = None, *, private_key=None, certificate_chain=None,
-                 tls: Optional[bool] = None, client_id: Optional[str] = None, options: Sequence = ()):
-        self.address, self.timeout = address, timeout
+    def __init__(self, address: Union[str, Sequence[str]] = DEFAULT_ADDRESS, token: Optional[str] = None,
+                 root_certificates=None, timeout: Optional[float] = None, *, private_key=None,
+                 certificate_chain=None, tls: Optional[bool] = None, client_id: Optional[str] = None,
+                 options: Sequence = (), resume: bool = True, max_resumes: int = MAX_RESUMES,
+                 resume_window_s: float = RESUME_WINDOW_S):
+        self.addresses = split_addresses(address)
+        self.address, self.timeout = ",".join(self.addresses), timeout
+        self.resume, self.max_resumes, self.resume_window_s = resume, max_resumes, resume_window_s
+        self.resumes = 0  # streams resumed after a lost router (all streams of this client)
+        self._count_lock = threading.Lock()
+        self._next = 0
+        # round_robin over a DNS name's records (a dead one is skipped); a single address is unaffected
+        lb = [("grpc.lb_policy_name", "round_robin")]
         if tls is None:
             tls = root_certificates is not None or certificate_chain is not None
         self._creds = channel_credentials(root_certificates, private_key, certificate_chain) if tls else None
-        self._options = list(options)
+        self._options = lb + list(options)
         md = []
         if token:
             md.append(("authorization", f"Bearer {token}"))
@@ -175,21 +317,36 @@ class _Base:
         the router's max_sessions_per_client, e.g. the HTTP peer behind a front end)."""
         return self._metadata if not client_id else self._auth + (("x-specmesh-client", client_id),)
 
+    def _count_resume(self) -> None:
+        with self._count_lock:
+            self.resumes += 1
+
+    def _start_index(self) -> int:
+        """The address a new stream starts on (rotating over the addresses)."""
+        with self._count_lock:
+            i, self._next = self._next, (self._next + 1) % len(self.addresses)
+            return i
+
 
 class Client(_Base):
     """Blocking client of the Router service (see module docstring)."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._channel = channel(self.address, self._creds, options=self._options)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._channels = [channel(a, self._creds, options=self._options) for a in self.addresses]
+        self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
+        self._channel, self._stub = self._channels[0], self._stubs[0]
+
+    def _channel_at(self, i: int):
+        return self._channels[i]
+
+    def _call(self, i: int, request, timeout: Optional[float], metadata: tuple):
+        return self._stubs[i].Generate(request, timeout=timeout, metadata=metadata)
 
     def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
                client_id: Optional[str] = None, **kw) -> Stream:
         """Start a generation; iterate the returned Stream for text deltas."""
-        call = self._stub.Generate(build_request(prompt, **kw), timeout=self._timeout(timeout),
-                                   metadata=self._md(client_id))
-        return Stream(call)
+        return Stream(self, build_request(prompt, **kw), self._timeout(timeout), self._md(client_id))
 
     def generate(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None, **kw) -> Result:
         """Run a generation to the end: Result(text, token_ids, stats)."""
@@ -225,7 +382,8 @@ class Client(_Base):
             raise from_rpc_error(e) from None
 
     def close(self) -> None:
-        self._channel.close()
+        for c in self._channels:
+            c.close()
 
     def __enter__(self):
         return self
@@ -239,20 +397,26 @@ class AsyncClient(_Base):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._channel = None
-        self._stub = None
+        self._channels: Optional[list] = None
+        self._stubs: list = []
+
+    def _channel_at(self, i: int):
+        if self._channels is None:  # created inside the running event loop
+            self._channels = [channel(a, self._creds, aio=True, options=self._options) for a in self.addresses]
+            self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
+        return self._channels[i]
 
     def _get_stub(self):
-        if self._stub is None:  # created inside the running event loop
-            self._channel = channel(self.address, self._creds, aio=True, options=self._options)
-            self._stub = router_pb2_grpc.RouterStub(self._channel)
-        return self._stub
+        self._channel_at(0)
+        return self._stubs[0]
+
+    def _call(self, i: int, request, timeout: Optional[float], metadata: tuple):
+        self._channel_at(i)
+        return self._stubs[i].Generate(request, timeout=timeout, metadata=metadata)
 
     def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
                client_id: Optional[str] = None, **kw) -> AsyncStream:
-        call = self._get_stub().Generate(build_request(prompt, **kw), timeout=self._timeout(timeout),
-                                         metadata=self._md(client_id))
-        return AsyncStream(call)
+        return AsyncStream(self, build_request(prompt, **kw), self._timeout(timeout), self._md(client_id))
 
     async def generate(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None, **kw) -> Result:
         s = self.stream(prompt, timeout=timeout, **kw)
@@ -280,14 +444,32 @@ class AsyncClient(_Base):
             raise from_rpc_error(e) from None
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        for c in self._channels or []:
+            await c.close()
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
         await self.close()
+
+
+class _Deadline:
+    """The call's deadline passed while waiting for a router to resume on."""
+
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "the deadline passed while the stream waited for a router to resume on"
+
+
+class _Cancelled:
+    def code(self):
+        return grpc.StatusCode.CANCELLED
+
+    def details(self):
+        return "the stream was cancelled"
 
 
 class _NoFinal:

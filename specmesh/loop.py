@@ -437,7 +437,12 @@ class LoopOptions:
     (server side), wall_ms, batch_size, prefill. ``draft_first``: the first round
     drafts too (worth it when the verifier already holds most of the prompt, e.g. a
     resumed session); it still counts as the prefill, so its drafts are not in the
-    round counters (tau, histograms)."""
+    round counters (tau, histograms). ``resumed``: the last ``resumed`` of the prompt ids
+    are output an earlier, interrupted run of this request already delivered (a resumed
+    generation): they count toward ``max_new_tokens`` and are not prompt to the drafter,
+    and the first round drafts like any other, so from a round boundary of the
+    interrupted run the rounds are its rounds (every draw is keyed by the absolute
+    committed length: ``seeding``)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 128
@@ -449,6 +454,7 @@ class LoopOptions:
     max_new_limit: Optional[int] = None
     round_scope: Optional[Callable[[int], ContextManager[dict]]] = None
     draft_first: bool = False
+    resumed: int = 0
 
 
 @dataclass
@@ -469,10 +475,10 @@ class _Generation:
 
     def __init__(self, drafter, verifier, prompt_ids: list[int], o: LoopOptions, stats: GenerationStats):
         self.drafter, self.verifier, self.o, self.stats = drafter, verifier, o, stats
-        self.prompt_len = len(prompt_ids)
+        self.prompt_len = len(prompt_ids) - o.resumed
         self.tokens = list(prompt_ids)  # committed: prompt + generated; tokens[-1] is pending after the first round
         self.kv_len = 0  # how many of ``tokens`` the verifier holds
-        self.n_new = 0
+        self.n_new = o.resumed  # a resumed generation counts from the original start
         self.first = True
         self.drafter_ok = drafter is not None
         self.policy = o.budget if isinstance(o.budget, BudgetPolicy) else BudgetPolicy(int(o.budget))
@@ -483,7 +489,7 @@ class _Generation:
     def draft(self, rs: int) -> _Round:
         """Ask the policy for a size and the drafter (or the verifier's self drafter) for a draft."""
         rnd = _Round()
-        if self.first and not self.o.draft_first and self.o.self_draft not in registry.FUSED:
+        if self.first and not (self.o.draft_first or self.o.resumed) and self.o.self_draft not in registry.FUSED:
             return rnd
         want = max(0, min(self.policy.next(), self.o.max_new_tokens - self.n_new - 1))
         if want > 0 and self.o.self_draft is not None:
@@ -587,13 +593,19 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], options: 
     o = options if options is not None else LoopOptions(**kw)
     prompt_ids = list(prompt_ids)
     validate_request(prompt_ids, o.max_new_tokens, verifier.vocab_size, o.max_new_limit)
+    if not 0 <= o.resumed < len(prompt_ids) or o.resumed > o.max_new_tokens:
+        raise InvalidArgument("resume.token_ids", f"{o.resumed} resumed tokens: must be in [0, max_new_tokens "
+                              f"{o.max_new_tokens}] and leave a prompt")
     stats = stats if stats is not None else GenerationStats()
-    stats.prompt_tokens = len(prompt_ids)
+    stats.prompt_tokens = len(prompt_ids) - o.resumed
     stats.lossy = o.sampling.lossy
     stats.acceptance = o.sampling.acceptance
     g = _Generation(drafter, verifier, prompt_ids, o, stats)
     try:
         index = 0
+        if g.n_new >= o.max_new_tokens:  # resumed with every token: only the final message was lost
+            stats.finish_reason, stats.new_tokens = "length", g.n_new
+            return
         while True:
             scope = o.round_scope(index) if o.round_scope is not None else contextlib.nullcontext({})
             with scope as facts:

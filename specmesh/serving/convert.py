@@ -35,6 +35,7 @@ class RouterStats(GenerationStats):
     network_s: float = 0.0
     verifier: str = ""
     reprefills: int = 0
+    resumed_tokens: int = 0  # output tokens a resumed request carried (0: not resumed)
 
 
 MAX_SESSION_ID = 128
@@ -151,7 +152,7 @@ _STAT_FIELDS = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_
                 "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "finish_reason", "lossy",
                 "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens",
                 "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens",
-                "acceptance")
+                "acceptance", "resumed_tokens")
 
 
 def stats_to_proto(s: GenerationStats) -> common_pb2.GenerationStats:

@@ -1,0 +1,197 @@
+"""Resumable generation (issue 51), fast, on the tiny random model over real gRPC servers:
+
+- ``GenerateRequest.resume`` from every round boundary of a stream gives the
+  uninterrupted output, greedy and seeded sampled, in each fixed-budget strategy:
+  same tokens, same text, the caller's text plus the new deltas equal to it (no
+  character twice, none lost), ``max_new_tokens`` counted from the original start,
+  ``resumed_tokens`` in the stats; a resume that already has every token only ends it;
+- bad resumes are INVALID_ARGUMENT naming the field, and change nothing;
+- the SDK (blocking and asyncio) resumes a stream whose router went away on the
+  next router address, with the uninterrupted output and its counter, and with
+  ``resume=False`` raises UNAVAILABLE as before.
+
+A router is made to go away mid-stream without timing: the gated verifier holds
+a round (``GatedVerifier.arm``) while the test stops the first router's server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from specmesh.errors import UnavailableError
+from specmesh.serving.server import build_server
+from specmesh.v1 import common_pb2, router_pb2
+from tests.support import FakeCodec, TinyStack, code_of, wait_for
+
+PROMPT = "abcabcabcabc hello hello hello abcabc"
+CASES = [  # (strategy, drafter, sampling): fixed draft budgets
+    ("autoregressive", "", None), ("external", "prompt_lookup", None), ("self", "layerskip", None),
+    ("auto", "", None),  # greedy: any strategy
+    ("autoregressive", "", dict(temperature=0.9, top_p=0.95, seed=11)),
+    ("external", "prompt_lookup", dict(temperature=0.8, seed=5)),
+    ("self", "layerskip", dict(temperature=0.7, top_k=20, seed=3)),
+]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = TinyStack()
+    yield s
+    s.close()
+
+
+def request(strategy: str, drafter: str, sampling, n: int = 30, **kw) -> router_pb2.GenerateRequest:
+    return router_pb2.GenerateRequest(prompt=PROMPT, strategy=strategy, drafter=drafter, max_new_tokens=n,
+                                      sampling=common_pb2.SamplingParams(**(sampling or {})), **kw)
+
+
+def run(stack, req):
+    """(deltas as (token_ids, text), final) of one Generate stream."""
+    deltas, final = [], None
+    for m in stack.stub.Generate(req, timeout=60):
+        if m.HasField("final"):
+            final = m.final
+        else:
+            deltas.append((list(m.delta.token_ids), m.delta.text))
+    return deltas, final
+
+
+@pytest.mark.parametrize("strategy,drafter,sampling", CASES)
+def test_a_resume_from_any_round_boundary_is_the_uninterrupted_run(stack, strategy, drafter, sampling):
+    full_deltas, full = run(stack, request(strategy, drafter, sampling))
+    assert full.stats.resumed_tokens == 0 and len(full_deltas) > 2
+    for k in range(1, len(full_deltas)):
+        ids = [t for d in full_deltas[:k] for t in d[0]]
+        had = "".join(d[1] for d in full_deltas[:k])
+        req = request(strategy, drafter, sampling)
+        req.resume.token_ids.extend(ids)
+        req.resume.text_chars = len(had)
+        deltas, final = run(stack, req)
+        assert list(final.token_ids) == list(full.token_ids), (k, strategy, drafter, sampling)
+        assert final.text == full.text
+        assert had + "".join(d[1] for d in deltas) == full.text  # each character once
+        assert ids + [t for d in deltas for t in d[0]] == list(full.token_ids)
+        assert final.stats.resumed_tokens == len(ids)
+        assert final.stats.new_tokens == full.stats.new_tokens  # counted from the original start
+        assert final.stats.finish_reason == full.stats.finish_reason
+        assert final.stats.prompt_tokens == full.stats.prompt_tokens
+
+
+def test_a_resume_owes_held_back_text_and_skips_text_the_caller_has(stack):
+    full_deltas, full = run(stack, request("autoregressive", "", None, n=12))
+    ids = [t for d in full_deltas[:4] for t in d[0]]
+    for chars in (0, 2, len(FakeCodec().decode(ids))):
+        req = request("autoregressive", "", None, n=12)
+        req.resume.token_ids.extend(ids)
+        req.resume.text_chars = chars
+        deltas, final = run(stack, req)
+        assert full.text[:chars] + "".join(d[1] for d in deltas) == full.text
+    # every token delivered, the final message lost: the resume only ends the stream
+    req = request("autoregressive", "", None, n=12)
+    req.resume.token_ids.extend(full.token_ids)
+    req.resume.text_chars = len(full.text)
+    deltas, final = run(stack, req)
+    assert deltas == [] and list(final.token_ids) == list(full.token_ids) and final.text == full.text
+    assert final.stats.finish_reason == "length" and final.stats.new_tokens == 12
+
+
+def test_bad_resumes_are_invalid_argument_naming_the_field(stack):
+    _, full = run(stack, request("autoregressive", "", None, n=12))
+
+    def resumed(ids, chars=0, **kw):
+        req = request(kw.pop("strategy", "autoregressive"), "", None, n=kw.pop("n", 12), **kw)
+        req.resume.token_ids.extend(ids)
+        req.resume.text_chars = chars
+        return req
+
+    cases = {
+        "resume.token_ids": resumed([5, 96]),  # outside the vocabulary (96)
+        "resume.token_ids ": resumed([5, -1]),
+        "resume.token_ids  ": resumed([5] * 13),  # more than max_new_tokens
+        "resume.token_ids   ": resumed([5, 1, 6]),  # the stop token: that generation ended
+        "resume.token_ids    ": resumed([87, 88, 89], stop=["y"]),  # stop string matched
+        "resume.text_chars": resumed([5, 6], chars=3),  # beyond their text
+        "resume.text_chars ": resumed([5, 6], chars=-1),
+        "resume": resumed([5, 6], reasoning=True),
+    }
+    for name, r in cases.items():
+        c, d = code_of(lambda: list(stack.stub.Generate(r, timeout=10)))
+        assert c == grpc.StatusCode.INVALID_ARGUMENT and d.startswith(name.strip() + ":"), (name, c, d)
+    assert len(stack.verifier_info().sessions) == 0 and stack.drafter_info().sessions == 0
+    assert run(stack, request("autoregressive", "", None, n=12))[1].token_ids == full.token_ids  # still serving
+
+
+class TwoRouters:
+    """A second router server in front of the same router, and a way to take the
+    first one away in the middle of a stream."""
+
+    def __init__(self, stack):
+        self.stack = stack
+        self.first = build_server(stack.rs, [stack.rsvc], 0)
+        self.addresses = [self.first.address, stack.address]
+
+    def hold(self, at: int = 4):
+        self.stack.verifiers[0].arm(at)  # the at-th verify call waits
+
+    def kill_first_when_held(self):
+        v = self.stack.verifiers[0]
+        assert v.reached.wait(60)
+        self.first.server.stop(0)  # in-flight calls end: the client sees UNAVAILABLE
+        v.pause_at = None
+        v.resume.set()
+
+
+def test_the_sdk_resumes_on_the_next_router(stack):
+    from specmesh import Client
+
+    kw = dict(strategy="external", drafter="prompt_lookup", max_new_tokens=30, temperature=0.8, seed=5)
+    with Client(stack.address, timeout=60) as c:
+        ref = c.generate(PROMPT, **kw)
+    two = TwoRouters(stack)
+    with Client(two.addresses, timeout=60) as c:
+        two.hold()
+        s = c.stream(PROMPT, **kw)
+        it = iter(s)
+        pieces = [next(it)]
+        two.kill_first_when_held()
+        pieces += list(it)
+    assert "".join(pieces) == ref.text and s.result.text == ref.text
+    assert s.token_ids == ref.token_ids and s.result.token_ids == ref.token_ids
+    assert s.resumes == 1 and c.resumes == 1 and s.result.stats.resumed_tokens > 0
+    assert s.result.stats.new_tokens == ref.stats.new_tokens
+    assert wait_for(lambda: len(stack.verifier_info().sessions) == 0)
+
+
+def test_the_async_sdk_resumes_and_resume_false_does_not(stack):
+    from specmesh import AsyncClient
+
+    kw = dict(strategy="autoregressive", max_new_tokens=30)
+
+    async def go(addresses, resume: bool, hold):
+        async with AsyncClient(addresses, timeout=60, resume=resume) as c:
+            if hold is None:
+                return await c.generate(PROMPT, **kw), None
+            hold.hold()
+            s = c.stream(PROMPT, **kw)
+            pieces = []
+            loop = asyncio.get_running_loop()
+            try:
+                async for p in s:
+                    pieces.append(p)
+                    if len(pieces) == 1:
+                        await loop.run_in_executor(None, hold.kill_first_when_held)
+            except UnavailableError as e:
+                return e, pieces
+            return s, pieces
+
+    ref, _ = asyncio.run(go(stack.address, True, None))
+    two = TwoRouters(stack)
+    s, pieces = asyncio.run(go(two.addresses, True, two))
+    assert "".join(pieces) == ref.text and s.token_ids == ref.token_ids and s.resumes == 1
+    two = TwoRouters(stack)
+    err, pieces = asyncio.run(go(two.addresses, False, two))
+    assert isinstance(err, UnavailableError) and "".join(pieces) == ref.text[:len("".join(pieces))]
+    assert wait_for(lambda: len(stack.verifier_info().sessions) == 0)
