@@ -60,17 +60,21 @@ STRATEGIES = {
     "autoregressive": "plain decoding through the verifier (baseline and fallback)",
     "external": "a drafter service proposes, the verifier verifies (drafter: " + " | ".join(registry.EXTERNAL)
                 + "; block and block_tree are the trained block drafter on the drafter service, fed the target's "
-                  "hidden features through the router)",
+                  "hidden features through the router). " + registry.DRAFT_LM_NOTE,
     "self": "drafting inside the verifier with the target's own hidden states (no drafter hop): block_tree "
             "(the trained block drafter's tree; default when the verifier has it: 1.50-1.65x plain in bf16 on "
             "open writing / chat), block (its chain: 1.32-1.45x there), or layerskip (the target's first "
-            "layers; untrained, <= 0.96x: the default only without a block drafter)",
+            "layers; untrained, <= 0.96x: the default only without a block drafter). A request with acceptance "
+            "divergence that names no drafter gets specialist (the verifier's domain specialist) instead, whether "
+            "it names self, auto or no strategy",
     "proactive": "drafts from the conversation's anticipation cache (replies pre-generated while it was idle) "
                  "and continues its warm KV; needs conversation_id",
     "ssr": "reasoning: early answers from partial thinking seed a cache that drafts the final answer",
     "auto": "picks one of the above from the request's features and the session's measured speedups: "
             "suffix decoding where the answer reuses the prompt or conversation, self block_tree on fresh text "
-            "when the verifier has the trained block drafter, speculation off where a choice measured a slowdown",
+            "when the verifier has the trained block drafter, speculation off where a choice measured a slowdown "
+            "(the router's default strategy unless --default-strategy says otherwise; acceptance divergence: "
+            "self specialist)",
 }
 EXTERNAL_DRAFTERS = registry.EXTERNAL  # what an `external` request may name
 FEATURE_DRAFTERS = registry.EXTERNAL_FEATURES  # of those, the ones fed the target's hidden features
@@ -407,6 +411,9 @@ class Strategies:
         r = self.parts
         name = spec.strategy or ("external" if spec.drafter else r.s.default_strategy)
         reason = "requested" if spec.strategy else "default"
+        if spec.sampling.acceptance == "divergence" and not spec.drafter and spec.strategy in ("", "self", "auto"):
+            # divergence verifies the specialist's own drafts: no other drafter can serve it
+            return Resolved("self", f"{reason}; acceptance divergence drafts with the specialist", None, "specialist")
         if name == "auto":
             msgs = spec.messages or []
             text = spec.prompt or "\n".join(m.get("content", "") for m in msgs)

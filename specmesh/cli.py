@@ -1,9 +1,11 @@
 """The ``specmesh`` command line.
 
 Each subcommand registers its arguments here and runs code from the module that
-owns it (imported lazily so ``specmesh --help`` stays fast):
+owns it (imported lazily so ``specmesh --help`` stays fast); ``specmesh --help``
+lists them in groups (``COMMAND_GROUPS``: serving, benchmarking, training and
+studies):
 
-  demo               in-process demo: plain decoding vs each drafter (specmesh.demo)
+  demo               in-process demo: plain decoding vs each drafter, alternating passes (specmesh.demo)
   convert            resolve/convert a model alias into the safetensors cache
   make-draft-model   write a draft LM made of a subset of the target's layers
   serve              run the gRPC services (specmesh.serving.cli)
@@ -45,16 +47,61 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     add_device_args(p)
 
 
+# ``specmesh --help`` lists the subcommands in these groups (in this order); a
+# subcommand registered but named in no group is listed under "other".
+COMMAND_GROUPS = (
+    ("serving", ("serve", "generate", "demo", "stats", "trace", "convert", "make-draft-model")),
+    ("benchmarking", ("bench", "bench-strategies", "bench-sweep", "costs", "quality", "calibrate-layerskip",
+                      "device-check")),
+    ("training and studies", ("distill-data", "train-drafter", "accel-drafter", "floor", "tree-study",
+                              "train-specialist", "train-uno", "uno-study")),
+)
+
+
+def _grouped_commands(sub) -> str:
+    """The subcommands' one-line helps, grouped (``COMMAND_GROUPS``), as the text
+    ``specmesh --help`` ends with; the flat list argparse would print is dropped."""
+    import textwrap
+
+    helps = {a.dest: a.help or "" for a in sub._choices_actions}
+    named = [c for _, cmds in COMMAND_GROUPS for c in cmds]
+    groups = [(title, [c for c in cmds if c in helps]) for title, cmds in COMMAND_GROUPS]
+    groups.append(("other", [c for c in helps if c not in named]))
+    width = max(len(c) for c in helps) + 4
+    out = []
+    for title, cmds in groups:
+        if not cmds:
+            continue
+        out.append(f"{title}:")
+        for c in cmds:
+            out.append(textwrap.fill(helps[c], 100, initial_indent=f"  {c:<{width - 2}}",
+                                     subsequent_indent=" " * width))
+        out.append("")
+    out.append("`specmesh COMMAND --help` shows a command's options.")
+    return "\n".join(out)
+
+
+def _draft_lm_note() -> str:
+    from .drafters.registry import DRAFT_LM_NOTE
+
+    return DRAFT_LM_NOTE.replace("%", "%%")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specmesh", description="speculative decoding served as microservices")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = argparse.ArgumentParser(prog="specmesh", description="speculative decoding served as microservices",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands",
+                            help="one of the commands below")
 
     p = sub.add_parser("demo", help="plain decoding vs each drafter on built-in prompts")
     _add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", default="prompt_lookup,suffix,draft_lm,layerskip,block,block_tree",
                    help="external drafters and in-verifier ones (layerskip, block, block_tree; uno, uno_tree, "
-                        "uno_separate: the mask-gated adapter)")
+                        "uno_separate: the mask-gated adapter). " + _draft_lm_note())
+    p.add_argument("--repeats", type=int, default=2,
+                   help="passes over every prompt and system, the order rotated as in `specmesh bench`; each "
+                        "keeps its fastest (default 2; 1 is faster and noisier)")
     p.add_argument("--budget", type=int, default=8, help="draft tokens per round")
     p.add_argument("--fixed-budget", action="store_true", help="always draft --budget tokens (default: adaptive)")
     p.add_argument("--show-text", action="store_true")
@@ -87,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
         except ModuleNotFoundError as e:
             if e.name is None or not mod.startswith(e.name):
                 raise
+    ap.epilog = _grouped_commands(sub)
+    sub._choices_actions[:] = []  # listed, grouped, in the epilog instead of one flat list
     return ap
 
 

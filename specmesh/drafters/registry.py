@@ -60,7 +60,8 @@ SPECS: tuple[DrafterSpec, ...] = (
                 "lexical lookup, then embedding retrieval, branched hypotheses as a tree"),
     DrafterSpec("cache", "external", "free", "tree",
                 "suffix drafting over a conversation's draft cache (proactive / SSR texts)", selectable=False),
-    DrafterSpec("draft_lm", "external", "token", "chain", "a small LM with the target's tokenizer"),
+    DrafterSpec("draft_lm", "external", "token", "chain", "a small LM with the target's tokenizer (a STAND-IN "
+                "unless the target has a paired draft model or --draft-model names one: DRAFT_LM_NOTE)"),
     DrafterSpec("layerskip", "verifier", "token", "chain", "the target's first E layers and its head"),
     DrafterSpec("specialist", "verifier", "token", "chain",
                 "a domain specialist (LoRA-tuned copy of the target) drafting for divergence decoding; its full "
@@ -84,6 +85,15 @@ SPECS: tuple[DrafterSpec, ...] = (
                 "the trained block drafter on the drafter service, fed the target's hidden states over the wire: "
                 "a calibrated best-first tree in one pass", needs_features=True),
 )
+
+
+# Wherever draft_lm is listed (help texts, ListStrategies, docs) it carries this: the
+# default target has no small model of its own, so its draft LM is an untrained cut of it.
+DRAFT_LM_NOTE = ("draft_lm is a stand-in unless a real draft model is configured: for a target without a paired "
+                 "draft model it is an untrained 4-layer cut of the target (layers 0,1,2,29) that accepts almost "
+                 "nothing (a `make demo` run: 0 of 357 drafts accepted, slower than plain decoding); a real pair: "
+                 "`make setup-qwen`, then --model qwen2.5-coder-1.5b-instruct (its 0.5B is the draft LM), or "
+                 "`specmesh serve --draft-model DIR`")
 
 
 def names(where: Optional[str] = None, cost: Optional[str] = None, shape: Optional[str] = None,

@@ -6,9 +6,10 @@
   ``ID`` is a trace id, the request span id or the session id of the final
   message (``GenerateFinal.session_id``), or a unique prefix; default: the last
   request in the file.
-- ``specmesh stats [SOURCE ...] [--url URL] [--block B] [--out PNG]``: the
-  acceptance histogram per strategy (or bench system), τ, the ceiling bin and
-  the preflight verdict, printed and drawn. SOURCE: stats JSON (``specmesh
+- ``specmesh stats [SOURCE ...] [--url URL] [--block B] [--png PATH | --out-dir DIR]``:
+  the acceptance histogram per strategy (or bench system), τ, the ceiling bin and
+  the preflight verdict, printed, and drawn only when asked (``--png``; ``--out``
+  is its old name). SOURCE: stats JSON (``specmesh
   generate --json``), a bench ``results.json``, a trace file, or a saved
   ``/metrics`` scrape; ``--url`` scrapes a running router's ``/metrics``.
 
@@ -19,6 +20,7 @@ and ``plots``.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -40,7 +42,9 @@ def register(sub) -> None:
     p.add_argument("--block", type=int, default=None, help="block size - 1 (longest draft); default: the longest seen")
     p.add_argument("--threshold", type=float, default=0.10, help="ceiling fraction above which the block binds")
     p.add_argument("--merge", action="store_true", help="one histogram over all groups")
-    p.add_argument("--out", default="acceptance.png", help="PNG path ('' = none)")
+    p.add_argument("--png", "--out", dest="png", default=None, metavar="PATH",
+                   help="also draw the histograms into this PNG (default: no PNG)")
+    p.add_argument("--out-dir", default=None, metavar="DIR", help="also draw them into DIR/acceptance.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(module="specmesh.observability.cli", func="stats_main")
 
@@ -141,9 +145,12 @@ def stats_main(args) -> int:
             print(f"  ceiling bin a={a.block}: {a.ceiling_count} of {d} {of} ({a.ceiling_fraction:.1%}; {how})")
             print(f"  verdict: {a.verdict(args.threshold)}")
             print()
-    if args.out:
+    pngs = [p for p in (args.png, args.out_dir and os.path.join(args.out_dir, "acceptance.png")) if p]
+    for png in pngs:  # only where asked: nothing lands in the current directory unasked
         from .plots import acceptance_png
 
-        path = acceptance_png(accs, args.out, args.threshold)
+        if os.path.dirname(png):
+            os.makedirs(os.path.dirname(png), exist_ok=True)
+        path = acceptance_png(accs, png, args.threshold)
         print(f"wrote {path}", file=sys.stderr if args.json else sys.stdout)
     return 0

@@ -11,7 +11,11 @@
   logged, counted) while the others keep serving, and stops them all on
   Ctrl-C/SIGTERM.
 - ``specmesh generate "prompt" --address ... --strategy ...`` streams the text
-  to stdout, then prints the stats to stderr (``--json``: stats as JSON on stdout).
+  to stdout, then prints the stats to stderr (``--json``: the stats as one JSON
+  object alone on stdout, the text on stderr). A request naming no strategy gets
+  the router's default (``auto`` unless ``serve --default-strategy`` says otherwise).
+- ``serve --port`` applies to a single service; with all three it is refused
+  (each has its own ``--<service>-port``).
 
 This module only parses arguments and wires the pieces; it knows nothing about
 models or decoding.
@@ -52,8 +56,13 @@ _FLAGS = [
     ("--drafter-timeout-s", "drafter_timeout_s", float, "router: deadline of one drafter call (default 2)"),
     ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
     ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
-    ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens"),
-    ("--max-new-tokens-limit", "max_new_tokens", int, "limit on max_new_tokens"),
+    ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens, after the chat template (default "
+     "1536; a longer prompt is INVALID_ARGUMENT)"),
+    ("--max-new-tokens-limit", "max_new_tokens", int, "limit on a request's max_new_tokens (default 1024)"),
+    ("--default-strategy", "default_strategy", str, "router: the strategy of requests that name none: auto "
+     "(default) | autoregressive | external | self | proactive | ssr"),
+    ("--default-drafter", "default_drafter", str, "router: the drafter of external requests that name none "
+     "(default prompt_lookup)"),
     ("--max-sessions-per-client", "max_sessions_per_client", int, "concurrent streams per client"),
     ("--max-message-bytes", "max_message_bytes", int, "largest request accepted"),
     ("--batch-window-ms", "batch_window_ms", float, "verifier: dynamic batching window"),
@@ -77,7 +86,9 @@ _FLAGS = [
 def add_settings_flags(p: argparse.ArgumentParser, port: bool = True) -> None:
     p.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file (or env SPECMESH_CONFIG)")
     if port:
-        p.add_argument("--port", type=int, default=argparse.SUPPRESS, help="port to listen on (0 = any)")
+        p.add_argument("--port", type=int, default=argparse.SUPPRESS,
+                       help="port of a single service (0 = any); with all three it is refused: use --router-port, "
+                            "--drafter-port, --verifier-port")
     for flag, dest, typ, hlp in _FLAGS:
         p.add_argument(flag, dest=dest, type=typ, default=argparse.SUPPRESS, help=hlp)
 
@@ -103,34 +114,42 @@ def register(sub) -> None:
                    help="/metrics of the supervisor (service restarts) when starting all three (0 = any free port)")
     p.add_argument("--restart-backoff-s", dest="restart_backoff_s", type=float, default=argparse.SUPPRESS,
                    help="wait before restarting a service that died (doubles per crash in a row, up to 30 s)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR (default INFO)")
     p.add_argument("--ray", action="store_true",
                    help="run the three as Ray Serve deployments on a local Ray cluster; --config is then a Serve "
                         "config or RayAppConfig YAML (specmesh.deploy.ray)")
     p.set_defaults(module="specmesh.serving.cli", func="serve_main")
 
     g = sub.add_parser("generate", help="stream a generation from a running router")
-    g.add_argument("prompt", help="prompt text (one user turn with the chat template unless --raw)")
-    g.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", "127.0.0.1:50051"))
+    g.add_argument("prompt", help="prompt text (one user turn with the chat template unless --raw; at most the "
+                   "router's --max-prompt-tokens, 1536 tokens by default)")
+    g.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", "127.0.0.1:50051"),
+                   help="the router, host:port (default: env SPECMESH_ADDRESS, else 127.0.0.1:50051)")
     g.add_argument("--strategy", default="",
-                   help="autoregressive | external | self | proactive | ssr | auto (default: router's)")
+                   help="autoregressive | external | self | proactive | ssr | auto (default: the router's "
+                        "--default-strategy, auto unless set)")
     from specmesh.drafters import registry
 
     g.add_argument("--drafter", default="", help="external drafter: " + " | ".join(registry.EXTERNAL)
-                   + "; self: " + " | ".join(registry.SELF) + " (specmesh.drafters.registry)")
+                   + "; self: " + " | ".join(registry.SELF) + " (specmesh.drafters.registry). "
+                   + registry.DRAFT_LM_NOTE.replace("%", "%%"))
     g.add_argument("--conversation-id", default="", help="conversation (proactive strategy)")
     g.add_argument("--reasoning", action="store_true", help="think inside <think>...</think> first")
     g.add_argument("--thinking-budget", type=int, default=None, help="maximum thinking tokens (reasoning)")
-    g.add_argument("--max-new-tokens", type=int, default=None)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--draft-budget", type=int, default=None)
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate at most (default: the router's, 256; its limit: 1024)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help="0 = greedy (default); > 0 samples (with the exact acceptance rule, from the target's own "
+                        "distribution)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the top-p mass (default 1)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+    g.add_argument("--seed", type=int, default=None, help="seed of the sampled draws (same seed, same output)")
+    g.add_argument("--draft-budget", type=int, default=None,
+                   help="draft tokens per round at most (default: the router's, adapted per round)")
     g.add_argument("--acceptance", default=None,
                    help="verify rule: exact (default) | typical | lenient | topk (lossy) | contrastive | "
-                        "divergence (lossy; the verifier's specialist drafts: strategy self, drafter specialist "
-                        "unless given)")
+                        "divergence (lossy; the verifier's specialist drafts: the router picks strategy self, "
+                        "drafter specialist unless a drafter is named)")
     g.add_argument("--acceptance-param", action="append", default=[], metavar="NAME=VALUE",
                    help="the rule's parameter, repeatable: lenience=0.5, accept_top_k=4, cd_alpha=0.1, "
                         "cd_beta=0.5, typical_epsilon=0.3, jsd_threshold=0.3, ...")
@@ -142,7 +161,8 @@ def register(sub) -> None:
     g.add_argument("--ca", default=None, help="CA certificate (PEM): connect with TLS")
     g.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
     g.add_argument("--key", default=None, help="client key (PEM) for mutual TLS")
-    g.add_argument("--json", action="store_true", help="print the stats as JSON on stdout")
+    g.add_argument("--json", action="store_true",
+                   help="print only the stats as one JSON object on stdout (the text streams to stderr)")
     g.set_defaults(module="specmesh.serving.cli", func="generate_main")
 
 
@@ -156,6 +176,12 @@ def serve_main(args) -> int:
 
         return serve_ray(args)
     settings = settings_from_args(args)
+    if args.service is None and settings.port is not None:
+        from ..types import InvalidArgument
+
+        raise InvalidArgument("--port", f"{settings.port} names the port of a single service (`specmesh serve "
+                              "router --port N`); starting all three, give each its own: --router-port, "
+                              "--drafter-port, --verifier-port")
     if args.service in (None, "verifier", "drafter"):
         settings.torch_device()  # a device this machine lacks: one clear error before anything starts
     if args.service is None:
@@ -349,19 +375,18 @@ def generate_main(args) -> int:
         token = Path(args.token_file).read_text().strip()
     client = Client(args.address, token=token, root_certificates=args.ca, timeout=args.timeout,
                     private_key=args.key, certificate_chain=args.cert)
-    if args.acceptance == "divergence" and not args.strategy and not args.drafter:
-        args.strategy, args.drafter = "self", "specialist"  # divergence verifies the specialist's own drafts
     kw = dict(strategy=args.strategy, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               draft_budget=args.draft_budget, raw_prompt=args.raw, conversation_id=args.conversation_id,
               reasoning=args.reasoning, thinking_budget=args.thinking_budget, stop=args.stop, acceptance=args.acceptance,
               acceptance_params=_acceptance_params(args.acceptance_param))
+    out = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON alone (| jq works)
     try:
         s = client.stream(args.prompt, **kw)
         for piece in s:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
+            out.write(piece)
+            out.flush()
+        out.write("\n")
     except SpecmeshError as e:
         print(f"\nspecmesh: error: {e}", file=sys.stderr)
         return 2 if isinstance(e, InvalidArgumentError) else 1

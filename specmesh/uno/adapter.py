@@ -195,7 +195,6 @@ class GatedAdapter:
                 t[f"layers.{li}.{p}.A"] = u[:, :rank] * r
                 t[f"layers.{li}.{p}.B"] = r[:, None] * vh[:rank]
         return GatedAdapter(cfg, t, device=self.device, dtype=self.dtype)
-        return out
 
     @classmethod
     def load(cls, ckpt_dir, device="cpu", dtype: torch.dtype = torch.float32) -> "GatedAdapter":

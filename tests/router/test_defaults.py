@@ -110,3 +110,34 @@ def test_resolve_auto_uses_the_block_tree_on_fresh_text_and_switches_away(monkey
     # without a block drafter, fresh text goes to suffix decoding as before
     st2 = rs.Strategies(_router(_Stub(["layerskip"])))
     assert st2.resolve(fresh, ids, False).drafter == "suffix"
+
+
+def test_divergence_without_a_drafter_gets_the_specialist():
+    """Divergence verifies the specialist's own drafts, so a divergence request naming
+    no drafter is routed to self/specialist whatever default strategy the router has
+    (the SDK, the CLI and the OpenAI front alike); ListStrategies says so."""
+    from specmesh.types import SamplingParams
+
+    ids = [5, 6, 7]
+    st = rs.Strategies(_router(_Stub(["layerskip", "specialist", "block_tree"])))
+    div = SamplingParams(acceptance="divergence")
+    for strategy in ("", "self", "auto"):
+        r = st.resolve(GenerateSpec(prompt="x", strategy=strategy, sampling=div), ids, False)
+        assert (r.strategy, r.self_draft, r.drafter) == ("self", "specialist", None), strategy
+        assert "divergence" in r.reason
+    # a named drafter is kept (the verifier then says divergence needs the specialist's drafts)
+    r = st.resolve(GenerateSpec(prompt="x", strategy="self", drafter="layerskip", sampling=div), ids, False)
+    assert r.self_draft == "layerskip"
+    # other rules keep the usual default
+    r = st.resolve(GenerateSpec(prompt="x", strategy="self"), ids, False)
+    assert r.self_draft == "block_tree"
+    assert "divergence" in rs.STRATEGIES["self"] and "specialist" in rs.STRATEGIES["self"]
+
+
+def test_draft_lm_is_marked_a_stand_in_where_it_is_listed():
+    from specmesh.drafters import registry
+
+    assert "stand-in" in registry.DRAFT_LM_NOTE and "make setup-qwen" in registry.DRAFT_LM_NOTE
+    assert "qwen2.5-coder-1.5b-instruct" in registry.DRAFT_LM_NOTE
+    assert registry.DRAFT_LM_NOTE in rs.STRATEGIES["external"]  # ListStrategies' description of external
+    assert "STAND-IN" in registry.spec("draft_lm").summary

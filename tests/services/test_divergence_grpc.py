@@ -103,3 +103,17 @@ def test_drafts_not_from_the_specialist_are_refused(stack):
                        draft_budget=3, acceptance="divergence")
     # raised by the verifier at the first drafted round: the router passes it on as a downstream field
     assert "sampling.acceptance" in str(e.value) and "specialist's own drafts" in str(e.value), e.value
+
+
+def test_divergence_naming_no_strategy_gets_the_specialist(stack):
+    """The SDK without strategy/drafter (what `specmesh generate --acceptance divergence`
+    and an OpenAI request send): the router drafts with the verifier's specialist."""
+    from specmesh import Client
+
+    with Client(stack.address, timeout=60) as c:
+        named = c.generate(PROMPT, strategy="self", drafter="specialist", max_new_tokens=N, draft_budget=4,
+                           raw_prompt=True, seed=5, acceptance="divergence")
+        bare = c.generate(PROMPT, max_new_tokens=N, draft_budget=4, raw_prompt=True, seed=5, acceptance="divergence")
+    assert (bare.stats.strategy, bare.stats.drafter) == ("self", "specialist"), bare.stats.strategy_reason
+    assert "divergence" in bare.stats.strategy_reason and bare.stats.lossy
+    assert bare.token_ids == named.token_ids

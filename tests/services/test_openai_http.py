@@ -151,8 +151,10 @@ def test_completions_greedy_equals_the_sdk(front, stream):
 
 def test_sampling_with_a_seed_is_the_sdks_draw(front):
     kw = dict(temperature=0.9, top_p=0.9, seed=7)
-    ref = front.sdk.generate(messages=CHAT, max_new_tokens=N, top_k=5, **kw)
-    r = front.oa.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N, extra_body={"top_k": 5}, **kw)
+    lab = dict(strategy="external", drafter="prompt_lookup")  # named: auto may choose by measured speed
+    ref = front.sdk.generate(messages=CHAT, max_new_tokens=N, top_k=5, **kw, **lab)
+    r = front.oa.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=N, extra_body={"top_k": 5, **lab},
+                                         **kw)
     assert r.choices[0].message.content == ref.text
     # no seed: one is drawn (OpenAI samples afresh on every call) and reported
     r2 = front.oa.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0.9)

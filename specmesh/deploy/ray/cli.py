@@ -74,6 +74,20 @@ def describe(name: str) -> dict:
     return serve.get_app_handle(name).describe.remote().result(timeout_s=60)
 
 
+def metrics_banner(d: dict) -> list[str]:
+    """Where the Ray mode's metrics are, from the router's ``describe()``: the router
+    replica's Prometheus /metrics, and where the drafter and verifier replicas' are
+    (each on a port of its own node, free unless ``metrics_port`` is set: their log
+    lines say which) and the replicas' load in Ray's own metrics."""
+    host = d["router"].rsplit(":", 1)[0]
+    port = d.get("metrics_port")
+    router = f"http://{host}:{port}/metrics (router)" if port is not None else "router /metrics off (metrics: false)"
+    return [f"metrics   {router}",
+            "          drafter and verifier replicas: /metrics on a port of their node (free unless metrics_port "
+            "is set; each replica's log line 'serving gRPC on ..., Prometheus /metrics on port N' in the "
+            "dashboard's Serve logs); replica load: ray_specmesh_replica_load in the dashboard's Metrics view"]
+
+
 def serve_ray(args) -> int:
     from specmesh.serving.settings import ServeSettings
 
@@ -106,6 +120,8 @@ def serve_ray(args) -> int:
         print(f"drafters  {', '.join(d['drafters']) or '-'}", flush=True)
         print(f"verifiers {', '.join(d['verifiers'])}", flush=True)
         print(f"dashboard http://{ctx.dashboard_url}  (Serve tab: Router, Drafter, Verifier)", flush=True)
+        for line in metrics_banner(d):
+            print(line, flush=True)
         if d.get("openai_api"):
             print(f"openai    {d['openai_api']}  (OpenAI-compatible HTTP API)", flush=True)
         print(f'try: specmesh generate "Hello" --address {d["router"]}', flush=True)

@@ -100,7 +100,8 @@ class _Replica:
             self._cleanup.append(self.metrics.stop)
         self.heartbeat = Heartbeat(self.registry, self.cfg.ttl_s, self.role, self.replica_id, self.address,
                                    self.cfg.heartbeat_s)
-        log.info("%s replica %s serving gRPC on %s", self.role, self.replica_id, self.address)
+        log.info("%s replica %s serving gRPC on %s%s", self.role, self.replica_id, self.address,
+                 f", Prometheus /metrics on port {self.metrics_port}" if self.metrics_port is not None else "")
 
     # ---- Serve hooks
     def check_health(self) -> None:
