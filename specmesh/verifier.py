@@ -414,4 +414,7 @@ class EngineVerifier:
             "kv_bytes_per_slot": e.kv_bytes_per_slot(), "kv_bytes_total": e.kv_bytes_per_slot() * e.n_slots,
             "weight_bytes": e.weight_bytes(), "sessions": list(self.pool.slots), "evictions": self.pool.evictions,
             "self_drafters": sorted(self.self_drafters), "forwards": self.forwards,
+            # CUDA graphs captured while serving (after the warm-up); None without graphs
+            "cuda_graph_captures": getattr(e, "calls", {}).get("serving_captures") if getattr(e, "capture", False)
+            else None,
         }

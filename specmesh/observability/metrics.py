@@ -296,6 +296,8 @@ class VerifierMetrics(ServiceMetrics):
                 ("specmesh_active_sessions", "Sessions holding a KV slot", "gauge", "slots_used"),
                 ("specmesh_kv_evictions", "Idle sessions evicted to free a slot", "counter", "evictions"),
                 ("specmesh_target_forwards", "Target forwards run", "counter", "forwards"),
+                ("specmesh_cuda_graph_captures", "CUDA graphs captured while serving (buckets the warm-up "
+                 "missed; each capture stalls the forward that needed it)", "counter", "cuda_graph_captures"),
             ]))
 
     def on_response(self, method: str, strategy: str, request, response) -> None:

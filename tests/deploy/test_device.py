@@ -172,6 +172,46 @@ def test_runtime_device_plumbing(tiny_model_dir):
             Runtime(str(tiny_model_dir), device="cuda", quiet=True, block_drafter=False)
 
 
+def _fake_capture(monkeypatch, eng):
+    """Stand in for CUDA capture on the CPU: a bucket's "graph" replays its static forward."""
+    class Graph:
+        def __init__(self, st):
+            self.st = st
+
+        def replay(self):
+            self.st.out = eng._forward(self.st)
+
+    eng.capture = True
+    monkeypatch.setattr(eng, "_capture", lambda st: setattr(st, "graph", Graph(st)))
+
+
+def test_runtime_warm_up_covers_what_the_drafters_use(tiny_model_dir, monkeypatch):
+    """``Runtime.warm_up`` (run at start-up when graphs are captured, before a service
+    reports SERVING) prepares every bucket the configuration uses: greedy and sampled
+    rounds of plain decoding, prompt lookup, layer-skip and contrastive acceptance then
+    capture nothing more (``serving_captures``, the verifier's ``cuda_graph_captures``)."""
+    from specmesh.loop import generate_tokens
+    from specmesh.runtime import Runtime
+    from specmesh.types import SamplingParams
+
+    rt = Runtime(str(tiny_model_dir), n_slots=2, max_seq_len=64, layerskip_exit=1, quiet=True, block_drafter=False,
+                 device="cpu", cuda_graphs="always")
+    eng = rt.engine
+    assert rt.warmup_s is None and not eng._steps  # no capture on the CPU: no warm-up at start-up
+    assert rt.verifier.info()["cuda_graph_captures"] is None
+    _fake_capture(monkeypatch, eng)
+    n = rt.warm_up()
+    assert n == len(eng._steps) == eng.calls["captures"] > 0 and eng.serving and rt.warmup_s >= 0
+    ids = [(3 * i + 1) % 90 + 2 for i in range(9)] * 2
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=0.8)
+    cd = SamplingParams(acceptance="contrastive")
+    for sp in (greedy, sampled, cd):
+        for d, kw in ((None, {}), (rt.drafter("prompt_lookup"), {"budget": 6}), (None, {"self_draft": "layerskip"})):
+            generate_tokens(d, rt.verifier, ids, max_new_tokens=8, sampling=sp, **kw)
+    assert eng.calls["serving_captures"] == 0 and eng.calls["replayed"] > 0 and eng.calls["uncaptured"] == 0
+    assert rt.verifier.info()["cuda_graph_captures"] == 0
+
+
 def test_ray_config_asks_for_gpus_when_the_device_is_cuda():
     from specmesh.deploy.ray.config import RayAppConfig
 
@@ -242,7 +282,8 @@ def test_graphed_engine_matches_eager_chains_trees_and_sessions():
     a, b = (e.score(1, [71], [-1], rows=[0], n_layers=2, extra=1) for e in (eager, static))
     _same([a], [b])
     keys = list(static._steps)
-    assert (4, 8, 3, (0, 2)) in keys and any(k[2] == 2 for k in keys)  # batch 3 -> 4, 6 tokens -> 8, layers 2
+    # (B, T, layers, hidden layers, keys, adapted): batch 3 -> 4, 6 tokens -> 8; layers 2
+    assert (4, 8, 3, (0, 2), 64, False) in keys and any(k[2] == 2 for k in keys)
 
 
 def test_graphed_engine_buckets_padding_and_fallback():
@@ -252,7 +293,8 @@ def test_graphed_engine_buckets_padding_and_fallback():
         e.prefill(0, [3, 4, 5])  # bucket (1, 4)
         e.prefill(1, [6])  # bucket (1, 2): one padding token
         e.prefill(2, list(range(10, 20)))  # 10 tokens > 4: eager
-    assert static.calls == {"graphed": 2, "eager": 1, "captures": 0}
+    assert static.calls == {"graphed": 2, "replayed": 0, "uncaptured": 2, "eager": 1, "captures": 0,
+                            "capture_errors": 0, "serving_captures": 0}
     a, b = (e.score_batch([(1, [7, 8, 9], [-1, 0, 0]), (2, [11], [-1])]) for e in (eager, static))
     _same(a, b)  # 2 sessions x 3 tokens -> bucket (2, 4)
     assert static.calls["graphed"] == 3
@@ -332,7 +374,106 @@ def test_graphed_engine_serves_gated_rows_like_the_eager_engine():
     a, b = (e.score(0, [20, m, 23, m], [-1, 0, 1, 2], gated=[1, 2, 3]) for e in (eager, static))
     _same([a], [b])
     static.attach_adapter(None)
-    assert not static._steps  # graphs dropped with the adapter: recaptured without its terms
+    assert static._steps and not any(st.adapted for st in static._steps.values())  # only the adapted ones dropped
+
+
+def _adapter(cfg):
+    from specmesh.uno.adapter import new_adapter
+
+    ad = new_adapter(cfg, rank=4, readout=8, block=3)
+    g = torch.Generator().manual_seed(3)
+    for d in ad.B:
+        for p in d:
+            d[p] = torch.randn(d[p].shape, generator=g) * 0.2
+    ad.mask = torch.randn(ad.mask.shape, generator=g)
+    return ad
+
+
+def test_graphed_engine_plain_steps_run_no_adapter_terms():
+    """With the mask-gated adapter attached, a step with no gated row and no mask row runs
+    the bucket without the adapter's terms (no low-rank call at all, the same bits as an
+    engine without the adapter); a step with gated rows runs its own bucket with them.
+    Attaching or detaching the adapter keeps the plain buckets."""
+    eager, static = _pair()
+    _, bare = _pair()
+    ad = _adapter(eager.config)
+    calls = []
+    real = ad.delta
+    ad.delta = lambda *a, **k: (calls.append(a[:2]), real(*a, **k))[1]
+    static.attach_adapter(ad)
+    for e in (static, bare):
+        e.prefill(0, list(range(5, 12)))
+    assert calls == []  # the prompt: a plain step
+    a, b = (e.score_batch([(0, [20, 21, 22], [-1, 0, 0])], hidden_layers=[1])[0] for e in (static, bare))
+    assert calls == [] and torch.equal(a.logits, b.logits) and torch.equal(a.hidden[1], b.hidden[1])
+    plain = set(static._steps)
+    assert not any(k[5] for k in plain)
+    m = static.mask_id
+    eager.attach_adapter(ad)
+    eager.prefill(0, list(range(5, 12)))
+    _same([eager.score(0, [20, m, m], [-1, 0, 1])], [static.score(0, [20, m, m], [-1, 0, 1])])
+    assert len(calls) > 0 and any(k[5] for k in static._steps)
+    static.attach_adapter(None)
+    assert set(static._steps) == plain  # the adapted bucket dropped, the plain ones kept
+
+
+def test_graphed_engine_key_buckets_attend_over_the_smallest_that_holds_the_keys():
+    """A forward attends over the smallest key bucket holding base + T for every row (not
+    all max_seq_len keys), a KV head's query heads folded into its rows: the same numbers
+    as the eager engine across bucket boundaries, chains and trees, several sessions."""
+    model, cfg = tiny_hf()
+    sd = model.state_dict()
+    eager = LlamaEngine(cfg, sd, n_slots=2, max_seq_len=64)
+    static = GraphedEngine(cfg, sd, n_slots=2, max_seq_len=64, capture=False, key_buckets=(8, 16, 32))
+    assert static.key_buckets == (8, 16, 32, 64)
+    assert cfg["num_attention_heads"] != cfg.get("num_key_value_heads", cfg["num_attention_heads"])  # GQA
+    for e in (eager, static):
+        e.prefill(0, list(range(3, 9)))  # 6 + 8 padded tokens: keys 16
+        e.prefill(1, [4, 5])
+    seen = []
+    for r in range(10):
+        items = [(0, [10 + r, 11, 12, 13], [-1, 0, 0, 1]), (1, [20 + r, 21, 22], [-1, 0, 1])]
+        a, b = (e.score_batch(items) for e in (eager, static))
+        _same(a, b)
+        for e in (eager, static):
+            e.commit(0, [0, 1, 3])
+            e.commit(1, [0, 1, 2])
+        seen.append(max(k[4] for k in static._steps))
+    assert static.calls["eager"] == 0 and {8, 16, 32, 64} <= {k[4] for k in static._steps}
+    assert seen == sorted(seen) and seen[-1] == 64  # 36 + 3 keys -> the 64 bucket
+
+
+def test_graphed_engine_counts_replays_failed_captures_and_serving_captures(monkeypatch):
+    """The counters tell a replayed graph from a bucket's static forward run without one:
+    a failed capture shows in ``capture_errors``, ``uncaptured`` and
+    ``uncaptured_buckets()`` (what the CUDA tests assert empty); a capture after the
+    warm-up (``serving``) is counted in ``serving_captures``. The capture itself is
+    replaced by a stand-in graph that runs the static forward (no CUDA here)."""
+    eager, static = _pair()
+    _fake_capture(monkeypatch, static)
+    fake, fail = static._capture, {"on": False}
+
+    def capture(st):
+        if fail["on"]:
+            raise RuntimeError("capture failed")
+        fake(st)
+
+    monkeypatch.setattr(static, "_capture", capture)
+    n = static.warm_up(batch_sizes=[1], tokens=[1, 2, 4, 8, 16], hidden_layers=[1])
+    assert n == 5 and static.calls["captures"] == 5 and static.hidden_keep == (1,)
+    static.serving = True
+    for e in (eager, static):
+        e.prefill(0, list(range(5, 17)))  # 12 tokens: the warmed (1, 16) bucket
+    a, b = (e.score(0, [3, 4, 5], [-1, 0, 1]) for e in (eager, static))
+    _same([a], [b])
+    assert static.calls["replayed"] == 2 and static.calls["uncaptured"] == 0
+    assert static.calls["serving_captures"] == 0 and static.uncaptured_buckets() == []
+    static.score_batch([(0, [3], [-1]), (1, [4], [-1])])  # batch 2: not warmed up
+    assert static.calls["serving_captures"] == 1 and static.calls["captures"] == 6
+    fail["on"] = True
+    _same([eager.score(0, [3, 4], [-1, 0], hidden_layers=[0])], [static.score(0, [3, 4], [-1, 0], hidden_layers=[0])])
+    assert static.calls["capture_errors"] == 1 and static.calls["uncaptured"] == 1
+    assert static.uncaptured_buckets() == [(1, 2, 3, (0, 1), 64, False)]
 
 
 def test_graphed_engine_invariant_mode_rows_do_not_depend_on_the_call():
