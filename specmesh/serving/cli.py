@@ -2,9 +2,12 @@
 
 - ``specmesh serve drafter|verifier|router --port N [settings flags]`` runs one
   service in this process until SIGTERM/SIGINT (then drains and stops). The
-  router also serves the OpenAI-compatible HTTP API (``serving.openai_http``)
-  on ``--http-port`` (default 8000; ``--http false``: off).
-- ``specmesh serve`` (no service) starts all three as separate processes on
+  router alone also serves the OpenAI-compatible HTTP API (``serving.openai_http``)
+  on ``--http-port`` (default 8000; ``--http false``: off); ``specmesh serve openai
+  --port N --router-addresses a,b`` serves it as a process of its own, in front of
+  the routers (a stream whose router dies is resumed on the next).
+- ``specmesh serve`` (no service) starts all three, and the OpenAI HTTP front as
+  a fourth (unless ``--http false``), as separate processes on
   loopback (ports from the settings; 0 = free ports), passes the resolved
   settings to them through ``SPECMESH_*`` variables, prints the addresses once
   all are listening, restarts one that dies (``supervisor.Supervisor``: backoff,
@@ -56,6 +59,8 @@ _FLAGS = [
     ("--drafter-timeout-s", "drafter_timeout_s", float, "router: deadline of one drafter call (default 2)"),
     ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
     ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
+    ("--router-addresses", "router_addresses", str, "openai: comma-separated router host:port list (or one DNS "
+     "name with several records); a stream whose router dies is resumed on the next"),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens, after the chat template (default "
      "1536; a longer prompt is INVALID_ARGUMENT)"),
     ("--max-new-tokens-limit", "max_new_tokens", int, "limit on a request's max_new_tokens (default 1024)"),
@@ -103,7 +108,9 @@ def settings_from_args(args: argparse.Namespace):
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="run the gRPC services (one, or all three as processes)")
-    p.add_argument("service", nargs="?", choices=SERVICES, help="the service to run (default: all three)")
+    p.add_argument("service", nargs="?", choices=SERVICES + ("openai",),
+                   help="the service to run (default: all three, and the OpenAI HTTP front as a fourth process); "
+                        "openai: the OpenAI HTTP API alone, in front of --router-addresses")
     add_settings_flags(p)
     for svc in SERVICES:
         p.add_argument(f"--{svc}-port", dest=f"{svc}_port", type=int, default=argparse.SUPPRESS,
@@ -186,6 +193,10 @@ def serve_main(args) -> int:
         settings.torch_device()  # a device this machine lacks: one clear error before anything starts
     if args.service is None:
         return serve_all(settings)
+    if args.service == "openai":  # the HTTP front alone: speaks the SDK to the routers, resumes their streams
+        from .openai_http import run_front
+
+        return run_front(settings)
     return serve_one(args.service, settings)
 
 
@@ -270,7 +281,7 @@ def _settings_env(s) -> dict:
 
 
 def serve_all(s) -> int:
-    """The three services as child processes under a ``Supervisor``: a service
+    """The three services (and the OpenAI front, a fourth) as child processes under a ``Supervisor``: a service
     that dies after it came up is restarted on its port (backoff, logged,
     counted on the supervisor's /metrics) while the others keep serving."""
     from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
@@ -283,15 +294,17 @@ def serve_all(s) -> int:
     env.pop("SPECMESH_CONFIG", None)  # already resolved into the variables above
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    extra = {"router": ["--drafter-address", addr["drafter"], "--verifier-addresses", addr["verifier"]]}
+    extra = {"router": ["--drafter-address", addr["drafter"], "--verifier-addresses", addr["verifier"],
+                        "--http", "false"]}
     http_url = None
-    if s.http:  # the router's OpenAI HTTP API: a port fixed here, so a restarted router keeps it
-        http_port = s.http_port or _free_port(host)
-        extra["router"] += ["--http-port", str(http_port)]
-        http_url = f"http://{client_host}:{http_port}/v1"
     cmds = {svc: [sys.executable, "-m", "specmesh.cli", "serve", svc, "--port", str(ports[svc])] + extra.get(svc, [])
             for svc in SERVICES}
-    metrics = SupervisorMetrics(SERVICES) if s.metrics else None
+    if s.http:  # the OpenAI HTTP API: a process of its own (a router restart does not end its streams)
+        http_port = s.http_port or _free_port(host)
+        cmds["openai"] = [sys.executable, "-m", "specmesh.cli", "serve", "openai", "--port", str(http_port),
+                          "--router-addresses", addr["router"]]
+        http_url = f"{'https' if s.tls_cert else 'http'}://{client_host}:{http_port}/v1"
+    metrics = SupervisorMetrics(list(cmds)) if s.metrics else None
     sup = Supervisor(cmds, env, RestartPolicy(backoff_s=s.restart_backoff_s, max_backoff_s=s.restart_max_backoff_s),
                      metrics)
     stop = threading.Event()
@@ -322,7 +335,7 @@ def serve_all(s) -> int:
             stop.wait(0.2)
         return 0 if stop.is_set() else 1
     finally:
-        sup.stop(list(reversed(SERVICES)), s.drain_s + 10)  # router first: it drains its streams
+        sup.stop([x for x in ("openai",) if x in cmds] + list(reversed(SERVICES)), s.drain_s + 10)  # fronts first
         if metrics is not None:
             metrics.stop()
         for sig, h in prev.items():

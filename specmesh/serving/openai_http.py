@@ -44,8 +44,14 @@ client certificates) are the router's settings; the HTTP peer's address is
 forwarded as the router's per-client session key.
 
 ``start_http(settings, router_address)`` binds ``host:http_port`` (0 =
-a free port) and runs uvicorn in a thread of the router's process
-(``specmesh serve router``, the Kubernetes router, the Ray router replica).
+a free port) and runs uvicorn in a thread of the caller's process: the router's
+(``specmesh serve router`` alone), or a process of its own, ``run_front``
+(``specmesh serve openai --router-addresses a,b``; under ``specmesh serve`` the
+fourth supervised process, on Kubernetes and in the Ray app its own deployment).
+Either way it reaches the router(s) through the SDK, which resumes a stream whose
+router died (``specmesh.client``), so an HTTP stream outlives a router restart
+and its caller sees each character once. ``/health`` reports the SDK's resume
+count.
 
 This module knows nothing about models, tokenizers, decoding or the router's
 internals: it speaks the SDK.
@@ -471,7 +477,7 @@ def create_app(api: Api) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok", "resumes": api.client.resumes}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -574,4 +580,28 @@ def start_http(s, router_address: str, port: Optional[int] = None) -> HttpServer
     return HttpServer(app, sock, tls, ssl_kw, url).start()
 
 
-__all__ = ["Api", "ApiError", "HttpServer", "build_job", "create_app", "start_http"]
+def run_front(s) -> int:
+    """``specmesh serve openai``: the OpenAI HTTP API as a process of its own, in front
+    of the routers at ``s.router_targets()`` (resumed across them), on ``s.host``:
+    ``--port`` (else ``http_port``), until SIGTERM/SIGINT. Prints its ``listening on``
+    line (the supervisor's readiness mark)."""
+    import signal
+
+    targets = s.router_targets()
+    http = start_http(s, ",".join(targets), s.port if s.port is not None else s.http_port)
+    auth = "token" if s.token() else "no auth"
+    print(f"specmesh openai listening on {http.url} ({'tls' if http.tls else 'insecure'}, {auth}; routers "
+          f"{','.join(targets)})", flush=True)
+    stop = threading.Event()
+    prev = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.wait(0.5) and http.thread.is_alive():
+            pass
+    finally:
+        http.stop()
+        for sig, h in prev.items():
+            signal.signal(sig, h)
+    return 0 if stop.is_set() else 1
+
+
+__all__ = ["Api", "ApiError", "HttpServer", "build_job", "create_app", "run_front", "start_http"]

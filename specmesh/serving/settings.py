@@ -42,6 +42,10 @@ class ServeSettings(BaseSettings):
     verifier_addresses: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="router -> verifier replicas; empty = [host:verifier_port]")
     replica_choice: Literal["least_loaded", "hash"] = "least_loaded"
+    router_addresses: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="OpenAI front (`serve openai`) -> routers: host:port list, or one DNS name "
+        "with several records; a stream is resumed on the next one when its router dies; empty = "
+        "[host:router_port]")
 
     # ---- model (verifier; the router loads only the tokenizer)
     model: str = "smollm2-135m-instruct"
@@ -143,7 +147,7 @@ class ServeSettings(BaseSettings):
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
 
-    @field_validator("verifier_addresses", mode="before")
+    @field_validator("verifier_addresses", "router_addresses", mode="before")
     @classmethod
     def _split(cls, v):
         if isinstance(v, str):
@@ -222,6 +226,9 @@ class ServeSettings(BaseSettings):
 
     def verifier_targets(self) -> list[str]:
         return list(self.verifier_addresses) or [f"{self.host}:{self.verifier_port}"]
+
+    def router_targets(self) -> list[str]:
+        return list(self.router_addresses) or [f"{self.host}:{self.router_port}"]
 
     def port_of(self, service: str) -> int:
         return self.port if self.port is not None else getattr(self, f"{service}_port")

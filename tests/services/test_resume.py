@@ -195,3 +195,54 @@ def test_the_async_sdk_resumes_and_resume_false_does_not(stack):
     err, pieces = asyncio.run(go(two.addresses, False, two))
     assert isinstance(err, UnavailableError) and "".join(pieces) == ref.text[:len("".join(pieces))]
     assert wait_for(lambda: len(stack.verifier_info().sessions) == 0)
+
+
+def test_the_openai_front_process_resumes_its_streams_on_the_next_router(stack):
+    """``specmesh serve openai`` (a process of its own) in front of two router
+    addresses: an HTTP stream whose router goes away finishes with the text of the
+    uninterrupted run, each character once; /health counts the resume."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.support import ROOT, free_port
+
+    openai = pytest.importorskip("openai")
+    two = TwoRouters(stack)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "specmesh.cli", "serve", "openai", "--port", str(port), "--model", "tiny",
+           "--router-addresses", ",".join(two.addresses)]
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    lines = []
+    try:
+        for line in p.stdout:
+            lines.append(line)
+            if "listening on" in line:
+                break
+        assert f"specmesh openai listening on http://127.0.0.1:{port}/v1" in "".join(lines), "".join(lines)
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        kw = dict(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0.8, seed=5,
+                  extra_body={"strategy": "external", "drafter": "prompt_lookup"})
+        ref = oa.completions.create(**kw)  # new streams take the addresses in turn: this one the first,
+        assert oa.completions.create(**kw).choices[0].text == ref.choices[0].text  # this one the second,
+        two.hold()  # and the stream below the first again: the one that goes away
+        pieces, last = [], None
+        for chunk in oa.completions.create(stream=True, **kw):
+            pieces.append(chunk.choices[0].text)
+            if len(pieces) == 1:
+                two.kill_first_when_held()
+            last = chunk
+        assert "".join(pieces) == ref.choices[0].text
+        assert last.choices[0].finish_reason == ref.choices[0].finish_reason
+        assert last.model_extra["specmesh"]["resumed_tokens"] > 0
+        assert last.model_extra["specmesh"]["new_tokens"] == ref.usage.completion_tokens
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as h:
+            assert json.loads(h.read())["resumes"] == 1
+        oa.close()
+    finally:
+        p.terminate()
+        p.wait(60)
+    assert p.returncode == 0, "".join(lines)
