@@ -18,7 +18,7 @@ import specmesh  # noqa: E402 - before torch: this script has the machine to its
 
 specmesh.own_machine_threads()
 
-from specmesh.bench.workloads import load
+from specmesh.workloads import load
 from specmesh.loop import AdaptiveBudget, generate_tokens
 from specmesh.runtime import Runtime
 

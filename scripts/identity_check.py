@@ -34,7 +34,7 @@ import specmesh  # noqa: E402 - before torch: this script has the machine to its
 
 specmesh.own_machine_threads()
 
-from specmesh.bench import workloads as wl  # noqa: E402
+from specmesh import workloads as wl  # noqa: E402
 from specmesh.drafters import registry  # noqa: E402
 from specmesh.loop import AdaptiveBudget, VerifyCosts, generate_tokens  # noqa: E402
 from specmesh.runtime import Runtime  # noqa: E402

@@ -26,7 +26,7 @@ import specmesh  # noqa: E402 - before torch: this script has the machine to its
 specmesh.own_machine_threads()
 
 from specmesh import loop  # noqa: E402
-from specmesh.bench.workloads import load  # noqa: E402
+from specmesh.workloads import load  # noqa: E402
 from specmesh.runtime import Runtime  # noqa: E402
 
 from at_rev import module_at  # noqa: E402 - scripts/at_rev.py

@@ -41,7 +41,7 @@ specmesh.own_machine_threads()
 import torch
 import torch.nn.functional as F
 
-from specmesh.bench.workloads import load
+from specmesh.workloads import load
 from specmesh.engine import LlamaEngine
 from specmesh.loop import generate_tokens
 from specmesh.models.loading import load_tokenizer, resolve_model, stop_ids

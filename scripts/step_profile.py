@@ -230,7 +230,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=1, help="per workload, part 2")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     a = ap.parse_args()
-    from specmesh.bench.workloads import load
+    from specmesh.workloads import load
     from specmesh.runtime import Runtime
 
     rt = Runtime(a.model, dtype=a.dtype, n_slots=2, max_seq_len=2048, quiet=True)

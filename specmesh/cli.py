@@ -17,7 +17,7 @@ studies):
   device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.bench.device_check)
   costs              the speculation cost model measured on this device (specmesh.bench.costs)
   quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD (specmesh.bench.quality)
-  train-specialist   LoRA-tune a domain specialist of the target for divergence decoding (specmesh.specialist)
+  train-specialist   LoRA-tune a domain specialist of the target for divergence decoding (specmesh.drafters.specialist)
   train-uno          train the mask-gated adapter: the target drafting for itself (specmesh.uno.cli)
   uno-study          its layouts (fused / separate) and diffusion mode side by side (specmesh.uno.study)
 """
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                           ("specmesh.blockdraft.cli", "register"), ("specmesh.observability.cli", "register"),
                           ("specmesh.bench.calibrate", "register"), ("specmesh.bench.strategies", "register"),
                           ("specmesh.bench.costs", "register"), ("specmesh.bench.quality", "register"),
-                          ("specmesh.specialist", "register"), ("specmesh.uno.cli", "register"),
+                          ("specmesh.drafters.specialist", "register"), ("specmesh.uno.cli", "register"),
                           ("specmesh.uno.study", "register")):
         try:
             getattr(importlib.import_module(mod), register)(sub)

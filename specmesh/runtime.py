@@ -25,13 +25,13 @@ from typing import Optional, Sequence
 from .drafters import DRAFTERS, make_drafter, registry
 from .drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from .drafters.specialist import SpecialistDrafter
+from .drafters.specialist import adapter_dir as specialist_adapter
 from .device import resolve_device
 from .engine import LlamaEngine
 from .loop import VerifyCosts
 from .models.codec import TextCodec
 from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, cache_root, freed_memory_returned, load_config,
                              load_state_dict, load_tokenizer, resolve_model)
-from .specialist import adapter_dir as specialist_adapter
 from .types import InvalidArgument
 from .verifier import EngineVerifier
 
@@ -131,7 +131,7 @@ class Runtime:
         are ``GraphedEngine`` (False: the eager engine; "always": on the CPU too, see
         ``make_engine``). ``specialist``: the domain of the divergence-decoding specialist
         offered as the ``specialist`` self drafter when its adapter exists
-        (``specmesh.specialist.adapter_dir``; built on first use; None: none). ``uno``: attach
+        (``specmesh.drafters.specialist.adapter_dir``; built on first use; None: none). ``uno``: attach
         the mask-gated adapter's self drafters (``uno``, ``uno_tree``, ``uno_separate``) when
         one exists for the model (``uno_path``)."""
         self.device = resolve_device(device)
@@ -222,7 +222,7 @@ class Runtime:
 
     def _specialist_engine(self, domain: str) -> LlamaEngine:
         """The specialist (target + the domain's LoRA merged) as an engine like the target's."""
-        from .specialist import load_specialist
+        from .drafters.specialist import load_specialist
 
         cfg, sd = load_specialist(self.model_name, domain)
         cls = type(self.engine)

@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from .report import write_result
+from ..results import write_result
 
 DRAFTERS = "prompt_lookup,suffix,draft_lm,layerskip,block,block_tree"
 SELF = ("layerskip", "block", "block_tree")

@@ -324,7 +324,7 @@ def main(args) -> int:
 
 def _bench_phase(args, device, deadline: float, result: dict, log, ctx: dict) -> int:
     from ..runtime import Runtime
-    from . import workloads as wl
+    from .. import workloads as wl
     from .harness import Bench, BenchConfig
     from .peers import HFModels
 

@@ -29,7 +29,7 @@ from typing import Optional
 
 from ..seqs import common_prefix_len
 from ..types import InvalidArgument
-from . import workloads as wl
+from .. import workloads as wl
 from .llamacpp_worker import PeerFailed
 from .peers import HFModels, llamacpp_unavailable, make_hf, make_llamacpp
 from .systems import DEFAULT_SYSTEMS, DTYPES, RunOutput, System, expand, make_ours, parse_ours

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from ..seqs import common_prefix_len
-from .report import write_result
+from ..results import write_result
 from typing import Optional, Sequence
 
 DEFAULT_RULES = "exact,typical,lenient:0.5,lenient:0.2,lenient:0.05,topk:2,topk:4,topk:8"
@@ -136,7 +136,7 @@ def main(args) -> int:
     from ..loop import generate_tokens
     from ..runtime import Runtime
     from ..types import SamplingParams
-    from . import workloads as wl
+    from .. import workloads as wl
 
     rt = Runtime(args.model, dtype=args.dtype, n_slots=4, max_seq_len=2048, quiet=True, device=args.device)
     self_draft = args.drafter if args.drafter in rt.verifier.self_drafters else None

@@ -234,17 +234,3 @@ def write(result: dict, out_dir: Path) -> Path:
     p = Path(out_dir) / "report.md"
     p.write_text(render(result), encoding="utf-8")
     return p
-
-
-def write_result(out_dir, stem: str, result: dict, md: str, plot) -> None:
-    """``<stem>.json`` (``result``), ``<stem>.md`` (``md``) and ``<stem>.png``
-    (``plot(result, path)``) in ``out_dir``; prints the table and what was written."""
-    import json
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
-    (out / f"{stem}.md").write_text(md)
-    plot(result, out / f"{stem}.png")
-    print(md)
-    print(f"wrote {out}/{stem}.json, {stem}.md, {stem}.png")

@@ -53,7 +53,7 @@ BUILTIN = {
 
 def load_workloads(names: Optional[list[str]], per: int, directory: Optional[str]) -> dict[str, list[dict]]:
     try:
-        from . import workloads as wl
+        from .. import workloads as wl
 
         loaded = wl.load(names, per, Path(directory) if directory else None)
         return {k: [{"id": p.id, "prompt": p.prompt, "messages": p.messages} for p in v] for k, v in loaded.items()}

@@ -248,7 +248,7 @@ def chart(cells: list[dict], path: Path) -> None:
 # ---------------------------------------------------------------- entry
 def run_sweep(args) -> dict:
     from ..client import Client
-    from . import workloads as wl
+    from .. import workloads as wl
 
     streams = [int(x) for x in str(args.streams).split(",") if x.strip()]
     if not streams or any(n <= 0 for n in streams):

@@ -453,7 +453,7 @@ def floor_main(args) -> int:
 
 
 def _workload_prompts(workloads: list[str], per_workload=None) -> list:
-    from ..bench.workloads import load
+    from ..workloads import load
 
     loads = load(workloads, per_workload=per_workload)
     return [p for w in workloads for p in loads[w]]

@@ -115,7 +115,7 @@ def _serving(rt, prompts, systems, args) -> dict:
 def _diffusion(rt, prompts, args) -> dict:
     from ..drafters.prompt_lookup import PromptLookupDrafter
     from ..types import DraftContext, SamplingParams
-    from ..bench import workloads as wl
+    from .. import workloads as wl
     from .diffusion import TreePrior, Unmasking
 
     pl = PromptLookupDrafter()
@@ -241,8 +241,8 @@ def plot(res: dict, path: Path) -> None:
 def main(args) -> int:
     import os
 
-    from ..bench import workloads as wl
-    from ..bench.report import write_result
+    from .. import workloads as wl
+    from ..results import write_result
     from ..runtime import Runtime
 
     if args.adapter:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from specmesh.bench import report, sweep, workloads
+from specmesh import workloads
+from specmesh.bench import report, sweep
 from specmesh.bench.harness import RECORD_FIELDS, BenchConfig
 from specmesh.bench.systems import expand, parse_ours
 from specmesh.types import InvalidArgument

@@ -13,7 +13,7 @@ import torch
 
 from specmesh import acceptance as A
 from specmesh.loop import generate_tokens
-from specmesh.specialist import adapter_dir
+from specmesh.drafters.specialist import adapter_dir
 from specmesh.types import SamplingParams
 
 pytestmark = [pytest.mark.slow,

@@ -313,7 +313,7 @@ def test_merge_lora_is_peft_merge_and_unload(tmp_path):
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
 
-    from specmesh.specialist import LORA_TARGETS, merge_lora
+    from specmesh.drafters.specialist import LORA_TARGETS, merge_lora
     from tests.support import tiny_hf
 
     model, hf_cfg = tiny_hf()

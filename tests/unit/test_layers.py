@@ -8,7 +8,8 @@
 - Imports, read with ``ast`` (module level and inside functions, relative ones
   resolved): no cycle between modules, neither at module level nor counting
   the lazy imports; every module sits in a layer of ``LAYERS`` and imports only
-  from its own layer or lower ones; the core (types, seeding, trees, rowops,
+  from its own layer or lower ones (the entry points too: serving, then training and
+  studies, then benchmarks, then the commands); the core (types, seeding, trees, rowops,
   acceptance, engine, verifier, loop, drafters) reaches no gRPC, protos,
   serving, services or deployment code, even transitively; the kernels import
   only torch, triton and themselves; nothing imports a folder by its bare name.
@@ -36,22 +37,26 @@ BARE = ("router", "drafter_service", "verifier_service", "kernels")
 # layer of its longest matching prefix and may import only from that layer or lower ones.
 LAYERS = [
     ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.rowops", "specmesh.trees",
-                "specmesh.errors",
+                "specmesh.errors", "specmesh.workloads", "specmesh.results",
                 "specmesh.kernels", "specmesh.v1"]),
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.keylist_attention", "specmesh.int4_matmul",
                   "specmesh.layer_stack", "specmesh.bf16_matmul",
                   "specmesh.cudagraph", "specmesh.device",
-                  "specmesh.models", "specmesh.specialist"]),
+                  "specmesh.models"]),
     ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive"]),
     ("above the loop", ["specmesh.blockdraft", "specmesh.strategies", "specmesh.uno"]),
     ("in-process assembly", ["specmesh.runtime"]),
     ("observability", ["specmesh.observability"]),
     ("gRPC layer", ["specmesh.serving", "specmesh.client"]),
     ("services", ["specmesh.router", "specmesh.drafter_service", "specmesh.verifier_service"]),
-    ("entry points", ["specmesh.cli", "specmesh.demo", "specmesh.serving.cli", "specmesh.serving.stack",
-                      "specmesh.deploy", "specmesh.bench", "specmesh.blockdraft.cli", "specmesh.observability.cli",
-                      "specmesh.kernels.bench", "specmesh.kernels.compile_check", "specmesh.uno.cli",
-                      "specmesh.uno.study"]),
+    # the entry points (composition roots), in four layers: what a benchmark or a command
+    # needs from a training or study command, or what those need from a benchmark, moves
+    # down (specmesh.workloads, specmesh.results) instead of importing across
+    ("serving entry points", ["specmesh.serving.cli", "specmesh.serving.stack", "specmesh.deploy",
+                              "specmesh.observability.cli"]),
+    ("training and studies", ["specmesh.blockdraft.cli", "specmesh.uno.cli", "specmesh.uno.study"]),
+    ("benchmarks", ["specmesh.bench", "specmesh.kernels.bench", "specmesh.kernels.compile_check"]),
+    ("commands", ["specmesh.cli", "specmesh.demo"]),
 ]
 ROOT_PACKAGE_LAYER = "gRPC layer"  # ``specmesh`` itself: it re-exports the SDK (lazily)
 # (importer, imported): an entry point inside a lower module
@@ -279,6 +284,16 @@ def test_every_module_has_a_layer_and_imports_downwards():
                 upward.append(f"{m} ({names[_layer(m)]}) -> {t} ({names[_layer(t)]}), "
                               f"{MODULES[m].relative_to(ROOT)}:{line}{' (lazy)' if lazy else ''}")
     assert upward == []
+
+
+def test_benchmarks_sit_above_training_studies_and_serving():
+    """A benchmark may run a trained drafter, a study's code or a served stack; none of
+    those may reach into ``bench``: what they share with it lives lower down."""
+    bench = _layer("specmesh.bench")
+    for m in ("specmesh.blockdraft.cli", "specmesh.uno.cli", "specmesh.uno.study", "specmesh.uno",
+              "specmesh.blockdraft", "specmesh.serving.stack", "specmesh.workloads", "specmesh.results"):
+        assert _layer(m) < bench, m
+    assert _layer("specmesh.cli") > bench and _layer("specmesh.demo") > bench
 
 
 def test_core_reaches_no_grpc_protos_serving_services_or_deployment():

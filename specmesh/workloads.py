@@ -1,4 +1,6 @@
-"""Benchmark workloads: JSONL files of prompts, one file per workload.
+"""Workloads: JSONL files of prompts, one file per workload, read by the benchmarks
+(``specmesh.bench``), the training and study commands (``blockdraft.cli``,
+``uno.study``) and the scripts.
 
 Each line is ``{"id", "prompt" | "messages", optional "max_new_tokens"}``. A
 record's ``max_new_tokens`` caps that prompt below the run's budget (the smaller
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..types import InvalidArgument
+from .types import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class Prompt:
 
 
 def default_dir() -> Path:
-    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+    for root in (Path(__file__).resolve().parents[1], Path.cwd()):
         d = root / "bench" / "workloads"
         if d.is_dir():
             return d
