@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 from specmesh.observability.requests import RouterObserver
+from specmesh.observability.throughput import ThroughputLog
 from specmesh.serving.convert import RouterStats
 from specmesh.serving.settings import ServeSettings
 from specmesh.strategies.ssr import reasoning_messages
@@ -261,7 +262,9 @@ class Router:
                  vocab_size: int, token: Optional[str] = None):
         self.s, self.codec, self.replicas, self.drafter = settings, codec, replicas, drafter
         self.vocab_size, self.token = vocab_size, token
-        self.observer = RouterObserver(settings.model)  # request/round spans; metrics once instrumented
+        # the periodic throughput log line (log_stats_interval_s; 0 = off), fed by the observer
+        self.throughput = ThroughputLog(getattr(settings, "log_stats_interval_s", 0.0)).start()
+        self.observer = RouterObserver(settings.model, throughput=self.throughput)  # spans; metrics once instrumented
         # strategy choice and plumbing (router/strategies.py), over explicit collaborators
         self.runner = Strategies(Collaborators(settings, codec, replicas, drafter, vocab_size, token))
         self._clients: dict[str, int] = {}
@@ -482,6 +485,7 @@ class Router:
         return self.runner.anticipation(conversation_id)
 
     def close(self) -> None:
+        self.throughput.stop()
         self.runner.close()
         self.replicas.close()
         if self.drafter is not None:

@@ -30,6 +30,10 @@ inter-token latency per token (the interval since the previous delivery spread
 evenly over the round's tokens, so ``_sum / _count`` is the decode time per
 output token), and ``end`` gives the end-to-end latency.
 
+The observer also feeds the router's periodic throughput line
+(``throughput.ThroughputLog``, when given): prompt tokens at the start, tokens as
+they are counted delivered, the request's end.
+
 ``finish(stats)`` (just before the final message) sets the gen_ai.* usage and
 response attributes and the request-level metrics; ``end(err)`` ends the span
 and the active-session count. With tracing off no span is made.
@@ -58,8 +62,9 @@ from .metrics import is_lossy
 
 
 class RouterObserver:
-    def __init__(self, model: str = "", metrics=None):
+    def __init__(self, model: str = "", metrics=None, throughput=None):
         self.model, self.metrics = model, metrics
+        self.throughput = throughput  # a ``throughput.ThroughputLog``: the periodic log line, or None
 
     def request(self, plan, session_id: str, stats, verifier=None, drafter=None) -> "RequestObservation":
         return RequestObservation(self, plan, session_id, stats, verifier, drafter)
@@ -121,6 +126,9 @@ class RequestObservation:
             self.ctx = trace.set_span_in_context(self.span)
         if self.metrics is not None:
             self.metrics.request_started(self.strategy, self.drafter_name, len(getattr(plan, "ids", ()) or ()))
+        self.throughput = owner.throughput
+        if self.throughput is not None:
+            self.throughput.started(len(getattr(plan, "ids", ()) or ()))
 
     def round_scope(self, index: int) -> "RoundScope":
         return RoundScope(self, index)
@@ -136,6 +144,8 @@ class RequestObservation:
         each round's delta before the next round opens): count them, and time them."""
         n = self.stats.new_tokens - self._generated
         if n > 0:
+            if self.throughput is not None:
+                self.throughput.generated(n)
             now = time.perf_counter()
             if self.metrics is not None:
                 self.metrics.add_generated(self.strategy, self.drafter_name, n, self.acceptance)
@@ -167,6 +177,8 @@ class RequestObservation:
         else:
             outcome = "error"
         self._flush_generated()
+        if self.throughput is not None:
+            self.throughput.ended()
         if self.metrics is not None:
             self.metrics.request_ended(self.strategy, self.drafter_name, outcome, self.acceptance,
                                        time.perf_counter() - self.t0)

@@ -83,6 +83,8 @@ _FLAGS = [
     ("--drain-s", "drain_s", float, "grace period on SIGTERM"),
     ("--metrics", "metrics", str, "serve Prometheus /metrics over HTTP: true | false (default true)"),
     ("--metrics-port", "metrics_port", int, "/metrics port of a single service (0 = any free port)"),
+    ("--log-stats-interval-s", "log_stats_interval_s", float, "router: log a throughput line (prompt and "
+     "generation tok/s, running requests) every this many seconds when there was traffic (default 10; 0 = off)"),
     ("--http", "http", str, "router: serve the OpenAI-compatible HTTP API: true | false (default true)"),
     ("--http-port", "http_port", int, "router: port of the OpenAI HTTP API (default 8000; 0 = any free port)"),
 ]

@@ -112,6 +112,9 @@ class ServeSettings(BaseSettings):
 
     # ---- observability (tracing is configured by the OTEL_* variables, see docs/observability.md)
     metrics: bool = Field(True, description="serve Prometheus /metrics over HTTP")
+    log_stats_interval_s: float = Field(10.0, ge=0, description="router: every this many seconds with traffic, "
+                                        "log one throughput line (prompt and generation tok/s, running and "
+                                        "finished requests; observability/throughput.py); 0 = off")
     metrics_port: Optional[int] = Field(None, ge=0, le=65535, description="/metrics port of a single service "
                                         "(0 = any free port); default: <service>_metrics_port")
     router_metrics_port: int = Field(9451, ge=0, le=65535)
