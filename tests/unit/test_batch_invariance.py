@@ -3,8 +3,12 @@ whether it is scored alone, as row j of a chain, as a node of a tree, or beside 
 sessions in ``score_batch``; the KV a prompt leaves does not depend on how it was
 split; so greedy speculation returns exactly the tokens of plain decoding in bf16, int8
 and int4 (and fp32), like the loop promises. The ragged forward (``batch_invariant=False``,
-the engine before) fails these in bf16 and int8 on the development machine; two
-tests show that (and skip where the ragged forward happens to agree)."""
+the engine before) fails these in bf16 and int8 on the development machine;
+``test_ragged_forward_is_not_invariant`` shows its rows differing (and skips where the
+ragged forward happens to agree). Whether those differences also flip a greedy token is
+up to the CPU's kernels, so no test here claims it: the test that ran the loop on the
+ragged forward asserted nothing (it passed where generations differed and skipped
+where they did not) and was removed (issue 50)."""
 
 from __future__ import annotations
 
@@ -262,11 +266,3 @@ def _identity_failures(dtype, invariant, max_new=48, attention=None):
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int4", "fp32"])
 def test_greedy_speculation_equals_plain_decoding(dtype, attention):
     assert _identity_failures(dtype, invariant=True, attention=attention) == []
-
-
-@pytest.mark.parametrize("dtype", ["bf16", "int8", "int4"])
-def test_ragged_forward_breaks_greedy_identity(dtype):
-    """Without invariance some of the same generations differ (what the test above guards);
-    measured on the development machine (AMX bf16 kernels), skipped where they agree."""
-    if not _identity_failures(dtype, invariant=False):
-        pytest.skip("greedy speculation happens to match plain decoding in the ragged forward here")
