@@ -15,8 +15,8 @@ stream resumes by itself: it sends the same request again with
 delivered) to the next router address (``address`` may list several,
 ``"a:50051,b:50051"`` or a list, or be a DNS name with several records: the
 channel balances over them), waiting for one to be ready, within the call's
-deadline (DEADLINE_EXCEEDED when it passes) or ``resume_window_s`` when the
-call has none, at most ``max_resumes`` times per stream. The router sends only
+deadline (DEADLINE_EXCEEDED when it passes) and ``resume_window_s`` (then the
+UNAVAILABLE is raised), at most ``max_resumes`` times per stream. The router sends only
 text the caller lacks, so the caller sees each character once; each resume is
 logged (logger ``specmesh.client``) and counted (``Client.resumes``,
 ``Stream.resumes``, ``Result.stats.resumed_tokens``). Greedy output, and seeded
@@ -55,7 +55,7 @@ from .serving.convert import RouterStats, messages_to_proto, stats_from_proto
 from .v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-RESUME_WINDOW_S = 60.0  # a call without a deadline waits this long for a router to resume on
+RESUME_WINDOW_S = 60.0  # a lost stream waits at most this long for a router to resume on
 MAX_RESUMES = 5  # resumes of one stream
 READY_WAIT_S = 2.0  # with several addresses: wait this long for one before trying the next
 
@@ -191,7 +191,7 @@ class _Resumable(_Collector):
         window = self._window_end - time.monotonic()
         if left is not None and left <= 0:
             raise from_rpc_error(_Deadline())
-        if left is None and window <= 0:
+        if window <= 0:
             raise self._give_up(e, f"no router came back within {self._client.resume_window_s} s")
         n = len(self._client.addresses)
         self._at = (self._at + 1) % n  # several addresses: each try the next one

@@ -87,6 +87,10 @@ _FLAGS = [
      "generation tok/s, running requests) every this many seconds when there was traffic (default 10; 0 = off)"),
     ("--http", "http", str, "router: serve the OpenAI-compatible HTTP API: true | false (default true)"),
     ("--http-port", "http_port", int, "router: port of the OpenAI HTTP API (default 8000; 0 = any free port)"),
+    ("--http-timeout-s", "http_timeout_s", float, "OpenAI front: deadline of each generation (504 when it passes; "
+     "default none)"),
+    ("--resume-window-s", "resume_window_s", float, "OpenAI front: how long a stream whose router died waits for "
+     "one to resume on (default 60; then 503)"),
 ]
 
 

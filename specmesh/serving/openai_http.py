@@ -565,7 +565,8 @@ def start_http(s, router_address: str, port: Optional[int] = None) -> HttpServer
                 raise ValueError("http: the router requires client certificates (tls_client_ca); set peer_cert and "
                                  "peer_key for its OpenAI HTTP front, or http: false")
             client_kw.update(certificate_chain=str(s.peer_cert), private_key=str(s.peer_key))
-    client = AsyncClient(router_address, token=token, **client_kw)
+    client = AsyncClient(router_address, token=token, timeout=s.http_timeout_s, resume_window_s=s.resume_window_s,
+                         **client_kw)
     app = create_app(Api(client, s.model, token))
     sock = _bind(s.host, s.http_port if port is None else port)
     ssl_kw: dict[str, Any] = {}

@@ -130,6 +130,10 @@ class ServeSettings(BaseSettings):
     http: bool = Field(True, description="router: serve the OpenAI-compatible HTTP API (/v1/chat/completions, ...)")
     http_port: int = Field(8000, ge=0, le=65535, description="router: port of the OpenAI HTTP API (0 = any free "
                            "port); same host, token and TLS as the gRPC server")
+    http_timeout_s: Optional[float] = Field(None, gt=0, description="OpenAI front: deadline of each generation "
+                                            "(HTTP 504 when it passes, e.g. while no router is back); None = none")
+    resume_window_s: float = Field(60.0, gt=0, description="OpenAI front: how long a stream whose router died "
+                                   "waits for a router to resume on (HTTP 503 after it, or 504 at the deadline)")
 
     # ---- security
     tls_cert: Optional[Path] = Field(None, description="server certificate chain (PEM); enables TLS")

@@ -197,33 +197,51 @@ def test_the_async_sdk_resumes_and_resume_false_does_not(stack):
     assert wait_for(lambda: len(stack.verifier_info().sessions) == 0)
 
 
+class FrontProcess:
+    """``specmesh serve openai`` in front of ``addresses``, a process of its own."""
+
+    def __init__(self, addresses, *extra: str):
+        import os
+        import subprocess
+        import sys
+
+        from tests.support import ROOT, free_port
+
+        self.port = free_port()
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        cmd = [sys.executable, "-m", "specmesh.cli", "serve", "openai", "--port", str(self.port), "--model", "tiny",
+               "--router-addresses", ",".join(addresses), *extra]
+        self.p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  cwd=ROOT)
+        self.lines = []
+        for line in self.p.stdout:
+            self.lines.append(line)
+            if "listening on" in line:
+                break
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        assert f"specmesh openai listening on {self.url}" in "".join(self.lines), "".join(self.lines)
+
+    def health(self) -> dict:
+        import json
+        import urllib.request
+
+        with urllib.request.urlopen(self.url.removesuffix("/v1") + "/health", timeout=30) as h:
+            return json.loads(h.read())
+
+    def stop(self) -> int:
+        self.p.terminate()
+        return self.p.wait(60)
+
+
 def test_the_openai_front_process_resumes_its_streams_on_the_next_router(stack):
     """``specmesh serve openai`` (a process of its own) in front of two router
     addresses: an HTTP stream whose router goes away finishes with the text of the
     uninterrupted run, each character once; /health counts the resume."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import urllib.request
-
-    from tests.support import ROOT, free_port
-
     openai = pytest.importorskip("openai")
     two = TwoRouters(stack)
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "specmesh.cli", "serve", "openai", "--port", str(port), "--model", "tiny",
-           "--router-addresses", ",".join(two.addresses)]
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    lines = []
+    front = FrontProcess(two.addresses)
     try:
-        for line in p.stdout:
-            lines.append(line)
-            if "listening on" in line:
-                break
-        assert f"specmesh openai listening on http://127.0.0.1:{port}/v1" in "".join(lines), "".join(lines)
-        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=60)
+        oa = openai.OpenAI(base_url=front.url, api_key="x", max_retries=0, timeout=60)
         kw = dict(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0.8, seed=5,
                   extra_body={"strategy": "external", "drafter": "prompt_lookup"})
         ref = oa.completions.create(**kw)  # new streams take the addresses in turn: this one the first,
@@ -239,10 +257,40 @@ def test_the_openai_front_process_resumes_its_streams_on_the_next_router(stack):
         assert last.choices[0].finish_reason == ref.choices[0].finish_reason
         assert last.model_extra["specmesh"]["resumed_tokens"] > 0
         assert last.model_extra["specmesh"]["new_tokens"] == ref.usage.completion_tokens
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as h:
-            assert json.loads(h.read())["resumes"] == 1
+        assert front.health()["resumes"] == 1
         oa.close()
     finally:
-        p.terminate()
-        p.wait(60)
-    assert p.returncode == 0, "".join(lines)
+        assert front.stop() == 0, "".join(front.lines)
+
+
+def test_a_router_not_back_before_the_deadline_is_one_clear_error(stack):
+    """The only router goes away for good: the SDK raises DEADLINE_EXCEEDED at the
+    call's deadline, the OpenAI front answers 504 at its ``--http-timeout-s``."""
+    from specmesh import Client
+    from specmesh.errors import DeadlineExceededError
+
+    openai = pytest.importorskip("openai")
+    two = TwoRouters(stack)
+    with Client(two.addresses[0], timeout=15) as c:
+        two.hold()
+        s = c.stream(PROMPT, strategy="autoregressive", max_new_tokens=30)
+        it = iter(s)
+        next(it)
+        two.kill_first_when_held()
+        with pytest.raises(DeadlineExceededError):
+            list(it)
+        assert s.resumes == 1
+    two = TwoRouters(stack)
+    front = FrontProcess(two.addresses[:1], "--http-timeout-s", "15")
+    try:
+        oa = openai.OpenAI(base_url=front.url, api_key="x", max_retries=0, timeout=120)
+        two.hold()
+        import threading
+
+        threading.Thread(target=two.kill_first_when_held, daemon=True).start()
+        with pytest.raises(openai.APIStatusError) as e:
+            oa.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, extra_body={"strategy": "autoregressive"})
+        assert e.value.status_code == 504
+        oa.close()
+    finally:
+        assert front.stop() == 0, "".join(front.lines)
