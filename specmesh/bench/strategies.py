@@ -13,11 +13,14 @@ Proactive: for each multi-turn conversation (up to its last assistant turn) it
 calls ``Anticipate(wait)``; the first predicted user turn is the *covered*
 follow-up, the workload's real next turn the uncovered one. Each follow-up runs
 without anticipation (plain decoding) and as ``proactive`` (its cache and warm
-KV); TTFT and tokens/s of both are printed.
+KV); TTFT and tokens/s of both are printed, the real turn first, and the report
+gives the mean ratio of each (``proactive_ratio``): the covered one says what a
+correct anticipation buys, the real one what a user's actual follow-up gets.
 
 Verdict lines: ``auto`` within 10% of the best fixed strategy on every workload
 and never below 0.95x plain; ``proactive`` on covered follow-ups >= 2x plain
-tokens/s; ``ssr`` >= 1.5x plain on the answer phase. Ratios on a loaded machine
+tokens/s (the real-turn ratio is printed beside it, without a target); ``ssr``
+>= 1.5x plain on the answer phase. Ratios on a loaded machine
 are noisy: the numbers are what this run measured, nothing is adjusted.
 
 Knows nothing about the strategies' internals: it only talks to the router
@@ -191,6 +194,15 @@ def run_proactive(client, convs: list[dict], max_new: int, next_turns: int, prog
     return rows
 
 
+def proactive_ratio(pro: list[dict], kind: str) -> float:
+    """Mean proactive tokens/s over mean plain tokens/s of the follow-ups of ``kind``:
+    ``real`` (the workload's own next user turn) or ``covered`` (the first turn the
+    anticipation predicted, so its reply is already in the cache)."""
+    tp = sum(r[kind]["pro_tps"] for r in pro) / len(pro)
+    tpl = sum(r[kind]["plain_tps"] for r in pro) / len(pro)
+    return tp / tpl if tpl else 0.0
+
+
 def _tps(a: dict) -> float:
     return a["tokens"] / a["seconds"] if a["seconds"] else 0.0
 
@@ -211,10 +223,12 @@ def render(matrix: dict, pro: list[dict], meta: dict) -> str:
         lines.append(f"  [{'PASS' if ok else 'FAIL'}] auto on {wname}: {vs_best:.2f}x the best fixed ({best}), "
                      f"{vs_ar:.2f}x plain (needs >= 0.90 and >= 0.95)")
     if pro:
-        tp = sum(r["covered"]["pro_tps"] for r in pro) / len(pro)
-        tpl = sum(r["covered"]["plain_tps"] for r in pro) / len(pro)
-        lines.append(f"  [{'PASS' if tp >= 2 * tpl else 'FAIL'}] proactive on covered follow-ups: "
-                     f"{tp / tpl if tpl else 0:.2f}x plain tokens/s (needs >= 2)")
+        real, covered = proactive_ratio(pro, "real"), proactive_ratio(pro, "covered")
+        lines.append(f"  [info] proactive on real next turns (the workload's own next user turn): "
+                     f"{real:.2f}x plain tokens/s (no target; what a user's actual follow-up gets)")
+        lines.append(f"  [{'PASS' if covered >= 2 else 'FAIL'}] proactive on covered follow-ups (the model's own "
+                     f"predicted next turn, which the anticipation pre-answered): {covered:.2f}x plain tokens/s "
+                     "(needs >= 2)")
     if "reasoning" in matrix and "ssr" in matrix["reasoning"]:
         agg = matrix["reasoning"]
         pa = agg["autoregressive"]
@@ -270,9 +284,11 @@ def _reasoning_and_proactive(matrix: dict, pro: list[dict]) -> list[str]:
                 lines.append(f"  {s:<16} {agg[s]['answer_tokens'] / agg[s]['answer_s']:6.1f} tok/s "
                              f"({agg[s]['answer_tokens']} tokens)")
     if pro:
-        lines += ["", "proactive: next turn with vs without anticipation (TTFT s, tokens/s)"]
+        lines += ["", "proactive: next turn with vs without anticipation (TTFT s, tokens/s); real = the "
+                  "workload's own next user turn, covered = the model's predicted one (its reply pre-generated); "
+                  f"mean: real {proactive_ratio(pro, 'real'):.2f}x, covered {proactive_ratio(pro, 'covered'):.2f}x"]
         for r in pro:
-            for kind in ("covered", "real"):
+            for kind in ("real", "covered"):
                 x = r[kind]
                 lines.append(f"  {r['id']} {kind:<7} plain ttft {x['plain_ttft']:.2f} {x['plain_tps']:5.1f} tok/s | "
                              f"proactive ttft {x['pro_ttft']:.2f} {x['pro_tps']:5.1f} tok/s "
