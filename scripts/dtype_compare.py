@@ -16,7 +16,7 @@ import time
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
-specmesh.own_machine_threads()
+specmesh.spin_threads()
 
 from specmesh.workloads import load
 from specmesh.loop import AdaptiveBudget, generate_tokens

@@ -26,7 +26,7 @@ import time
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
-specmesh.own_machine_threads()
+specmesh.spin_threads()
 
 from specmesh import int4_matmul  # noqa: E402
 from specmesh.engine import LlamaEngine  # noqa: E402

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
-specmesh.own_machine_threads()
+specmesh.spin_threads()
 
 from specmesh import workloads as wl  # noqa: E402
 from specmesh.drafters import registry  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
-specmesh.own_machine_threads()
+specmesh.spin_threads()
 
 import torch
 

@@ -23,7 +23,7 @@ import time
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
-specmesh.own_machine_threads()
+specmesh.spin_threads()
 
 from specmesh import loop  # noqa: E402
 from specmesh.workloads import load  # noqa: E402

@@ -40,7 +40,7 @@ from collections import Counter
 
 import specmesh  # noqa: E402 - before torch: this script has the machine to itself
 
-specmesh.own_machine_threads()
+specmesh.spin_threads()
 
 import torch
 import torch.nn.functional as F

@@ -13,26 +13,28 @@ import os as _os
 _OMP_CHOSEN_BY_USER = any(k in _os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-# A process that has the machine to itself (``specmesh bench``, ``demo``, training,
-# the studies) lets libgomp's threads spin this many rounds before they sleep. Waking
-# a sleeping thread at every parallel op is most of a small model's step on a few
-# cores: bf16 decode step 27-35 -> 20-23 ms, plain decoding +27-47% tokens/s (2 AMD
-# EPYC cores with AVX-512). A bounded spin still starves a second process that
-# shares the cores (two such processes at once: 7x slower verify forwards), so `serve`, whose
-# services may run as processes side by side, and everything else keep PASSIVE.
-OWN_MACHINE_SPINCOUNT = "10000"
+# A process whose model work runs on one thread (``specmesh.threads``) lets libgomp's
+# threads spin this many rounds before they sleep: ``specmesh bench``, ``demo``,
+# training, the studies, and each service of ``serve``. Waking a sleeping thread at
+# every parallel op is most of a small model's step on a few cores: bf16 decode step
+# 27-35 -> 20-23 ms, plain decoding +27-47% tokens/s (2 AMD EPYC cores with AVX-512).
+# The spin is bounded (it ends a fraction of a millisecond after the last op), so
+# services that alternate (router, drafter, verifier) still get the cores in turn; two
+# processes that both compute at once on the same cores do starve each other (7x
+# slower verify forwards), which is what ``serve --cpus`` placement is for.
+SPINCOUNT = "10000"
 
 
-def own_machine_threads() -> bool:
-    """Let OpenMP threads spin briefly between parallel regions (``GOMP_SPINCOUNT``)
-    for a process that has the cores to itself. Only before torch is imported (libgomp
-    reads its settings once, when torch loads it) and only when the user set neither
-    ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT``. Returns whether it took effect."""
+def spin_threads() -> bool:
+    """Let OpenMP threads spin briefly between parallel regions (``GOMP_SPINCOUNT``).
+    Only before torch is imported (libgomp reads its settings once, when torch loads
+    it) and only when the user set neither ``OMP_WAIT_POLICY`` nor ``GOMP_SPINCOUNT``.
+    Returns whether it took effect."""
     import sys
 
     if _OMP_CHOSEN_BY_USER or "torch" in sys.modules:
         return False
-    _os.environ["GOMP_SPINCOUNT"] = OWN_MACHINE_SPINCOUNT
+    _os.environ["GOMP_SPINCOUNT"] = SPINCOUNT
     return True
 
 

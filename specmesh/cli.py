@@ -13,6 +13,7 @@ studies):
   bench              benchmarks (specmesh.bench)
   trace, stats       trace timelines and acceptance histograms (specmesh.observability.cli)
   calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.bench.calibrate)
+  bench-services     the same prompts in process and through `specmesh serve`, side by side (specmesh.bench.services)
   bench-strategies   workloads x strategies through the services (specmesh.bench.strategies)
   device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.bench.device_check)
   costs              the speculation cost model measured on this device (specmesh.bench.costs)
@@ -51,8 +52,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 # subcommand registered but named in no group is listed under "other".
 COMMAND_GROUPS = (
     ("serving", ("serve", "generate", "demo", "stats", "trace", "convert", "make-draft-model")),
-    ("benchmarking", ("bench", "bench-strategies", "bench-sweep", "costs", "quality", "calibrate-layerskip",
-                      "device-check")),
+    ("benchmarking", ("bench", "bench-services", "bench-strategies", "bench-sweep", "costs", "quality",
+                      "calibrate-layerskip", "device-check")),
     ("training and studies", ("distill-data", "train-drafter", "accel-drafter", "floor", "tree-study",
                               "train-specialist", "train-uno", "uno-study")),
 )
@@ -153,21 +154,23 @@ def make_draft_main(args) -> int:
     return 0
 
 
-# Subcommands that run their whole job in this one process (no service processes or
-# child workers of their own beside it): their OpenMP threads may spin between ops
-# (``specmesh.own_machine_threads``). ``serve``, ``bench-sweep`` and ``device-check``
-# start other processes and keep sleeping threads.
-OWN_MACHINE = frozenset({"demo", "bench", "distill-data", "train-drafter", "floor", "tree-study",
-                         "accel-drafter", "calibrate-layerskip", "bench-strategies", "costs", "quality",
-                         "train-specialist", "train-uno", "uno-study"})
+# Subcommands whose OpenMP threads spin briefly between ops (``specmesh.spin_threads``):
+# those that run their whole job in this one process, and ``serve``, whose services
+# each run their model on one thread (``specmesh.threads``: then a bounded spin leaves
+# the co-located services the cores between forwards; measured in docs/performance.md).
+# ``bench-sweep`` (a client of the services it starts), ``device-check`` and
+# the clients keep sleeping threads.
+SPINNING = frozenset({"demo", "bench", "distill-data", "train-drafter", "floor", "tree-study",
+                      "accel-drafter", "calibrate-layerskip", "bench-strategies", "costs", "quality",
+                      "train-specialist", "train-uno", "uno-study", "serve", "bench-services"})
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if next((a for a in argv if not a.startswith("-")), None) in OWN_MACHINE:
-        from . import own_machine_threads
+    if next((a for a in argv if not a.startswith("-")), None) in SPINNING:
+        from . import spin_threads
 
-        own_machine_threads()  # before build_parser imports torch
+        spin_threads()  # before build_parser imports torch
     args = build_parser().parse_args(argv)
     fn = getattr(importlib.import_module(args.module), args.func)
     try:

@@ -1,8 +1,10 @@
 """Dynamic batching of verify requests from many sessions into one forward.
 
-Handler threads call ``VerifyBatcher.verify(req)``; one worker thread collects
-queued requests of *different* sessions and runs them as one
-``EngineVerifier.verify_batch`` call (one ragged forward). Rule: take what is
+Handler threads call ``VerifyBatcher.verify(req)``; the process's model thread
+(``specmesh.threads.ModelThread``, which also loaded the model and runs every
+other piece of model work: prefill, fork, release) collects queued requests of
+*different* sessions and runs them as one ``EngineVerifier.verify_batch`` call
+(one ragged forward). ``call(fn)`` runs any other model work there, in order. Rule: take what is
 queued (at most one request per session, at most ``max_batch``); while the
 batch is smaller than the number of sessions seen within the last
 ``recent_s`` seconds (the ones likely to send a request soon), wait up to
@@ -21,13 +23,18 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import CancelledError, Future
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
+from specmesh.threads import ModelThread
 from specmesh.types import VerifyRequest, VerifyResult
 
 
 class VerifyBatcher:
-    def __init__(self, verifier, window_ms: float = 2.0, max_batch: int = 8, recent_s: float = 1.0):
+    """``thread``: the model thread the forwards run on (None: one of its own, stopped
+    with the batcher)."""
+
+    def __init__(self, verifier, window_ms: float = 2.0, max_batch: int = 8, recent_s: float = 1.0,
+                 thread: Optional[ModelThread] = None):
         self.verifier = verifier
         self.window = window_ms / 1e3
         self.max_batch = max(1, max_batch)
@@ -36,11 +43,12 @@ class VerifyBatcher:
         self._recent: dict[str, float] = {}  # session id -> last submit (monotonic)
         self._cv = threading.Condition()
         self._stopped = False
+        self._scheduled = False  # a drain job is queued on (or running on) the model thread
         self.batches = 0
         self.requests = 0
         self.max_batch_seen = 0
-        self._worker = threading.Thread(target=self._run, name="specmesh-verify-batcher", daemon=True)
-        self._worker.start()
+        self._own_thread = thread is None
+        self.thread = thread if thread is not None else ModelThread("specmesh-verify-batcher")
 
     # ------------------------------------------------------------ public
     def submit(self, req: VerifyRequest, alive: Optional[Callable[[], bool]] = None) -> Future:
@@ -54,6 +62,9 @@ class VerifyBatcher:
             self._queue.append((req, fut, alive))
             self._recent[req.session_id] = time.monotonic()
             self._cv.notify()
+            schedule, self._scheduled = not self._scheduled, True
+        if schedule:
+            self.thread.submit(self._drain)
         return fut
 
     def verify(self, req: VerifyRequest, timeout: Optional[float] = None,
@@ -61,21 +72,28 @@ class VerifyBatcher:
         """Verify through the batcher; raises the request's own exception."""
         return self.submit(req, alive).result(timeout)
 
+    def call(self, fn: Callable, *args: Any, **kw: Any) -> Any:
+        """Any other model work (prefill, fork, release) on the model thread, in order."""
+        return self.thread.run(fn, *args, **kw)
+
     def forget(self, session_id: str) -> None:
         """The session ended: stop expecting requests from it."""
         with self._cv:
             self._recent.pop(session_id, None)
 
     def stop(self) -> None:
+        """Refuse new requests; those queued are still run (the model thread drains
+        them), then a thread of the batcher's own ends."""
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
-        self._worker.join(timeout=5)
+        if self._own_thread:
+            self.thread.stop()
 
     def info(self) -> dict:
         return {"batches": self.batches, "batched_requests": self.requests, "max_batch_seen": self.max_batch_seen}
 
-    # ------------------------------------------------------------ worker
+    # ------------------------------------------------------------ on the model thread
     def _expected(self) -> int:
         cutoff = time.monotonic() - self.recent_s
         for sid in [s for s, t in self._recent.items() if t < cutoff]:
@@ -96,13 +114,11 @@ class VerifyBatcher:
 
     def _collect(self) -> list:
         with self._cv:
-            while not self._queue and not self._stopped:
-                self._cv.wait()
             batch: list = []
             sids: set = set()
             self._take(batch, sids)
             deadline = time.monotonic() + self.window
-            while batch and len(batch) < self.max_batch and len(batch) < self._expected():
+            while batch and len(batch) < self.max_batch and len(batch) < self._expected() and not self._stopped:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -110,28 +126,36 @@ class VerifyBatcher:
                 self._take(batch, sids)
             return batch
 
-    def _run(self) -> None:
-        while True:
-            batch = self._collect()
-            if not batch:
-                return  # stopped and drained
-            gone = [(r, f) for r, f, alive in batch if alive is not None and not alive()]
-            batch = [(r, f) for r, f, alive in batch if alive is None or alive()]
-            for _, fut in gone:
-                if fut.set_running_or_notify_cancel():
-                    fut.set_exception(CancelledError("the caller went away"))
-            if not batch:
-                continue
-            try:
-                results = self.verifier.verify_batch([r for r, _ in batch])
-            except Exception as e:  # noqa: BLE001 - delivered to every caller of the batch
-                results = [e] * len(batch)
-            self.batches += 1
-            self.requests += len(batch)
-            self.max_batch_seen = max(self.max_batch_seen, len(batch))
-            for (_, fut), res in zip(batch, results):
-                if fut.set_running_or_notify_cancel():
-                    if isinstance(res, BaseException):
-                        fut.set_exception(res)
-                    else:
-                        fut.set_result(res)
+    def _drain(self) -> None:
+        """One forward of what is queued; queued again behind the model thread's other
+        jobs while requests remain (so a prefill is never starved by a busy batcher)."""
+        try:
+            self._forward(self._collect())
+        finally:
+            with self._cv:
+                again = bool(self._queue)
+                self._scheduled = again
+            if again:
+                self.thread.submit(self._drain)
+
+    def _forward(self, batch: list) -> None:
+        gone = [(r, f) for r, f, alive in batch if alive is not None and not alive()]
+        batch = [(r, f) for r, f, alive in batch if alive is None or alive()]
+        for _, fut in gone:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(CancelledError("the caller went away"))
+        if not batch:
+            return
+        try:
+            results = self.verifier.verify_batch([r for r, _ in batch])
+        except Exception as e:  # noqa: BLE001 - delivered to every caller of the batch
+            results = [e] * len(batch)
+        self.batches += 1
+        self.requests += len(batch)
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        for (_, fut), res in zip(batch, results):
+            if fut.set_running_or_notify_cancel():
+                if isinstance(res, BaseException):
+                    fut.set_exception(res)
+                else:
+                    fut.set_result(res)

@@ -1,7 +1,8 @@
 """Verifier servicer: Prefill / Verify / Release / Info over an ``EngineVerifier``.
 
 Thin: it converts protos to domain requests, sends Verify calls through the
-dynamic batcher (one forward for concurrent sessions) and converts the results
+dynamic batcher (one forward for concurrent sessions) and every other piece of
+model work to the batcher's model thread (``VerifyBatcher.call``) and converts the results
 back. Sessions, KV slots (LRU eviction, RESOURCE_EXHAUSTED when none can be
 evicted), validation and acceptance all live in ``specmesh.verifier``; errors
 become status codes in the interceptors. The self-draft method "layerskip" is
@@ -33,9 +34,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         if request.fork_from:
             if len(request.tokens):
                 raise InvalidArgument("tokens", "must be empty when fork_from is set")
-            n = self.verifier.fork(check_session_id(request.fork_from), sid, request.fork_len)
+            n = self.batcher.call(self.verifier.fork, check_session_id(request.fork_from), sid, request.fork_len)
             return verifier_pb2.PrefillResponse(cache_len=n)
-        n = self.verifier.prefill(sid, list(request.tokens))
+        n = self.batcher.call(self.verifier.prefill, sid, list(request.tokens))
         return verifier_pb2.PrefillResponse(cache_len=n)
 
     def Verify(self, request, context):
@@ -48,7 +49,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def Release(self, request, context):
         sid = check_session_id(request.session_id)
         held = self.verifier.slot_of(sid) is not None
-        self.verifier.release(sid)
+        self.batcher.call(self.verifier.release, sid)
         self.batcher.forget(sid)
         return common_pb2.ReleaseResponse(released=held)
 
@@ -64,16 +65,21 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 def verifier_service(settings: ServeSettings, verifier=None) -> tuple[Service, VerifyBatcher]:
     """The Verifier service over ``verifier`` (default: a Runtime from ``settings`` on
-    ``settings.device``, with the self drafters) and its batcher (stop it after the server)."""
+    ``settings.device``, with the self drafters, loaded on the process's model thread,
+    where every forward then runs) and its batcher (stop it after the server)."""
+    thread = None
     if verifier is None:
         from specmesh.runtime import Runtime
+        from specmesh.threads import model_thread
 
-        rt = Runtime(settings.model, dtype=settings.dtype, n_slots=settings.n_slots, max_seq_len=settings.max_seq_len,
-                     draft_model=settings.draft_model, layerskip_exit=settings.layerskip_exit, quiet=True,
-                     device=settings.device, cuda_graphs=settings.cuda_graphs)
+        thread = model_thread(settings.model_threads("verifier"))
+        rt = thread.run(Runtime, settings.model, dtype=settings.dtype, n_slots=settings.n_slots,
+                        max_seq_len=settings.max_seq_len, draft_model=settings.draft_model,
+                        layerskip_exit=settings.layerskip_exit, quiet=True, device=settings.device,
+                        cuda_graphs=settings.cuda_graphs)
         verifier = rt.verifier
     verifier.max_tree_nodes = settings.max_tree_nodes
-    batcher = VerifyBatcher(verifier, settings.batch_window_ms, settings.max_batch)
+    batcher = VerifyBatcher(verifier, settings.batch_window_ms, settings.max_batch, thread=thread)
     svc = Service(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                   verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierServicer(verifier, batcher))
     return svc, batcher

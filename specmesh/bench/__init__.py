@@ -68,6 +68,14 @@ def register(subparsers) -> None:
     add_arguments(s)
     s.set_defaults(module="specmesh.bench", func="sweep_main")
 
+    s = subparsers.add_parser("bench-services", help="the same prompts in process and through `specmesh serve` (SDK "
+                              "and OpenAI HTTP), side by side: the services' ratio to their own engine",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .services import add_arguments as add_services_arguments
+
+    add_services_arguments(s)
+    s.set_defaults(module="specmesh.bench.services", func="main")
+
 
 def config_from_args(args):
     from .harness import BenchConfig

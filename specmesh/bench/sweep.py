@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..types import InvalidArgument
 
@@ -159,20 +159,24 @@ def _free_port() -> int:
 class Services:
     """``specmesh serve`` (all three) as a child process on free loopback ports."""
 
-    def __init__(self, dtype: str, n_slots: int, log_path: Path, ready_timeout: float = 300.0, device: str = "auto"):
+    def __init__(self, dtype: str, n_slots: int, log_path: Path, ready_timeout: float = 300.0, device: str = "auto",
+                 extra: Sequence[str] = (), http_port: Optional[int] = None, env: Optional[dict] = None):
+        """``extra``: more ``specmesh serve`` flags (``--cpus ...``, ``--model ...``); ``http_port``: serve
+        the OpenAI HTTP API there (None: gRPC only); ``env``: variables added to the children's."""
         ports = {k: _free_port() for k in ("router", "drafter", "verifier")}
         self.address = f"127.0.0.1:{ports['router']}"
+        self.http_url = f"http://127.0.0.1:{http_port}/v1" if http_port else None
         cmd = [sys.executable, "-m", "specmesh.cli", "serve", "--dtype", dtype, "--n-slots", str(n_slots),
                "--device", device, "--max-batch", str(max(n_slots, 1)),
                # the sweep is one client: let it hold every stream it opens (the default caps a client at 16)
                "--max-sessions-per-client", str(max(n_slots, 1)),
-               # gRPC only: the OpenAI HTTP front end is not measured (and needs fastapi, which a bare GPU
-               # machine lacks: the router died there on its import)
-               "--http", "false"]
+               # gRPC only unless asked: the OpenAI HTTP front end needs fastapi, which a bare GPU
+               # machine lacks (the router died there on its import)
+               *(["--http-port", str(http_port)] if http_port else ["--http", "false"]), *extra]
         cmd += [a for k, p in ports.items() for a in (f"--{k}-port", str(p))]
         self.log = open(log_path, "w", encoding="utf-8")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
         ready = threading.Event()
 
         def pump():

@@ -75,6 +75,8 @@ _FLAGS = [
     ("--workers", "workers", int, "handler threads"),
     ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
     ("--tls-key", "tls_key", str, "server private key (PEM)"),
+    ("--cpus", "cpus", str, "CPUs per service, which also sets its torch threads: verifier=0-1,drafter=1,router=0 "
+     "(all three) or 0-1 (this service); default: every CPU, shared (docs/serving.md, \"Placement\")"),
     ("--tls-client-ca", "tls_client_ca", str, "require client certificates signed by this CA (mTLS)"),
     ("--peer-ca", "peer_ca", str, "router: CA of the drafter/verifier certificates"),
     ("--peer-cert", "peer_cert", str, "router: client certificate for mTLS to drafter/verifier"),
@@ -197,6 +199,15 @@ def serve_main(args) -> int:
                               "--drafter-port, --verifier-port")
     if args.service in (None, "verifier", "drafter"):
         settings.torch_device()  # a device this machine lacks: one clear error before anything starts
+    from specmesh.threads import place
+
+    try:  # each service on its CPUs before torch loads (its OpenMP runtime sizes itself then)
+        for svc in SERVICES:
+            place(settings.cpus_for(svc), apply=svc == args.service)
+    except ValueError as e:
+        from ..types import InvalidArgument
+
+        raise InvalidArgument("cpus", str(e)) from None
     if args.service is None:
         return serve_all(settings)
     if args.service == "openai":  # the HTTP front alone: speaks the SDK to the routers, resumes their streams
@@ -237,6 +248,13 @@ def serve_one(service: str, s) -> int:
     dev = f", device {s.torch_device()}" if service == "verifier" else ""
     print(f"specmesh {service} listening on {running.address} ({mode}, {auth}{dev})", flush=True)
     if metrics is not None:
+    if service in ("verifier", "drafter"):
+        import torch
+
+        from specmesh.threads import model_thread
+
+        dev += (f", cpus {s.cpus_for(service) or 'all'}, model thread with {model_thread().run(torch.get_num_threads)}"
+                f" torch threads")
         mhost = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
         try:
             mport = metrics.serve(s.metrics_port_of(service), s.host)

@@ -6,7 +6,8 @@ reflection), the interceptors (tracing and metrics, bearer-token auth, size
 limit, error mapping),
 message-size options and TLS (server certificate, optional client CA for mutual
 TLS), binds ``host:port`` (loopback by default; port 0 picks a free one) and
-starts it. ``serve_until_signal`` blocks until SIGTERM/SIGINT, then drains:
+starts it; its handler threads never run OpenMP teams of their own (model work
+belongs on the process's model thread, ``specmesh.threads``). ``serve_until_signal`` blocks until SIGTERM/SIGINT, then drains:
 health turns NOT_SERVING, new calls are refused, in-flight calls get
 ``drain_s`` to finish.
 
@@ -97,7 +98,9 @@ def build_server(s: ServeSettings, services: Sequence[Service], port: int, host:
     """Create, bind and start a server. ``token`` defaults to ``s.token()``."""
     token = s.token() if token is ... else token
     observer = next((svc.observer for svc in services if svc.observer is not None), None)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="specmesh-grpc"),
+    pool = futures.ThreadPoolExecutor(max_workers=s.workers, thread_name_prefix="specmesh-grpc",
+                                      initializer=_handler_thread)
+    server = grpc.server(pool,
                          interceptors=[ServerInterceptor(observer), AuthInterceptor(token),
                                        ErrorInterceptor(s.max_message_bytes)],
                          options=grpc_options(s))
@@ -119,6 +122,17 @@ def build_server(s: ServeSettings, services: Sequence[Service], port: int, host:
     addr_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     address = f"[{addr_host}]:{bound}" if ":" in addr_host else f"{addr_host}:{bound}"
     return RunningServer(server, bound, address, hs, names, creds is not None)
+
+
+def _handler_thread() -> None:
+    """A handler thread runs no model: where torch is loaded, it never opens an OpenMP
+    region of its own (``specmesh.threads``: a second team throttles the model thread's)."""
+    import sys
+
+    if "torch" in sys.modules:
+        from ..threads import serial_thread
+
+        serial_thread()
 
 
 def serve_until_signal(running: RunningServer, drain_s: float, on_ready: Optional[Callable] = None) -> None:

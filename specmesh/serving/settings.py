@@ -105,6 +105,9 @@ class ServeSettings(BaseSettings):
     # ---- timeouts, retries
     drain_s: float = Field(5.0, ge=0, description="grace period for in-flight calls on SIGTERM")
     drafter_timeout_s: float = Field(2.0, gt=0)
+    cpus: str = Field("", description="CPUs each service may use, and so its torch threads: a CPU list for every "
+                      "service of this process (\"0-1\") or one per service (\"verifier=0-1,drafter=1,router=0\"); "
+                      "\"\" = every CPU, torch's default thread count")
     verifier_timeout_s: float = Field(60.0, gt=0)
     verifier_retry_s: float = Field(15.0, ge=0, description="how long the router retries unreachable verifiers")
     drafter_backoff_s: float = Field(1.0, gt=0, description="first wait before retrying an unhealthy drafter")
@@ -200,6 +203,24 @@ class ServeSettings(BaseSettings):
         return [float(a) for a in self.ssr_fractions.split(",") if a.strip()]
 
     @model_validator(mode="after")
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: str) -> str:
+        _cpu_map(v)  # raises ValueError naming the part
+        return v
+
+    def cpus_for(self, service: str) -> Optional[str]:
+        """The CPU list of ``service`` ("verifier", "drafter", "router", ...), or None: not pinned."""
+        m = _cpu_map(self.cpus)
+        return m.get(service, m.get("*")) or None
+
+    def model_threads(self, service: str) -> Optional[int]:
+        """Torch threads of the service's model thread: its CPU count when pinned, else None (torch's default)."""
+        from specmesh.threads import parse_cpus
+
+        c = self.cpus_for(service)
+        return len(parse_cpus(c)) if c else None
+
     def _check(self) -> "ServeSettings":
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
@@ -248,6 +269,39 @@ def load_settings(config: Optional[str | os.PathLike] = None, **overrides) -> Se
     """Settings from ``overrides`` (flags) > environment > YAML ``config`` (or
     ``$SPECMESH_CONFIG``) > defaults."""
     path = config or os.environ.get("SPECMESH_CONFIG") or None
+def _cpu_map(text: str) -> dict[str, str]:
+    """``"0-1"`` -> {"*": "0-1"}; ``"verifier=0-1,3,drafter=1"`` -> {"verifier": "0-1,3", "drafter": "1"}
+    (a part without ``=`` continues the service before it)."""
+    from specmesh.threads import parse_cpus
+
+    text = str(text or "").strip()
+    if not text:
+        return {}
+    if "=" not in text:
+        parse_cpus(text)
+        return {"*": text}
+    out: dict[str, list[str]] = {}
+    name = None
+    for part in (p.strip() for p in text.split(",")):
+        if "=" in part:
+            name, _, part = (x.strip() for x in part.partition("="))
+            if not re.fullmatch(r"[a-z][a-z0-9_-]*", name):
+                raise ValueError(f"cpus: {name!r} is not a service name (e.g. verifier=0-1,drafter=1)")
+            if name in out:
+                raise ValueError(f"cpus: {name} given twice")
+            out[name] = []
+        elif name is None:
+            raise ValueError(f"cpus: {text!r} mixes a CPU list with service=CPUs parts")
+        out[name].append(part)
+    m = {k: ",".join(v) for k, v in out.items()}
+    for k, v in m.items():
+        try:
+            parse_cpus(v)
+        except ValueError as e:
+            raise ValueError(f"cpus: {k}: {e}") from None
+    return m
+
+
     if path and not Path(path).is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     tok = _YAML_FILE.set(str(path) if path else None)
