@@ -92,6 +92,11 @@ def main(args) -> int:
     for col in ("prompt", "system", "tokens", "tok/s", "speedup", "tau", "identical"):
         table.add_column(col, justify="right" if col not in ("prompt", "system") else "left")
     warnings = []
+    stand_in = "draft_lm" in drafters and _draft_lm_is_stand_in(rt)
+    if stand_in:
+        from .drafters.registry import DRAFT_LM_NOTE
+
+        warnings.append(f"NOTE {DRAFT_LM_NOTE}")
     k = 0
     for label, prompt in PROMPTS:
         ids = rt.encode(prompt)
@@ -114,7 +119,8 @@ def main(args) -> int:
         for name in drafters:
             out, s = best[name]
             speedup = s.tokens_per_s / base if base else 0.0
-            table.add_row("", name, str(s.new_tokens), f"{s.tokens_per_s:.1f}",
+            table.add_row("", name + (" (stand-in)" if name == "draft_lm" and stand_in else ""),
+                          str(s.new_tokens), f"{s.tokens_per_s:.1f}",
                           f"{speedup:.2f}x" if base else "-", f"{s.tau:.2f}",
                           "yes" if out == ref else "[red]NO[/red]")
             con.print(f"  {label}: {name} {s.tokens_per_s:.1f} tok/s, tau {s.tau:.2f}, "
@@ -136,6 +142,14 @@ def unexplained(speedup: float, tau: float, slack: float = UNEXPLAINED_SLACK) ->
     """Whether a measured speedup over plain decoding exceeds what its tau can give
     (each round costs at least one target forward and yields tau tokens)."""
     return speedup > tau * slack
+
+
+def _draft_lm_is_stand_in(rt) -> bool:
+    """Whether ``draft_lm`` is the untrained layer cut of the target: no draft model
+    named and no paired one for this target."""
+    from .models.loading import PAIRED_DRAFT_MODELS
+
+    return not rt.draft_model and str(rt.model_name).lower() not in PAIRED_DRAFT_MODELS
 
 
 def _run_once(rt, name: str, ids: list[int], args):

@@ -172,3 +172,11 @@ def test_bench_rotation_is_shared_with_the_demo():
     assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"] and rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
     assert rotated([], 3) == []
     assert faster(1.0, None) and faster(1.0, 2.0) and not faster(2.0, 1.0)
+
+
+def test_demo_marks_the_draft_lm_a_stand_in_without_a_real_draft_model():
+    from specmesh.demo import _draft_lm_is_stand_in
+
+    assert _draft_lm_is_stand_in(SimpleNamespace(draft_model=None, model_name="smollm2-135m-instruct"))
+    assert not _draft_lm_is_stand_in(SimpleNamespace(draft_model=None, model_name="qwen2.5-coder-1.5b-instruct"))
+    assert not _draft_lm_is_stand_in(SimpleNamespace(draft_model="/models/draft", model_name="smollm2-135m-instruct"))
