@@ -437,7 +437,12 @@ class LoopOptions:
     (server side), wall_ms, batch_size, prefill. ``draft_first``: the first round
     drafts too (worth it when the verifier already holds most of the prompt, e.g. a
     resumed session); it still counts as the prefill, so its drafts are not in the
-    round counters (tau, histograms). ``resumed``: the last ``resumed`` of the prompt ids
+    round counters (tau, histograms). ``draft_ahead``: an ``ahead.OverlapPolicy`` (the
+    budget policy's overlap half; None: off); with a drafter that can draft ahead
+    (``propose_ahead``: ``ahead.AheadDrafter`` in process, ``RemoteDrafter`` over gRPC),
+    each round asks it, before the verify, to draft the next round for the likely
+    outcomes; the facts then add ahead (hit / miss:<why> / off), ahead_ms, wasted
+    and the drafter's and verifier's busy and idle ms. ``resumed``: the last ``resumed`` of the prompt ids
     are output an earlier, interrupted run of this request already delivered (a resumed
     generation): they count toward ``max_new_tokens`` and are not prompt to the drafter,
     and the first round drafts like any other, so from a round boundary of the
@@ -454,6 +459,7 @@ class LoopOptions:
     max_new_limit: Optional[int] = None
     round_scope: Optional[Callable[[int], ContextManager[dict]]] = None
     draft_first: bool = False
+    draft_ahead: Optional[object] = None  # an ahead.OverlapPolicy: draft the next round during the verify
     resumed: int = 0
 
 
@@ -466,6 +472,9 @@ class _Round:
     self_draft: Optional[SelfDraft] = None
     result: Optional[VerifyResult] = None
     wall_s: float = 0.0  # the verify call's wall time
+    want: int = 0  # the budget asked of the drafter
+    ahead: Optional[object] = None  # how the draft was obtained (ahead.AheadInfo), when the drafter says
+    ahead_asked: bool = False  # this round asked the drafter to draft the next one ahead
 
 
 class _Generation:
@@ -496,9 +505,13 @@ class _Generation:
             rnd.self_draft = SelfDraft(self.o.self_draft, want)
         elif want > 0 and self.drafter_ok:
             t0 = time.perf_counter()
+            rnd.want = want
             try:
                 ctx = DraftContext(self.sid, list(self.tokens), self.prompt_len, self.o.sampling, round_seed=rs)
-                rnd.tree = self.drafter.propose(ctx, want)
+                if hasattr(self.drafter, "propose_info"):  # can draft ahead: says whether this draft was
+                    rnd.tree, rnd.ahead = self.drafter.propose_info(ctx, want)
+                else:
+                    rnd.tree = self.drafter.propose(ctx, want)
             except Exception as e:  # noqa: BLE001 - a lost drafter degrades to plain decoding
                 rnd.tree = TokenTree()
                 self.stats.fallbacks += 1
@@ -506,6 +519,23 @@ class _Generation:
                     self.drafter_ok = False
             rnd.draft_s = time.perf_counter() - t0
         return rnd
+
+    def ahead(self, rnd: _Round) -> None:
+        """Overlap on and a drafter that drafts ahead: ask it to draft the next round for
+        this one's likely outcomes while this one verifies (it returns at once)."""
+        pol = self.o.draft_ahead
+        if pol is None or not self.drafter_ok or self.o.self_draft is not None \
+                or not hasattr(self.drafter, "propose_ahead"):
+            return
+        budget = rnd.want if rnd.want else (self.policy.budget if self.first else 0)
+        budget = min(budget, self.o.max_new_tokens - self.n_new - 2)
+        if budget <= 0 or not pol.on():
+            return
+        try:
+            rnd.ahead_asked = bool(self.drafter.propose_ahead(
+                DraftContext(self.sid, list(self.tokens), self.prompt_len, self.o.sampling), rnd.tree, budget))
+        except Exception:  # noqa: BLE001 - draft-ahead is an optimisation: the next round drafts afresh
+            pass
 
     def verify(self, rnd: _Round, rs: int) -> None:
         """Send the committed tokens the verifier lacks and the draft; re-prefill a lost session."""
@@ -539,6 +569,22 @@ class _Generation:
             st.record_round(res.drafted, len(res.accepted), depth)
             self.policy.update(res.drafted, len(res.accepted), res.entropy, rnd.draft_s + self_draft_s,
                                max(rnd.wall_s - self_draft_s, 1e-6))
+            if self.o.draft_ahead is not None and self.drafter_ok and self.o.self_draft is None:
+                self.o.draft_ahead.observe(rnd.ahead_asked or getattr(rnd.ahead, "result", "off") != "off",
+                                           rnd.draft_s + rnd.wall_s, len(res.accepted) + 1,
+                                           getattr(rnd.ahead, "result", "off"))
+        a = rnd.ahead
+        if a is not None:
+            st.ahead_hits += a.result == "hit"
+            st.ahead_misses += a.result == "miss"
+            st.ahead_wasted += a.wasted
+        if facts is not None and a is not None:  # busy / idle: this round's wall, draft + verify
+            wall = rnd.draft_s + rnd.wall_s
+            busy_d = min(wall, rnd.draft_s + a.ahead_s)
+            facts.update(ahead=a.result if a.result != "miss" else f"miss:{a.reason}", ahead_ms=a.ahead_s * 1e3,
+                         wasted=a.wasted, ahead_outcomes=a.outcomes, ahead_span=a.span,
+                         drafter_busy_ms=busy_d * 1e3, drafter_idle_ms=(wall - busy_d) * 1e3,
+                         verifier_busy_ms=rnd.wall_s * 1e3, verifier_idle_ms=rnd.draft_s * 1e3)
         if facts is not None:
             facts.update(prefill=self.first, drafted=res.drafted, accepted=len(res.accepted), depth=depth,
                          tree_size=res.tree_size, draft_ms=rnd.draft_s * 1e3 + res.draft_ms,
@@ -611,6 +657,7 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], options: 
             with scope as facts:
                 rs = round_seed(o.sampling.seed, len(g.tokens))  # fresh every round: seeding.py
                 rnd = g.draft(rs)
+                g.ahead(rnd)
                 g.verify(rnd, rs)
                 g.record(rnd, facts)
             index += 1

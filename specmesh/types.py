@@ -372,6 +372,11 @@ class GenerationStats:
     answer_s: float = 0.0
     side_branches: int = 0
     side_tokens: int = 0
+    # draft-ahead (specmesh.ahead): rounds whose draft came from a drafted-ahead round, rounds that
+    # asked for one and drafted afresh, and drafted-ahead tokens of outcomes that did not happen
+    ahead_hits: int = 0
+    ahead_misses: int = 0
+    ahead_wasted: int = 0
 
     @property
     def tau(self) -> float:

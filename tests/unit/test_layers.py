@@ -43,7 +43,8 @@ LAYERS = [
                   "specmesh.layer_stack", "specmesh.bf16_matmul",
                   "specmesh.cudagraph", "specmesh.device",
                   "specmesh.models"]),
-    ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive"]),
+    ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive",
+                   "specmesh.ahead"]),
     ("above the loop", ["specmesh.blockdraft", "specmesh.strategies", "specmesh.uno"]),
     ("in-process assembly", ["specmesh.runtime"]),
     ("observability", ["specmesh.observability"]),
@@ -65,7 +66,8 @@ ALLOWED_UPWARD = {
 }
 CORE = ("specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees", "specmesh.rowops",
         "specmesh.acceptance",
-        "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters", "specmesh.contrastive")
+        "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters", "specmesh.contrastive",
+        "specmesh.ahead")
 CORE_MUST_NOT_REACH = ("grpc", "google.protobuf", "specmesh.v1", "specmesh.serving", "specmesh.client",
                        "specmesh.observability", "specmesh.router", "specmesh.drafter_service",
                        "specmesh.verifier_service", "specmesh.deploy")
