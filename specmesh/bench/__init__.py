@@ -26,7 +26,8 @@ from __future__ import annotations
 import argparse
 
 SYSTEMS_HELP = ("comma list of systems or groups (all, ours, hf, llamacpp). ours_ar, ours_prompt_lookup, "
-                "ours_suffix, ours_draft_lm, ours_layerskip (append _fp32/_bf16/_int8/_int4 to run on another engine "
+                "ours_suffix, ours_draft_lm (a stand-in unless the target has a paired draft model: make setup-qwen), "
+                "ours_layerskip (append _fp32/_bf16/_int8/_int4 to run on another engine "
                 "dtype, e.g. ours_ar_fp32,ours_suffix_fp32 for the greedy-identity check), hf_ar, hf_pld, "
                 "hf_assisted, llamacpp_ar, llamacpp_pld; hf_static_compile (HF static cache + torch.compile, "
                 "in no group). Default: all")

@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--drafters", default=DRAFTERS, help="comma list")
+    p.add_argument("--drafters", default=DRAFTERS, help="comma list (draft_lm: a stand-in unless the target has a "
+                   "paired draft model, e.g. the Qwen pair of `make setup-qwen`)")
     p.add_argument("--budget", type=int, default=6, help="draft budget k of a round")
     p.add_argument("--max-tokens", type=int, default=32, help="score 1..this many tokens")
     p.add_argument("--batch", default="1,2,4,8", help="session counts of the batched forward")

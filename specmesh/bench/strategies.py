@@ -334,7 +334,8 @@ def register(subparsers) -> None:
     p.add_argument("--workloads-dir", default=None)
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload")
     p.add_argument("--systems", default=",".join(FIXED) + ",auto",
-                   help="strategy[:drafter] list (autoregressive is always run)")
+                   help="strategy[:drafter] list (autoregressive is always run; external:draft_lm is a stand-in "
+                        "unless the target has a paired draft model, e.g. the Qwen pair of `make setup-qwen`)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--reasoning-max-new-tokens", type=int, default=128)
     p.add_argument("--budget", type=int, default=8, help="draft budget per round")
