@@ -367,3 +367,11 @@ def test_real_model_stream_with_self_speculation(runtime):
         if http is not None:
             http.stop()
         stack.close()
+
+
+def test_a_plain_request_gets_the_routers_default_strategy_auto(front):
+    """A vLLM user's request names no strategy: the router's default, auto, picks one and
+    says why (issue 50: the default was external:prompt_lookup)."""
+    r = front.oa.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    sm = r.model_extra["specmesh"]
+    assert sm["strategy_reason"].startswith("auto"), sm
