@@ -59,7 +59,8 @@ def _docs(text: str) -> list[dict]:
 
 
 def _merge(base, patch):
-    """Strategic-merge subset: maps merge, lists of named maps merge by name, other lists replace."""
+    """Strategic-merge subset: maps merge, lists of named maps merge by name (a patch's new
+    items first, as kustomize orders them), other lists replace."""
     if isinstance(base, dict) and isinstance(patch, dict):
         out = dict(base)
         for k, v in patch.items():
@@ -70,11 +71,12 @@ def _merge(base, patch):
         out = [dict(x) for x in base]
         for p in patch:
             i = next((j for j, x in enumerate(out) if x["name"] == p["name"]), None)
+        new = []
             if i is None:
-                out.append(copy.deepcopy(p))
+                new.append(copy.deepcopy(p))
             else:
                 out[i] = _merge(out[i], p)
-        return out
+        return new + out
     return copy.deepcopy(patch)
 
 
@@ -249,6 +251,9 @@ def test_plain_grpc_wiring(name, tmp_path):
         assert {"configMapRef": {"name": "specmesh-env"}} in c["envFrom"]
         assert c["image"].startswith("specmesh:")
         sel = d["spec"]["selector"]["matchLabels"]
+        if svc in ("verifier", "drafter"):  # the model thread's torch threads follow the container's CPU request
+            env = {e["name"]: e for e in c.get("env", [])}
+            assert env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]["resource"] == "requests.cpu"
         assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
     # the router discovers verifiers and drafters through headless Services selecting their pods
     (rc,) = deps["specmesh-router"]["spec"]["template"]["spec"]["containers"]
@@ -364,7 +369,10 @@ def test_ray_app_config_files(tmp_path):
     (app,) = cfg["applications"]
     assert app["import_path"] == IMPORT_PATH and app["args"]["drafter"]["num_replicas"] == 3
     opts = RayAppConfig.model_validate(app["args"]).drafter.options("Drafter")
-    assert opts["num_replicas"] == 3 and opts["ray_actor_options"] == {"num_cpus": 0.25, "num_gpus": 0.0}
+    from specmesh.deploy.ray.config import _spin_env
+
+    assert opts["num_replicas"] == 3 and opts["ray_actor_options"] == {
+        "num_cpus": 0.25, "num_gpus": 0.0, "runtime_env": {"env_vars": _spin_env()}}
     auto = RayAppConfig.model_validate({"verifier": {"autoscaling": {"min_replicas": 1, "max_replicas": 3},
                                                      "num_gpus": 1}}).verifier.options("Verifier")
     assert "num_replicas" not in auto and auto["autoscaling_config"]["max_replicas"] == 3
@@ -380,3 +388,15 @@ def test_ray_app_config_files(tmp_path):
                                                      "deployments": [{"name": "Drafters", "num_replicas": 2}]}]}))
     with pytest.raises(ValueError, match="unknown deployment"):
         load_serve_config(bad)
+
+
+def test_ray_replicas_spin_briefly_unless_the_user_chose_a_wait_policy(monkeypatch):
+    import specmesh
+    from specmesh.deploy.ray.config import _spin_env
+
+    monkeypatch.setattr(specmesh, "_OMP_CHOSEN_BY_USER", False)
+    assert _spin_env() == {"GOMP_SPINCOUNT": specmesh.SPINCOUNT}
+    monkeypatch.setattr(specmesh, "_OMP_CHOSEN_BY_USER", True)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert _spin_env() == {"OMP_WAIT_POLICY": "PASSIVE"}

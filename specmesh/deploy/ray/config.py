@@ -97,6 +97,9 @@ class DeploymentSpec(BaseModel):
         """Keyword arguments of ``Deployment.options``."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
         if self.memory:
+        spin = _spin_env()
+        if spin:  # the replicas' OpenMP threads spin briefly, as `specmesh serve`'s do (specmesh.threads)
+            actor["runtime_env"] = {"env_vars": spin}
             actor["memory"] = self.memory
         if self.resources:
             actor["resources"] = dict(self.resources)
@@ -202,3 +205,15 @@ def load_serve_config(path: Optional[str | Path]) -> dict:
     config = raw if "applications" in raw else serve_config(RayAppConfig.model_validate(raw))
     validate_serve_config(config)
     return config
+
+
+def _spin_env() -> dict[str, str]:
+    """The OpenMP wait settings for the replicas' workers (which may run on other nodes,
+    with an environment of their own): the user's where they chose one, else a brief spin."""
+    import os
+
+    import specmesh
+
+    if specmesh._OMP_CHOSEN_BY_USER:
+        return {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
+    return {"GOMP_SPINCOUNT": specmesh.SPINCOUNT}

@@ -56,11 +56,13 @@ class _Replica:
     role = ""
 
     def _setup(self, config: dict) -> None:
-        import torch
+        from specmesh.threads import model_thread
 
         self.cfg = RayAppConfig.model_validate(config)
         self.s = self.cfg.serve_settings(self.role)  # this role's device filled in
-        torch.set_num_threads(self.cfg.spec(self.role).threads())
+        # the replica's model work (load, every forward) on one thread with the role's torch threads
+        # (specmesh.threads: Serve runs replica methods on threads of its own)
+        model_thread(self.cfg.spec(self.role).threads())
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         self.registry = self.cfg.registry or f"specmesh-{ctx.app_name}"
