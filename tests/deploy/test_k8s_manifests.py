@@ -15,7 +15,9 @@
   router's discovery names are headless Services selecting the right pods; the
   OTLP endpoint is the collector's Service; the collector's pipelines use
   defined components; the settings ConfigMap validates as ``ServeSettings``;
-  the router exposes the OpenAI HTTP API's port; the Grafana dashboard and
+  the OpenAI HTTP API is its own Deployment (HTTP probes on /health, its port in its
+  Service) that reaches every router pod through a headless Service, and the router
+  serves no HTTP itself; the Grafana dashboard and
   its provider are ConfigMaps (``configMapGenerator``; the dashboard itself is
   checked in ``test_grafana_dashboard.py``).
 - The Dockerfile and ``deploy/ray-serve.yaml`` say what the manifests assume.
@@ -283,10 +285,22 @@ def test_plain_grpc_wiring(name, tmp_path):
     f.write_text(cms["specmesh-config"]["data"]["serve.yaml"])
     s = load_settings(f)
     assert s.host == "0.0.0.0"
-    # the router's OpenAI HTTP API: on in the settings, a declared container port, in the Service
-    assert s.http and rc["ports"] and {"name": "http", "containerPort": s.http_port} in rc["ports"]
-    rsvc = svcs["specmesh-router"]["spec"]["ports"]
-    assert any(p["name"] == "http" and p["port"] == s.http_port and p["targetPort"] == "http" for p in rsvc)
+    # the OpenAI HTTP API: its own Deployment (on in the settings, not in the router), on the declared
+    # port of its Service, probed over HTTP, in front of every router pod (a headless Service's records)
+    assert s.http and args["--http"] == "false" and all(p["name"] != "http" for p in rc["ports"])
+    (oc,) = deps["specmesh-openai"]["spec"]["template"]["spec"]["containers"]
+    assert oc["command"] == ["python", "-m", "specmesh.cli", "serve", "openai"]
+    oargs = dict(zip(oc["args"][::2], oc["args"][1::2]))
+    assert {"name": "http", "containerPort": int(oargs["--port"])} in oc["ports"]
+    assert all(oc[p]["httpGet"] == {"path": "/health", "port": "http"} for p in ("readinessProbe", "livenessProbe"))
+    assert {"configMapRef": {"name": "specmesh-env"}} in oc["envFrom"] and oc["resources"]["requests"]["cpu"]
+    osvc = svcs["specmesh-openai"]
+    assert osvc["spec"]["selector"].items() <= deps["specmesh-openai"]["spec"]["template"]["metadata"]["labels"].items()
+    assert any(p["name"] == "http" and p["targetPort"] == "http" for p in osvc["spec"]["ports"])
+    host, port = re.match(r"dns:///([^:]+):(\d+)$", oargs["--router-addresses"]).groups()
+    assert svcs[host]["spec"]["clusterIP"] == "None" and int(port) in {p["port"] for p in svcs[host]["spec"]["ports"]}
+    assert svcs[host]["spec"]["selector"].items() <= \
+        deps["specmesh-router"]["spec"]["template"]["metadata"]["labels"].items()
     # the Grafana dashboard and its file provider, as ConfigMaps next to the collector
     dash = cms["specmesh-grafana-dashboards"]
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
@@ -312,11 +326,14 @@ def test_rayservice_wiring():
     (svc,) = [s for s in _by(objs, "Service").values() if s["metadata"]["name"] == "specmesh-ray-router"]
     assert svc["spec"]["selector"].items() <= head["template"]["metadata"]["labels"].items()
     assert svc["spec"]["ports"][0]["targetPort"] == app.settings["router_port"]
-    # the router replica's OpenAI HTTP API: its port in the settings, on the head pod and in the Service
+    # the OpenAI deployment's HTTP API: its port in the settings, on the head pod (its replica pinned there
+    # too) and in the Service
     from specmesh.deploy.ray.config import RAY_HTTP_PORT
 
     http_port = app.settings.get("http_port", RAY_HTTP_PORT)
     assert app.serve_settings("router").http and http_port != 8000  # Serve's proxy holds 8000 on the head
+    assert app.openai.resources and set(app.openai.resources) <= set(offered)
+    assert app.openai.num_replicas <= offered["specmesh_openai"]
     assert {"name": "openai", "containerPort": http_port} in head["template"]["spec"]["containers"][0]["ports"]
     assert {"name": "openai", "port": http_port, "targetPort": http_port, "appProtocol": "http"} in \
         svc["spec"]["ports"]

@@ -1,10 +1,12 @@
 """``build_app(config)``: the specmesh Ray Serve application.
 
-Three deployments, each with its own replica count or autoscaling bounds and
+Four deployments, each with its own replica count or autoscaling bounds and
 its own resources from ``RayAppConfig``: ``Drafter`` and ``Verifier`` (each
-replica runs that role's gRPC server) and ``Router``, the ingress, which runs
+replica runs that role's gRPC server), ``Router``, the ingress, which runs
 the router's gRPC server and reaches the other two over the same gRPC
-contracts (see ``deployments``). Serve calls this function when a config
+contracts, and ``OpenAI`` (unless ``settings.http`` is false), the OpenAI HTTP
+API in front of the router replicas through the SDK, so a router replica that
+dies does not end its streams (see ``deployments``). Serve calls this function when a config
 names ``import_path: specmesh.deploy.ray.app:build_app``; its ``args`` become the
 ``RayAppConfig``.
 
@@ -17,7 +19,7 @@ This module knows nothing about gRPC or models.
 from ray.serve import Application
 
 from .config import RayAppConfig
-from .deployments import DrafterReplica, RouterReplica, VerifierReplica
+from .deployments import DrafterReplica, OpenAIReplica, RouterReplica, VerifierReplica
 
 
 def build_app(config: RayAppConfig) -> Application:
@@ -25,5 +27,8 @@ def build_app(config: RayAppConfig) -> Application:
     args = cfg.model_dump(mode="json")
     drafter = DrafterReplica.options(**cfg.drafter.options("Drafter")).bind(args)
     verifier = VerifierReplica.options(**cfg.verifier.options("Verifier")).bind(args)
-    return RouterReplica.options(**cfg.router.options("Router")).bind(args, drafter, verifier)
+    openai = None
+    if cfg.serve_settings().http:  # the HTTP front: a deployment of its own, not inside a router replica
+        openai = OpenAIReplica.options(**cfg.openai.options("OpenAI")).bind(args)
+    return RouterReplica.options(**cfg.router.options("Router")).bind(args, drafter, verifier, openai)
 

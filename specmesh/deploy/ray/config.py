@@ -3,7 +3,8 @@
 ``RayAppConfig`` is what ``build_app`` takes (and what a Serve config file's
 ``args`` holds): the service settings shared by every replica (any
 ``ServeSettings`` field: model, dtype, n_slots, limits, TLS, ...) and, for each
-of the three deployments (``Router``, ``Drafter``, ``Verifier``), its replica
+of the deployments (``Router``, ``Drafter``, ``Verifier``, and ``OpenAI``: the
+OpenAI HTTP front, left out when ``settings.http`` is false), its replica
 count or autoscaling bounds and its resources (``num_cpus``, ``num_gpus``,
 ``memory``). Devices: the verifier's replicas run on ``verifier.device`` or else
 ``settings.device``; when that is ``cuda`` / ``cuda:N`` and ``verifier.num_gpus`` is 0
@@ -32,8 +33,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 IMPORT_PATH = "specmesh.deploy.ray.app:build_app"
-DEPLOYMENTS = ("Router", "Drafter", "Verifier")
-# The router replica's OpenAI HTTP API port unless settings.http_port is given: Serve's own
+DEPLOYMENTS = ("Router", "Drafter", "Verifier", "OpenAI")
+# The OpenAI HTTP front's port unless settings.http_port is given: Serve's own
 # HTTP proxy holds 8000 (ServeSettings' default) on the nodes it runs on.
 RAY_HTTP_PORT = 8001
 
@@ -121,6 +122,7 @@ class RayAppConfig(BaseModel):
     router: DeploymentSpec = Field(default_factory=lambda: DeploymentSpec(num_cpus=0.5))
     drafter: DeploymentSpec = Field(default_factory=lambda: DeploymentSpec(num_cpus=0.5))
     verifier: DeploymentSpec = Field(default_factory=lambda: DeploymentSpec(num_cpus=1.0))
+    openai: DeploymentSpec = Field(default_factory=lambda: DeploymentSpec(num_cpus=0.25))
     advertise_host: Optional[str] = Field(
         None, description="host others dial to reach a replica's gRPC server; default: the bind host when it "
                           "is a specific address, else the Ray node IP")
@@ -155,7 +157,7 @@ class RayAppConfig(BaseModel):
         """The ``ServeSettings`` of every replica, or of ``deployment``'s (its device filled in)."""
         from specmesh.serving.settings import load_settings
 
-        if deployment is None or deployment.lower() == "router":
+        if deployment is None or deployment.lower() in ("router", "openai"):
             return load_settings(None, **self.settings)
         return load_settings(None, **dict(self.settings, device=self.device(deployment)))
 

@@ -11,9 +11,14 @@
   ``specmesh.router.replicas`` that a thread keeps in step with the registry.
   Its HTTP route answers a JSON description (addresses of every replica,
   drafter calls per replica); Serve handles can call ``describe()`` too.
-  It also serves the OpenAI-compatible HTTP API (``serving.openai_http``) on
-  ``settings.http_port`` (default here 8001: Serve's proxy holds 8000), unless
-  ``settings.http`` is false; like the gRPC server it bypasses Serve's proxy.
+  Built without the ``OpenAI`` deployment it serves the OpenAI-compatible HTTP
+  API itself, as ``specmesh serve router`` does.
+- ``OpenAIReplica`` serves the OpenAI-compatible HTTP API (``serving.openai_http``)
+  on ``settings.http_port`` (default here 8001: Serve's proxy holds 8000), unless
+  ``settings.http`` is false; like the gRPC server it bypasses Serve's proxy. It
+  reaches the router replicas it reads from the registry (followed as they
+  change) through the SDK, which resumes a stream whose router replica died, and
+  announces its URL there (the router's ``describe()`` lists it).
 
 Verifier (and GPU drafter) replicas run on the device ``RayAppConfig.device``
 names for their deployment; the config has asked Ray for their GPUs.
@@ -196,11 +201,11 @@ class VerifierReplica(_Replica):
 class RouterReplica(_Replica):
     role = "router"
 
-    def __init__(self, config: dict, drafter=None, verifier=None):
+    def __init__(self, config: dict, drafter=None, verifier=None, openai=None):
         from specmesh.router.servicer import dynamic_router
 
         self._setup(config)
-        self.handles = {"drafter": drafter, "verifier": verifier}  # Serve handles (bind the app graph)
+        self.handles = {"drafter": drafter, "verifier": verifier, "openai": openai}  # Serve handles (app graph)
         svc, self.router, self.verifiers, self.drafters = dynamic_router(self.s)
         self._cleanup.append(self.router.close)
         self.reader = RegistryReader(self.registry, self.cfg.ttl_s)
@@ -215,7 +220,7 @@ class RouterReplica(_Replica):
         self._observe(svc, self.router)
         self._serve([svc], self.s.router_port)
         self.http_url = ""
-        if self.s.http:  # the OpenAI-compatible HTTP API, beside the gRPC server as in `specmesh serve router`
+        if self.s.http and openai is None:  # no OpenAI deployment: the API beside the gRPC server
             from specmesh.serving.openai_http import start_http
 
             port = self.s.http_port if "http_port" in self.cfg.settings else RAY_HTTP_PORT
@@ -250,14 +255,69 @@ class RouterReplica(_Replica):
 
     def describe(self) -> dict:
         """Addresses of every replica the router knows, and drafter calls per replica."""
+        fronts = sorted(((self.reader.snapshot() or self.snapshot).get("openai") or {}).values())
         return {"router": self.address, "router_replica": self.replica_id, "metrics_port": self.metrics_port,
-                "openai_api": self.http_url,
+                "openai_api": self.http_url or (fronts[0] if fronts else ""), "openai_apis": fronts,
                 "registry": self.snapshot,
                 "verifiers": self.verifiers.addresses, "drafters": self.drafters.addresses,
                 "drafter_calls": dict(self.drafters.calls), "drafter_failovers": self.drafters.failovers}
 
     async def __call__(self, request) -> dict:
         return self.describe()
+
+
+@serve.deployment(name="OpenAI")
+class OpenAIReplica(_Replica):
+    """The OpenAI HTTP API in front of the router replicas (module docstring)."""
+
+    role = "openai"
+
+    def __init__(self, config: dict):
+        from specmesh.serving.openai_http import start_http
+
+        self._setup(config)
+        self.reader = RegistryReader(self.registry, self.cfg.ttl_s)
+        end = time.monotonic() + self.cfg.startup_timeout_s
+        while not self._routers() and time.monotonic() < end:
+            time.sleep(self.cfg.refresh_s)  # the router replica is still starting
+        self.routers = self._routers()
+        if not self.routers:
+            raise RuntimeError(f"no router replica registered within {self.cfg.startup_timeout_s} s")
+        port = self.s.http_port if "http_port" in self.cfg.settings else RAY_HTTP_PORT
+        self.http = start_http(self.s, ",".join(self.routers), port=port)
+        self._cleanup.insert(0, self.http.stop)
+        self.address = f"{'https' if self.http.tls else 'http'}://{advertise(self.cfg, self.s.host, self.http.port)}/v1"
+        self.heartbeat = Heartbeat(self.registry, self.cfg.ttl_s, self.role, self.replica_id, self.address,
+                                   self.cfg.heartbeat_s)
+        self._stop = threading.Event()
+        threading.Thread(target=self._follow, name="specmesh-registry", daemon=True).start()
+        log.info("openai replica %s serving %s in front of %s", self.replica_id, self.address, self.routers)
+
+    def _routers(self) -> list[str]:
+        snap = self.reader.snapshot()
+        return sorted((snap or {}).get("router", {}).values())
+
+    def _follow(self) -> None:
+        while not self._stop.wait(self.cfg.refresh_s):
+            try:
+                now = self._routers()
+                if now and now != self.routers:  # new streams go to the current routers; old ones finish
+                    self.routers = now
+                    self.http.api.client = self.http.api.client.with_addresses(now)
+            except Exception:  # noqa: BLE001 - keep following; the next read may work
+                log.exception("registry refresh failed")
+
+    def check_health(self) -> None:
+        if not self.http.thread.is_alive():
+            raise RuntimeError("the OpenAI HTTP server stopped")
+
+    def info(self) -> dict:
+        return dict(super().info(), routers=self.routers, resumes=self.http.api.client.resumes)
+
+    def __del__(self):
+        if getattr(self, "_stop", None) is not None:
+            self._stop.set()
+        super().__del__()
 
     def __del__(self):
         if getattr(self, "_stop", None) is not None:
