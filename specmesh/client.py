@@ -41,6 +41,7 @@ grpc, the generated stubs and the proto -> stats conversion only.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import threading
 import time
@@ -409,6 +410,15 @@ class AsyncClient(_Base):
     def _get_stub(self):
         self._channel_at(0)
         return self._stubs[0]
+
+    def with_addresses(self, address: Union[str, Sequence[str]]) -> "AsyncClient":
+        """A client like this one (credentials, token, deadline, resume settings) to
+        other router addresses; this one stays open for the streams it carries."""
+        c = copy.copy(self)
+        c.addresses = split_addresses(address)
+        c.address, c._channels, c._stubs, c._next = ",".join(c.addresses), None, [], 0
+        c._count_lock = threading.Lock()
+        return c
 
     def _call(self, i: int, request, timeout: Optional[float], metadata: tuple):
         self._channel_at(i)

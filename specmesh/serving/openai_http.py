@@ -567,7 +567,8 @@ def start_http(s, router_address: str, port: Optional[int] = None) -> HttpServer
             client_kw.update(certificate_chain=str(s.peer_cert), private_key=str(s.peer_key))
     client = AsyncClient(router_address, token=token, timeout=s.http_timeout_s, resume_window_s=s.resume_window_s,
                          **client_kw)
-    app = create_app(Api(client, s.model, token))
+    api = Api(client, s.model, token)
+    app = create_app(api)
     sock = _bind(s.host, s.http_port if port is None else port)
     ssl_kw: dict[str, Any] = {}
     if tls:
@@ -578,7 +579,9 @@ def start_http(s, router_address: str, port: Optional[int] = None) -> HttpServer
     host = f"[{host}]" if ":" in host else host
     url = f"{'https' if tls else 'http'}://{host}:{sock.getsockname()[1]}/v1"
 
-    return HttpServer(app, sock, tls, ssl_kw, url).start()
+    server = HttpServer(app, sock, tls, ssl_kw, url)
+    server.api = api  # its client may be replaced (``AsyncClient.with_addresses``) as routers come and go
+    return server.start()
 
 
 def run_front(s) -> int:

@@ -161,12 +161,12 @@ def test_greedy_through_ray_equals_in_process_greedy(cluster, ref):
 
     d = cluster.describe()
     assert len(d["verifiers"]) == 1 and len(d["drafters"]) == 1
-    # the dashboard (its Serve REST API) shows the three deployments separately
+    # the dashboard (its Serve REST API) shows the four deployments separately
     from ray.dashboard.modules.serve.sdk import ServeSubmissionClient
 
     details = ServeSubmissionClient(f"http://{cluster.ctx.dashboard_url}").get_serve_details()
     deployments = details["applications"][APP]["deployments"]
-    assert set(deployments) == {"Router", "Drafter", "Verifier"}
+    assert set(deployments) == {"Router", "Drafter", "Verifier", "OpenAI"}  # the HTTP front: its own
     assert all(v["status"] == "HEALTHY" for v in deployments.values())
     with Client(cluster.address, timeout=120) as c:
         for prompt in PROMPTS[:2]:
@@ -178,7 +178,8 @@ def test_greedy_through_ray_equals_in_process_greedy(cluster, ref):
         for strategy in ("autoregressive", "self"):
             assert c.generate(PROMPTS[2], strategy=strategy, max_new_tokens=N).token_ids == ref(PROMPTS[2])
         sdk = c.generate(PROMPTS[1], strategy="external", max_new_tokens=N)
-    # the router replica's OpenAI-compatible HTTP API: the same greedy text through the official client
+    # the OpenAI deployment's HTTP API (in front of the router replica): the same greedy text through the
+    # official client
     openai = pytest.importorskip("openai", reason="pip install -e '.[test]'")
     assert d["openai_api"].startswith("http://") and d["openai_api"].endswith("/v1")
     with openai.OpenAI(base_url=d["openai_api"], api_key="unused", max_retries=0, timeout=120) as oa:
