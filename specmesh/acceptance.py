@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import seeding, trees
+from .device import host_list, to_device, to_host
 from .rowops import argmax_rows, topk_rows
 from .types import SIBLINGS_WOR, SamplingParams, TokenTree
 
@@ -388,39 +389,85 @@ def _contrastive_inputs(logits: Sequence[torch.Tensor], samplings: Sequence[Samp
     return out
 
 
+def _sparse_q(trees: Sequence[TokenTree], samplings: Sequence[SamplingParams], t: int,
+              V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nonzero entries of the dense [N, T, V] draft distributions ``dense_q`` would
+    build (times the lenience of lenient requests): (flat indices int64, values
+    float32), on the host; the caller scatters them on the device."""
+    idx: list[int] = []
+    val: list[float] = []
+    lens: list[float] = []
+    for j, (tr, sp) in enumerate(zip(trees, samplings)):
+        lenience = sp.lenience if sp.acceptance == "lenient" else 1.0
+        for i, tok in enumerate(tr.tokens):
+            ids = tr.q_ids[i] if tr.q_ids is not None else None
+            base = (j * t + i) * V
+            if ids:
+                idx += [base + int(x) for x in ids]
+                val += [float(p) for p in tr.q_probs[i]]
+                lens += [lenience] * len(ids)
+            else:
+                idx.append(base + int(tok))
+                val.append(1.0)
+                lens.append(lenience)
+    # float32 values times the lenience in float32, as dense_q(...) * lenience computes them
+    v = torch.tensor(val, dtype=torch.float32) * torch.tensor(lens, dtype=torch.float32)
+    return torch.tensor(idx, dtype=torch.long), v
+
+
 def _accept_group(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], samplings: Sequence[SamplingParams],
-                  seeds: Sequence[int], greedy: bool, backend: str) -> list[Acceptance]:
+                  seeds: Sequence[int], greedy: bool, backend: str,
+                  also: Optional[torch.Tensor] = None) -> tuple[list[Acceptance], list[float]]:
     """Requests of one verify forward, all greedy or all sampled, as ONE call of
     ``kernels.tree_accept`` (Triton on CUDA, its torch reference elsewhere): trees
-    padded to the largest (sizes mask the padding), the same uniforms as ``accept``."""
+    padded to the largest (sizes mask the padding), the same uniforms as ``accept``.
+    Inputs go to the device in two non-blocking copies (int64 and float64; the draft
+    distributions as their nonzero entries, scattered into a dense q on the device);
+    the results come back in one host read, together with ``also`` (a 1-D tensor on the
+    logits' device the caller wants read in the same go), returned as floats."""
     from specmesh import kernels
 
     dev = logits[0].device
     n, t = len(trees), max(len(tr) for tr in trees)
     V = logits[0].shape[-1]
     probs = torch.zeros(n, t + 1, V, dtype=torch.float32, device=dev)  # [N, T+1, V]
-    toks = torch.zeros(n, t, dtype=torch.long)
-    pars = torch.full((n, t), -1, dtype=torch.long)
     depths = [max(tr.depths()) + 1 for tr in trees]
-    q = None if greedy else torch.zeros(n, t, V, dtype=torch.float32)  # [N, T, V]
-    ua = torch.zeros(n, t, dtype=torch.float64)
-    us = torch.zeros(n, max(depths) + 1, dtype=torch.float64)
+    D = max(depths) + 1
+    ints = torch.zeros(2 * n * t + n, dtype=torch.long)  # tokens [N, T], parents [N, T], sizes [N]
+    toks, pars, sizes = ints[: n * t].view(n, t), ints[n * t: 2 * n * t].view(n, t), ints[2 * n * t:]
+    pars.fill_(-1)
+    floats = torch.zeros(n * t + n * D, dtype=torch.float64)  # u_accept [N, T], u_sample [N, D]
+    ua, us = floats[: n * t].view(n, t), floats[n * t:].view(n, D)
     for j, (lg, tr, sp, sd) in enumerate(zip(logits, trees, samplings, seeds)):
         k = len(tr)
         probs[j, : k + 1] = lg.float() if greedy else target_probs(lg, sp)
         toks[j, :k] = torch.tensor(tr.tokens)
         pars[j, :k] = torch.tensor(tr.parents)
+        sizes[j] = k
         if not greedy:
-            q[j, :k] = dense_q(tr, V) * (sp.lenience if sp.acceptance == "lenient" else 1.0)
             a, b = uniforms(sd, k, depths[j])
             ua[j, :k], us[j, : depths[j] + 1] = a, b
-    sizes = torch.tensor([len(tr) for tr in trees], dtype=torch.long)
+    ints = to_device(ints, dev)
+    toks, pars, sizes = ints[: n * t].view(n, t), ints[n * t: 2 * n * t].view(n, t), ints[2 * n * t:]
+    q = None
+    if not greedy:
+        floats = to_device(floats, dev)
+        ua, us = floats[: n * t].view(n, t), floats[n * t:].view(n, D)
+        qi, qv = _sparse_q(trees, samplings, t, V)
+        q = torch.zeros(n * t * V, dtype=torch.float32, device=dev)  # [N, T, V], built on the device
+        q.index_put_((to_device(qi, dev),), to_device(qv, dev))
+        q = q.view(n, t, V)
     path, plen, nxt = kernels.tree_accept(
-        probs, toks.to(dev), pars.to(dev), sizes.to(dev), draft_q=None if greedy else q.to(dev),
-        u_accept=None if greedy else ua.to(dev), u_sample=None if greedy else us.to(dev), greedy=greedy,
-        max_depth=max(depths), backend=backend)
-    path, plen, nxt = path.tolist(), plen.tolist(), nxt.tolist()  # the round's one readback
-    return [Acceptance([int(x) for x in path[j][: plen[j]]], int(nxt[j])) for j in range(n)]
+        probs, toks, pars, sizes, draft_q=q, u_accept=None if greedy else ua, u_sample=None if greedy else us,
+        greedy=greedy, max_depth=max(depths), backend=backend)
+    parts = [path.reshape(-1).double(), plen.reshape(-1).double(), nxt.reshape(-1).double()]
+    if also is not None:
+        parts.append(also.reshape(-1).double())
+    flat = host_list(torch.cat(parts), "acceptance")  # the round's one readback (ints exact in float64)
+    w = path.shape[1] if path.dim() == 2 else 0
+    pl, nx = flat[n * w: n * w + n], flat[n * w + n: n * w + 2 * n]
+    out = [Acceptance([int(x) for x in flat[j * w: j * w + int(pl[j])]], int(nx[j])) for j in range(n)]
+    return out, flat[n * w + 2 * n:]
 
 
 def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], samplings: Sequence[SamplingParams],
@@ -435,6 +482,17 @@ def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sam
     ``amateurs[i]``: the amateur's logits for request i's rows (contrastive requests);
     ``specialists[i]``: the specialist's logits at request i's drafted positions
     (divergence requests)."""
+    return accept_batch_reading(logits, trees, samplings, seeds, batched, backend, amateurs, specialists)[0]
+
+
+def accept_batch_reading(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree],
+                         samplings: Sequence[SamplingParams], seeds: Sequence[int], batched: Optional[bool] = None,
+                         backend: str = "auto", amateurs: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                         specialists: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                         also: Optional[torch.Tensor] = None) -> tuple[list[Acceptance], list[float]]:
+    """``accept_batch``, plus the values of ``also`` (a 1-D tensor on the logits' device,
+    e.g. entropies the caller reports) read in the same host read as the batched
+    decisions (one read for both; a read of its own when no request was batched)."""
     n = len(trees)
     if batched is None:
         batched = n > 0 and logits[0].is_cuda
@@ -447,13 +505,18 @@ def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sam
         else:
             out[i] = _accept_scores(logits[i], trees[i], samplings[i], seeds[i],
                                     specialist=specialists[i] if specialists is not None else None)
+    vals: Optional[list[float]] = None
     for greedy, idx in groups.items():
         if idx:
-            res = _accept_group([logits[i] for i in idx], [trees[i] for i in idx], [samplings[i] for i in idx],
-                                [seeds[i] for i in idx], greedy, backend)
+            res, got = _accept_group([logits[i] for i in idx], [trees[i] for i in idx], [samplings[i] for i in idx],
+                                     [seeds[i] for i in idx], greedy, backend, also if vals is None else None)
+            if vals is None:
+                vals = got
             for i, r in zip(idx, res):
                 out[i] = r
-    return out
+    if vals is None:
+        vals = [] if also is None or also.numel() == 0 else [float(x) for x in host_list(also.double(), "also")]
+    return out, vals
 
 
 def accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
@@ -478,9 +541,9 @@ def _accept_scores(logits: torch.Tensor, tree: TokenTree, sampling: SamplingPara
     if rule == "divergence":
         return _accept_divergence(logits, tree, sampling, seed, probs, specialist)
     if logits.is_cuda and _batchable(tree, sampling):
-        return _accept_group([logits], [tree], [sampling], [seed], sampling.greedy, "auto")[0]
+        return _accept_group([logits], [tree], [sampling], [seed], sampling.greedy, "auto")[0][0]
     if logits.is_cuda:  # the rules below are host code: one readback of the scored rows
-        logits = logits.float().cpu()
+        logits = to_host(logits.float(), "acceptance rows")
     if sampling.greedy:
         if rule == "lenient":
             return lenient_greedy(logits, tree, sampling.lenience)

@@ -85,6 +85,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .device import to_device
 from .engine import LlamaEngine, ScoreOutput, rms_norm, rope
 from .trees import ancestor_mask
 
@@ -463,7 +464,7 @@ class GraphedEngine(LlamaEngine):
         B, T, S, adapted, segs = plan
         want = set(int(i) for i in hidden_layers if 0 <= int(i) < nl)
         st = self._step(B, T, nl, self._hidden_for(nl, want), S, adapted)
-        st.inp.copy_(self._pack(B, T, segs))  # one host-to-device copy
+        st.inp.copy_(self._pack(B, T, segs), non_blocking=True)  # one host-to-device copy, no wait for the queue
         if st.graph is not None:
             st.graph.replay()
             self.calls["replayed"] += 1
@@ -475,7 +476,7 @@ class GraphedEngine(LlamaEngine):
         self.calls["graphed"] += 1
         # copy the requested rows out of the static outputs (the next replay overwrites them)
         flat = [b * T + i for b, seg in enumerate(segs) for i in seg[4]]
-        picked = logits.index_select(0, torch.tensor(flat, dtype=torch.long, device=self.device))
+        picked = logits.index_select(0, to_device(torch.tensor(flat, dtype=torch.long), self.device))
         kept = {li: h.view(B, T, -1)[: len(segs)].clone() for li, h in hidden.items()}  # [b, T, H]
         out, o = [], 0
         for b, (slot, toks, par, base, sel, _) in enumerate(segs):

@@ -8,12 +8,23 @@ at the first forward.
 
 Specs: ``auto`` (CUDA when ``torch.cuda.is_available()``, else the CPU), ``cpu``,
 ``cuda`` (the current CUDA device), ``cuda:N``. ``cpu_bf16_is_fast()`` says whether
-this CPU has bf16 matrix instructions (AMX or AVX-512 BF16). Knows nothing about models.
+this CPU has bf16 matrix instructions (AMX or AVX-512 BF16).
+
+Host reads: every device -> host read on the serving path (a ``.tolist()``, ``.cpu()``,
+``int(t)``, ``torch.equal`` of device tensors) goes through ``host_list`` / ``to_host`` /
+``host_int`` / ``host_equal``, which count it (``host_reads()``, by label) on every
+device, the CPU included, so a CPU test can assert how many reads a round makes: on a
+GPU each one waits for the queued kernels. Host -> device copies of fresh host tensors
+use ``to_device`` (non-blocking: no wait for the queue; the source is staged before the
+call returns). Knows nothing about models.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -65,3 +76,62 @@ def cpu_bf16_is_fast() -> bool:
     an AVX2-only EPYC, while on an AMX CPU autocast was ~4x faster."""
     cpu = torch.cpu
     return any(bool(getattr(cpu, f, lambda: False)()) for f in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+
+
+# ---------------------------------------------------------------- host reads
+_READS: Counter = Counter()
+_READS_LOCK = threading.Lock()
+
+
+def _count(what: str) -> None:
+    with _READS_LOCK:
+        _READS[what] += 1
+
+
+def host_list(t: torch.Tensor, what: str) -> list:
+    """``t.tolist()``, counted as one host read labelled ``what``."""
+    _count(what)
+    return t.tolist()
+
+
+def to_host(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` on the CPU, counted as one host read labelled ``what`` (also on the CPU)."""
+    _count(what)
+    return t.cpu()
+
+
+def host_int(t: torch.Tensor, what: str) -> int:
+    """``int(t)`` of a one-element tensor, counted as one host read."""
+    _count(what)
+    return int(t)
+
+
+def host_equal(a: torch.Tensor, b: torch.Tensor, what: str) -> bool:
+    """``torch.equal(a, b)``, counted as one host read."""
+    _count(what)
+    return torch.equal(a, b)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A fresh host tensor on ``device`` without waiting for the device's queue
+    (non-blocking; a no-op on the CPU)."""
+    return t.to(device, non_blocking=True)
+
+
+def host_reads() -> Counter:
+    """A copy of the host reads counted so far, by label."""
+    with _READS_LOCK:
+        return Counter(_READS)
+
+
+@contextmanager
+def counting_host_reads() -> Iterator[Counter]:
+    """Yields a Counter that, when the block ends, holds the host reads made inside it
+    (every thread's), by label."""
+    before = host_reads()
+    out: Counter = Counter()
+    try:
+        yield out
+    finally:
+        after = host_reads()
+        out.update({k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)})

@@ -75,6 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from . import bf16_matmul, int4_matmul, trees
+from .device import to_device
 from .rowops import topk_rows
 from .types import InvalidArgument, ResourceExhausted
 
@@ -620,9 +621,9 @@ class LlamaEngine:
         if L + len(path) > self.max_seq_len:
             raise ResourceExhausted("sequence longer than max_seq_len")
         moves = [(L + k, L + p) for k, p in enumerate(path) if p != k]
-        if moves:
-            dst = torch.tensor([m[0] for m in moves], device=self.device)
-            src = torch.tensor([m[1] for m in moves], device=self.device)
+        if moves:  # (non-blocking copies of the indices: no wait for the device's queue)
+            dst = to_device(torch.tensor([m[0] for m in moves]), self.device)
+            src = to_device(torch.tensor([m[1] for m in moves]), self.device)
             self.k_cache[:, slot, :, dst] = self.k_cache[:, slot, :, src]
             self.v_cache[:, slot, :, dst] = self.v_cache[:, slot, :, src]
         self.lengths[slot] = L + len(path)

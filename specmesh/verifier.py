@@ -30,6 +30,7 @@ import torch
 
 from . import acceptance as acc
 from . import trees
+from .device import to_device, to_host
 from .engine import LlamaEngine
 from .types import (FEATURE_DTYPE, DraftContext, FeatureRows, InvalidArgument, ResourceExhausted, SessionLost,
                     VerifyRequest, VerifyResult)
@@ -90,6 +91,12 @@ class EngineVerifier:
         self.forwards = 0
         self.feature_layers: list[int] = []
         self.features: Optional[torch.Tensor] = None  # [n_slots, max_seq_len, F] hidden states of committed tokens
+        # per slot and position: a stamp that changes whenever that position's features are written
+        # (a drafter caching what it computed from them checks these, not the features: no device read)
+        self.feature_stamps: list[list[int]] = [[0] * engine.max_seq_len for _ in range(engine.n_slots)]
+        self._stamp = 0
+        # batched acceptance kernels (one host read per round): default where the logits are on CUDA
+        self.batched_acceptance: Optional[bool] = None
         # contrastive acceptance: the amateur is the target's first ``amateur_exit`` layers
         # + its final norm and head (the layer-skip exit), read from the same verify forward
         self.amateur_exit: Optional[int] = None
@@ -124,6 +131,8 @@ class EngineVerifier:
         self.feature_layers = layers
         self.features = torch.zeros(e.n_slots, e.max_seq_len, len(layers) * e.hidden, dtype=torch.bfloat16,
                                     device=e.device)
+        self._stamp += 1  # every position's features are new ones
+        self.feature_stamps = [[self._stamp] * e.max_seq_len for _ in range(e.n_slots)]
         H = e.hidden
         for j, layer in enumerate(old_layers if old is not None else ()):  # sessions keep what they had
             k = layers.index(layer)
@@ -136,7 +145,7 @@ class EngineVerifier:
         if list(layers) != self.feature_layers:
             idx = [self.feature_layers.index(i) for i in layers]
             rows = rows.view(end - start, len(self.feature_layers), H)[:, idx].reshape(end - start, len(idx) * H)
-        data = rows.contiguous().cpu().view(torch.int16).numpy().tobytes()
+        data = to_host(rows.contiguous(), "features").view(torch.int16).numpy().tobytes()
         return FeatureRows(start, end - start, len(layers) * H, tuple(int(i) for i in layers), FEATURE_DTYPE, data)
 
     def session_features(self, slot: int, layers: Sequence[int], start: int = 0,
@@ -155,9 +164,11 @@ class EngineVerifier:
     def _store_features(self, slot: int, start: int, hidden: dict, rows: Sequence[int]) -> None:
         if self.features is None or not rows:
             return
-        idx = torch.tensor(list(rows), dtype=torch.long, device=self.features.device)
+        idx = to_device(torch.tensor(list(rows), dtype=torch.long), self.features.device)
         feats = torch.cat([hidden[i][idx] for i in self.feature_layers], -1)
         self.features[slot, start: start + len(rows)] = feats.to(self.features.dtype)
+        self._stamp += 1
+        self.feature_stamps[slot][start: start + len(rows)] = [self._stamp] * len(rows)
 
     def _append(self, slot: int, tokens: Sequence[int]) -> None:
         """Commit a chain of tokens to the slot (keeping features when enabled)."""
@@ -295,10 +306,17 @@ class EngineVerifier:
                                 for m, so in zip(meta, scored)] if cd else None
                     fwd_ms = (time.perf_counter() - t1) * 1e3
                     specialists = [self._specialist_rows(m[1], m[4]) for m in meta]
-                    decided = acc.accept_batch([so.logits for so in scored], [m[4] for m in meta],
-                                               [m[1].sampling for m in meta], [m[1].round_seed for m in meta],
-                                               amateurs=amateurs, specialists=specialists)
-                    for (i, r, slot, a, tree, rows, draft_ms), so, res, blocks in zip(meta, scored, decided, fused):
+                    # entropies asked for: computed here, read with the acceptance decisions
+                    want_ent = [k for k, m in enumerate(meta) if m[1].want_entropy]
+                    ent_t = torch.cat([acc.entropy(torch.softmax(scored[k].logits[:1].float(), -1))
+                                       for k in want_ent]) if want_ent else None
+                    decided, ent_v = acc.accept_batch_reading(
+                        [so.logits for so in scored], [m[4] for m in meta], [m[1].sampling for m in meta],
+                        [m[1].round_seed for m in meta], batched=self.batched_acceptance, amateurs=amateurs,
+                        specialists=specialists, also=ent_t)
+                    ents = dict(zip(want_ent, ent_v))
+                    for k, ((i, r, slot, a, tree, rows, draft_ms), so, res, blocks) in enumerate(
+                            zip(meta, scored, decided, fused)):
                         start = self.engine.length(slot)
                         kept = list(range(a)) + [a + j for j in res.path]
                         self.engine.commit(slot, kept)
@@ -307,9 +325,7 @@ class EngineVerifier:
                             blk = blocks.get(res.path[-1] if res.path else -1)
                             self.self_drafters[r.self_draft.method].absorb(
                                 r.session_id, None if blk is None else so.hidden[last][blk], self.engine.length(slot))
-                        ent = 0.0
-                        if r.want_entropy:
-                            ent = float(acc.entropy(torch.softmax(so.logits[:1].float(), -1))[0])
+                        ent = float(ents.get(k, 0.0))
                         out[i] = VerifyResult(
                             accepted=[tree.tokens[j] for j in res.path], next_token=res.next_token,
                             drafted=len(tree), tree_size=len(tree), accepted_nodes=res.path, entropy=ent,
@@ -394,6 +410,7 @@ class EngineVerifier:
             e.v_cache[:, dst, :, :n] = e.v_cache[:, src, :, :n]
             if getattr(self, "features", None) is not None:
                 self.features[dst, :n] = self.features[src, :n]
+                self.feature_stamps[dst][:n] = self.feature_stamps[src][:n]
             e.lengths[dst] = n
             return n
 

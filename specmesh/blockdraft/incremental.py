@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..device import host_equal
 from .model import BlockDrafter
 
 
@@ -57,6 +58,7 @@ class ContextCache:
         self.fused = torch.empty(capacity, n_heads * head_dim, dtype=dtype, device=device) if fuse else None
         self.kv = torch.empty(n_layers, 2, n_heads, capacity + block, head_dim, dtype=dtype, device=device)
         self.start = self.n = self.off = 0
+        self.stamps: dict[int, object] = {}  # position -> the stamp of the features its row was computed from
 
     @property
     def end(self) -> int:
@@ -179,26 +181,38 @@ class FoldedDrafter:
 
     @torch.inference_mode()
     def draft(self, cache: ContextCache, anchor: int, length: int,
-              read: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+              read: Callable[[int, int], torch.Tensor],
+              stamp: Optional[Callable[[int], object]] = None) -> torch.Tensor:
         """Logits [B-1, N] (float32, over ``keep_ids``) of the block after ``anchor``, the
         token at position ``length``; ``read(a, b)`` returns the target features of
-        context positions [a, b) as [b - a, F]. Updates ``cache`` in place."""
+        context positions [a, b) as [b - a, F]. ``stamp(p)``, where the features' owner
+        keeps one: a host value that changes whenever position p's features are written
+        again (the reuse check then reads nothing from the device); without it the
+        check compares the last reused row's features (one host read). Updates
+        ``cache`` in place."""
         cfg, H = self.cfg, self.cfg.hidden
         c0 = max(0, length - cfg.context_window)
         m = min(cache.end, length)
         reuse = cache.start <= c0 < m
-        if reuse:  # the last reused row must still hold the features it was computed from
+        if reuse and stamp is not None:  # the last reused row's features were not written since
+            reuse = m - 1 in cache.stamps and cache.stamps[m - 1] == stamp(m - 1)
+        elif reuse:  # the last reused row must still hold the features it was computed from
             last = read(m - 1, m)[0].to(device=self.device, dtype=self.dtype)
-            reuse = torch.equal(last, cache.feats[cache.off + m - 1 - cache.start])
+            reuse = host_equal(last, cache.feats[cache.off + m - 1 - cache.start], "drafter cache check")
         if reuse:
             cache.keep(c0, m)
+            for p in [p for p in cache.stamps if not c0 <= p < m]:
+                del cache.stamps[p]
         else:
             cache.reset(c0)
+            cache.stamps.clear()
         new = length - cache.end
         cache.reserve(new)
         lo = cache.off + cache.n  # buffer row of the first new position
         ctx_new = None
         if new:
+            if stamp is not None:
+                cache.stamps.update((p, stamp(p)) for p in range(cache.end, length))
             feats = read(cache.end, length).to(device=self.device, dtype=self.dtype)
             cache.feats[lo: lo + new] = feats
             y = self._lin(self._rms(feats, None), self.w_in)

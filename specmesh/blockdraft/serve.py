@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from .. import bf16_matmul
+from ..device import host_list, to_host
 from ..drafters.base import DrafterBase
 from ..loop import TreeSchedule
 from ..seeding import draft_generator
@@ -97,23 +98,30 @@ def draft_from_slots(logits: torch.Tensor, ctx: DraftContext, budget: int, keep:
     renormalised distribution, that q attached (fresh randomness every round:
     ``seeding.draft_generator``, or ``gen`` when the caller drew from it already)."""
     s = ctx.sampling
-    name = (lambda i: int(keep[i])) if keep is not None else int
+    # one host read per draft: the slots' candidates (ids mapped through ``keep`` on the device)
     if tree:
         top = torch.topk(torch.softmax(logits.float(), -1), min(tree_width, logits.shape[-1]), -1)
         ids = keep[top.indices] if keep is not None else top.indices
-        cands = [list(zip(i, p)) for i, p in zip(ids.tolist(), top.values.tolist())]
+        w = ids.shape[-1]
+        both = host_list(torch.cat([ids.double(), top.values.double()], -1), "draft")  # ids exact in float64
+        cands = [list(zip((int(x) for x in r[:w]), r[w:])) for r in both]
         return best_first_tree(cands, budget, calibration or Calibration())
     k_max = min(budget, logits.shape[0])
     if s.greedy:
-        return TokenTree.chain([name(i) for i in logits[:k_max].argmax(-1)])
+        am = logits[:k_max].argmax(-1)
+        return TokenTree.chain(host_list(keep[am] if keep is not None else am, "draft"))
     gen = gen if gen is not None else draft_generator(ctx)  # fresh every round (keyed by the committed length)
+    vals, idx = torch.topk(logits[:k_max].float() / s.temperature, min(top_k, logits.shape[-1]), -1)
+    ids = keep[idx] if keep is not None else idx
+    w = ids.shape[-1]
+    both = to_host(torch.cat([vals.double(), ids.double()], -1), "draft")  # [k_max, 2w]
     toks, qids, qps = [], [], []
     for k in range(k_max):
-        vals, idx = torch.topk(logits[k].float().cpu() / s.temperature, min(top_k, logits.shape[-1]))
-        q = torch.softmax(vals.double(), -1)
+        q = torch.softmax(both[k, :w], -1)
         j = int(torch.multinomial(q, 1, generator=gen)[0])
-        toks.append(name(idx[j]))
-        qids.append([name(i) for i in idx])
+        row = [int(x) for x in both[k, w:].tolist()]
+        toks.append(row[j])
+        qids.append(row)
         qps.append((q / q.sum()).tolist())
     return TokenTree.chain(toks, q_ids=qids, q_probs=qps)
 
@@ -192,8 +200,10 @@ class BlockSelfDrafter(BlockProposer):
         cache = self._ctx.get(slot)
         if cache is None:
             cache = self._ctx[slot] = self.folded.new_cache()
+        stamps = getattr(self.verifier, "feature_stamps", None)
         return self.folded.draft(cache, ctx.tokens[-1], self.verifier.engine.length(slot),
-                                 lambda a, b: self.verifier.session_features(slot, layers, start=a, end=b))
+                                 lambda a, b: self.verifier.session_features(slot, layers, start=a, end=b),
+                                 stamp=None if stamps is None else stamps[slot].__getitem__)
 
 
 class _Features:

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 
+from ..device import host_int, to_host
 from ..engine import LlamaEngine
 from ..seeding import draft_generator
 from ..seqs import common_prefix_len
@@ -30,14 +31,17 @@ from .base import DrafterBase
 def draw(logits: torch.Tensor, sampling: SamplingParams, top_k: int, gen: Optional[torch.Generator]):
     """One draft token from [V] logits -> (token, q_ids, q_probs). Greedy: argmax, no q."""
     if sampling.greedy:
-        return int(logits.argmax()), None, None
+        return host_int(logits.argmax(), "draft"), None, None
     z = logits.float() / sampling.temperature
     vals, ids = torch.topk(z, min(top_k, z.shape[-1]))
-    vals, ids = vals.cpu(), ids.cpu()  # the draw uses the round's CPU generator (seeding.draft_generator)
-    q = torch.softmax(vals.double(), -1)
+    k = vals.shape[-1]
+    # one host read (the draw uses the round's CPU generator, seeding.draft_generator); ids exact in float64
+    both = to_host(torch.cat([vals.double(), ids.double()]), "draft")
+    q = torch.softmax(both[:k], -1)
     j = int(torch.multinomial(q, 1, generator=gen)[0])
     qp = (q / q.sum()).tolist()
-    return int(ids[j]), ids.tolist(), qp
+    ids_l = [int(x) for x in both[k:].tolist()]
+    return ids_l[j], ids_l, qp
 
 
 def _assemble(tokens, qids, qps) -> TokenTree:
@@ -95,18 +99,6 @@ class DraftLMDrafter(DrafterBase):
         self.engine.truncate(slot, len(ctx.tokens))
         self.sessions[ctx.session_id] = (slot, list(ctx.tokens))
         return _assemble(toks, qids, qps)
-
-    def guess(self, ctx: DraftContext, n: int) -> list[int]:
-        """Its ``n`` most likely next tokens after ``ctx.tokens`` (no draw; draft-ahead's
-        guesses of the bonus token and of a rejection's correction, ``specmesh.ahead``)."""
-        if n <= 0 or not ctx.tokens or len(ctx.tokens) >= self.engine.max_seq_len:
-            return []
-        slot, have = self._slot(ctx.session_id)
-        common = common_prefix_len(have, ctx.tokens[:-1])
-        self.engine.truncate(slot, common)
-        logits = self.engine.prefill(slot, ctx.tokens[common:])
-        self.sessions[ctx.session_id] = (slot, list(ctx.tokens))
-        return torch.topk(logits.float().reshape(-1), min(n, logits.shape[-1])).indices.tolist()
 
     def release(self, session_id: str) -> None:
         if session_id in self.sessions:

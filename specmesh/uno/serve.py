@@ -40,6 +40,7 @@ import torch
 
 from ..blockdraft.serve import draft_from_slots
 from ..blockdraft.tree import Calibration
+from ..device import host_int, to_host
 from ..drafters.base import DrafterBase
 from ..seeding import draft_generator
 from ..types import DraftContext, TokenTree
@@ -165,9 +166,9 @@ class UnoDrafter(DrafterBase):
         s = ctx.sampling
         gen = None if s.greedy else draft_generator(ctx)
         if s.greedy or self.tree:
-            t0, q0 = int(first.argmax()), None
+            t0, q0 = host_int(first.argmax(), "draft"), None
         else:  # the first token from the target's own distribution at the pending token (q = its top-k)
-            vals, idx = torch.topk(first.float().cpu() / s.temperature, min(self.top_k, first.shape[-1]))
+            vals, idx = torch.topk(to_host(first.float(), "draft") / s.temperature, min(self.top_k, first.shape[-1]))
             q = torch.softmax(vals.double(), -1)
             j = int(torch.multinomial(q, 1, generator=gen)[0])
             t0, q0 = int(idx[j]), (idx.tolist(), (q / q.sum()).tolist())

@@ -67,3 +67,39 @@ def test_batched_acceptance_equals_one_by_one():
         batched = A.accept_batch(logits, trees, samplings, seeds, batched=True, backend="torch")
         assert batched == one, trial
         assert A.accept_batch(logits, trees, samplings, seeds) == one  # CPU default: one by one
+
+
+def test_batched_sampled_q_is_scattered_from_the_sparse_q():
+    """The sampled group's dense q [N, T, V] is built on the device by one scatter of the
+    trees' nonzero q entries (top-k subsets, one-hot nodes, lenience applied): the same
+    float32 values ``dense_q(tree) * lenience`` gives, and the same decisions as one by
+    one, lenient requests included."""
+    rng = random.Random(5)
+    g = torch.Generator().manual_seed(5)
+    trees, samplings = [], []
+    for j in range(5):
+        tree = _tree(rng, rng.choice(["chain", "tree"]))
+        if j % 2 == 0:  # top-3 subsets as q (as the drafters send), one node without q (one-hot)
+            ids, probs = [], []
+            for tok in tree.tokens:
+                sub = sorted({tok, rng.randrange(V), rng.randrange(V)})
+                w = [rng.random() + 0.1 for _ in sub]
+                ids.append(sub)
+                probs.append([x / sum(w) for x in w])
+            ids[-1], probs[-1] = [], []
+            tree = TokenTree(tree.tokens, tree.parents, ids, probs, siblings=SIBLINGS_IID)
+        tree.validate(V)
+        trees.append(tree)
+        samplings.append(SamplingParams(temperature=0.9, acceptance="lenient", lenience=0.7) if j % 3 == 1
+                         else SamplingParams(temperature=0.9))
+    t = max(len(tr) for tr in trees)
+    idx, val = A._sparse_q(trees, samplings, t, V)
+    q = torch.zeros(len(trees) * t * V).index_put_((idx,), val).view(len(trees), t, V)
+    for j, (tr, sp) in enumerate(zip(trees, samplings)):
+        want = A.dense_q(tr, V) * (sp.lenience if sp.acceptance == "lenient" else 1.0)
+        assert torch.equal(q[j, : len(tr)], want) and not q[j, len(tr):].any()
+    for trial in range(30):
+        logits = [torch.randn(len(tr) + 1, V, generator=g) * 2 for tr in trees]
+        seeds = [rng.randrange(2 ** 40) for _ in trees]
+        one = [A.accept(lg, tr, sp, sd) for lg, tr, sp, sd in zip(logits, trees, samplings, seeds)]
+        assert A.accept_batch(logits, trees, samplings, seeds, batched=True, backend="torch") == one, trial
