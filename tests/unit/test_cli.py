@@ -180,3 +180,13 @@ def test_demo_marks_the_draft_lm_a_stand_in_without_a_real_draft_model():
     assert _draft_lm_is_stand_in(SimpleNamespace(draft_model=None, model_name="smollm2-135m-instruct"))
     assert not _draft_lm_is_stand_in(SimpleNamespace(draft_model=None, model_name="qwen2.5-coder-1.5b-instruct"))
     assert not _draft_lm_is_stand_in(SimpleNamespace(draft_model="/models/draft", model_name="smollm2-135m-instruct"))
+
+
+def test_the_ray_banner_says_where_the_metrics_are():
+    from specmesh.deploy.ray.cli import metrics_banner
+
+    lines = metrics_banner({"router": "10.0.0.5:50051", "metrics_port": 9451})
+    assert lines[0] == "metrics   http://10.0.0.5:9451/metrics (router)"
+    assert "Prometheus /metrics on port" in lines[1] and "ray_specmesh_replica_load" in lines[1]
+    (off,) = metrics_banner({"router": "10.0.0.5:50051", "metrics_port": None})
+    assert "off" in off and "no replica serves /metrics" in off

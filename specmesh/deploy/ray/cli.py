@@ -81,8 +81,10 @@ def metrics_banner(d: dict) -> list[str]:
     lines say which) and the replicas' load in Ray's own metrics."""
     host = d["router"].rsplit(":", 1)[0]
     port = d.get("metrics_port")
-    router = f"http://{host}:{port}/metrics (router)" if port is not None else "router /metrics off (metrics: false)"
-    return [f"metrics   {router}",
+    if port is None:
+        return ["metrics   off (settings metrics: false): no replica serves /metrics; replica load: "
+                "ray_specmesh_replica_load in the dashboard's Metrics view"]
+    return [f"metrics   http://{host}:{port}/metrics (router)",
             "          drafter and verifier replicas: /metrics on a port of their node (free unless metrics_port "
             "is set; each replica's log line 'serving gRPC on ..., Prometheus /metrics on port N' in the "
             "dashboard's Serve logs); replica load: ray_specmesh_replica_load in the dashboard's Metrics view"]
