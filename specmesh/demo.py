@@ -69,6 +69,10 @@ def peak_rss_mb() -> float:
 
 
 def main(args) -> int:
+    if getattr(args, "repeats", 2) < 1:  # before the model loads
+        from .types import InvalidArgument
+
+        raise InvalidArgument("--repeats", f"must be at least 1, got {args.repeats}")
     con = Console()
     t0 = time.perf_counter()
     rt_kw = dict(device=getattr(args, "device", "cpu"), cuda_graphs=getattr(args, "cuda_graphs", True))
@@ -82,10 +86,6 @@ def main(args) -> int:
               f"{info['kv_bytes_total'] / 2**20:.0f} MiB (max_seq_len {info['max_seq_len']})")
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     repeats = getattr(args, "repeats", 2)
-    if repeats < 1:
-        from .types import InvalidArgument
-
-        raise InvalidArgument("--repeats", f"must be at least 1, got {repeats}")
     mode = "fixed" if args.fixed_budget else "adaptive, max"
     table = Table(title=f"greedy, {args.max_new_tokens} new tokens max, draft budget {mode} {args.budget}, "
                         f"fastest of {repeats} pass{'es' if repeats > 1 else ''}")
