@@ -63,11 +63,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return m
 
 
-def verifier_service(settings: ServeSettings, verifier=None) -> tuple[Service, VerifyBatcher]:
+def verifier_service(settings: ServeSettings, verifier=None, thread=None) -> tuple[Service, VerifyBatcher]:
     """The Verifier service over ``verifier`` (default: a Runtime from ``settings`` on
     ``settings.device``, with the self drafters, loaded on the process's model thread,
-    where every forward then runs) and its batcher (stop it after the server)."""
-    thread = None
+    where every forward then runs) and its batcher (stop it after the server). A
+    ``verifier`` of the caller's runs on ``thread`` (the ``ModelThread`` it was loaded
+    on; None: a thread of the batcher's own)."""
     if verifier is None:
         from specmesh.runtime import Runtime
         from specmesh.threads import model_thread

@@ -72,13 +72,17 @@ class Services(LocalStack):
     def __init__(self, model: str, dtype: str, slots: int, max_seq_len: int, device: str = "cpu"):
         from ..runtime import Runtime
         from ..serving.settings import load_settings
+        from ..threads import model_thread
 
-        self.rt = Runtime(model, dtype=dtype, n_slots=slots, max_seq_len=max_seq_len, quiet=True, device=device)
+        self.thread = model_thread()  # the model loads and runs on one thread, as in `specmesh serve`
+        self.rt = self.thread.run(Runtime, model, dtype=dtype, n_slots=slots, max_seq_len=max_seq_len, quiet=True,
+                                  device=device)
         base = dict(model=model, dtype=dtype, n_slots=slots, max_seq_len=max_seq_len, max_new_tokens=1024,
                     workers=16, drain_s=0.0, max_sessions_per_client=64, device=device)
         if "metrics" in _fields():
             base["metrics"] = False  # no /metrics HTTP port for an in-process benchmark
-        super().__init__([self.rt.verifier], self.rt, self.rt.vocab_size, settings=partial(load_settings, **base))
+        super().__init__([self.rt.verifier], self.rt, self.rt.vocab_size, settings=partial(load_settings, **base),
+                         thread=self.thread)
 
     def tie_gap(self, kw: dict, ref: list[int], other: list[int]) -> Optional[float]:
         """|logit(ref[i]) - logit(other[i])| of the target at the first position where
@@ -93,6 +97,9 @@ class Services(LocalStack):
                             max_new_tokens=kw.get("max_new_tokens"), reasoning=kw.get("reasoning", False),
                             thinking_budget=kw.get("thinking_budget"))
         ids = self.router.plan(spec).ids + list(ref[:i])
+        return self.thread.run(self._tie_gap, ids, ref[i], other[i])
+
+    def _tie_gap(self, ids: list[int], a: int, b: int) -> float:
         v = self.rt.verifier
         with v.lock:
             slot = v.pool.allocate("bench-tie-check")
@@ -101,7 +108,7 @@ class Services(LocalStack):
                 logits = self.rt.engine.prefill(slot, ids)
             finally:
                 v.release("bench-tie-check")
-        return abs(float(logits[ref[i]]) - float(logits[other[i]]))
+        return abs(float(logits[a]) - float(logits[b]))
 
 
 def _fields() -> set:

@@ -24,6 +24,9 @@ class LocalStack:
     ``drafters``: the drafter service's factories (None: every registered drafter).
     ``metrics``: instrument every service with its Prometheus metrics and serve each on a
     free port (``ports``: router, verifier (the first), drafter, then verifier1, ...).
+    ``thread``: the ``specmesh.threads.ModelThread`` the verifiers were (or their factories
+    are) loaded on, where their forwards then run (None: one per batcher; a model loaded on
+    one thread and run on another is slower, ``specmesh.threads``).
 
     Attributes: ``s`` / ``rs`` (services' / router's settings), ``verifiers``,
     ``batchers``, ``vservers`` (one each per verifier; ``verifier``, ``batcher`` and
@@ -35,7 +38,7 @@ class LocalStack:
 
     def __init__(self, verifiers: Sequence[Any], codec: Any, vocab_size: Optional[int] = None, *,
                  settings: Optional[Callable[..., Any]] = None, router_settings: Optional[dict] = None,
-                 drafters: Optional[dict] = None, metrics: bool = False):
+                 drafters: Optional[dict] = None, metrics: bool = False, thread: Any = None):
         from specmesh.drafter_service.servicer import drafter_service
         from specmesh.router.servicer import router_service
         from specmesh.verifier_service.servicer import verifier_service
@@ -50,8 +53,8 @@ class LocalStack:
         self.verifiers, self.batchers, self.vservers, vmetrics = [], [], [], []
         for v in verifiers:
             if isinstance(v, type) or (callable(v) and not hasattr(v, "verify_batch")):
-                v = v()  # a factory
-            svc, batcher = verifier_service(self.s, v)
+                v = thread.run(v) if thread is not None else v()  # a factory
+            svc, batcher = verifier_service(self.s, v, thread)
             self.verifiers.append(v)
             self.batchers.append(batcher)
             if metrics:
