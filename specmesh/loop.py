@@ -45,6 +45,9 @@ class BudgetPolicy:
                verify_s: float = 0.0) -> None:
         pass
 
+    def observe_load(self, batch: int) -> None:
+        """The sessions that shared the round's verify forward (the verifier's dynamic batch)."""
+
 
 class VerifyCosts:
     """A verifier's extra cost per scored draft token (beta, in target forwards), learned
@@ -223,6 +226,11 @@ class AdaptiveBudget(BudgetPolicy):
     plain decoding; in a same-process A/B over four workloads the block tree went
     0.94 / 0.92 / 0.83 / 0.89x -> 1.10 / 0.91 / 0.92 / 0.91x plain decoding on
     code_write / reasoning / open_writing / chat_multiturn).
+    Under load (``observe_load``: the verifier batched this session's forwards with
+    others) a scored token costs beta times the sessions in the forward, the delay it
+    adds to all of them: drafting shrinks, then stops, as the batches grow (a concurrency
+    sweep through the services: speculation must not cost the other streams more than it
+    buys this one).
     ``for_drafter`` picks these settings by drafter name."""
 
     TREE_CHEAP = 0.5  # bf16 on CPU matrix units: 8 x 0.01-0.03; fp32 on a CPU: 8 x 0.12
@@ -258,6 +266,7 @@ class AdaptiveBudget(BudgetPolicy):
         self._spd = (0.0, 0.0, 0)  # one-pass drafters' drafted rounds: EMAs of seconds and of tokens, count
         self._updates = 0
         self._pending: Optional[float] = None  # the table's τ - 1 for the round in flight
+        self.load = 1.0  # EMA of the sessions in this session's verify forwards (``observe_load``)
 
     @classmethod
     def for_drafter(cls, drafter: Optional[str], max_budget: int, costs: Optional[VerifyCosts] = None, **kw):
@@ -272,9 +281,18 @@ class AdaptiveBudget(BudgetPolicy):
             kw.pop("schedule", None)
         return cls(max_budget, costs=costs, **kw)
 
+    LOAD_EMA = 0.3  # the verify forwards' batch size (~3 rounds)
+
     @property
     def beta(self) -> float:
-        return self.costs.beta if self.per_round_draft else self._beta
+        """The cost of one more scored token, in one-token forwards of this session, times
+        the sessions sharing its forwards (``load``): a batched forward made longer by my
+        drafts delays every session in it, so under load a draft must buy that many times
+        more to raise the verifier's total tokens/s (alone: the cost model as it was)."""
+        return (self.costs.beta if self.per_round_draft else self._beta) * self.load
+
+    def observe_load(self, batch: int) -> None:
+        self.load = (1 - self.LOAD_EMA) * self.load + self.LOAD_EMA * max(1, batch)
 
     @property
     def uses_entropy(self) -> bool:
@@ -567,6 +585,7 @@ class _Generation:
             st.draft_s += rnd.draft_s + self_draft_s
             depth = max(rnd.tree.depths()) + 1 if len(rnd.tree) else res.drafted
             st.record_round(res.drafted, len(res.accepted), depth)
+            self.policy.observe_load(res.batch_size)
             self.policy.update(res.drafted, len(res.accepted), res.entropy, rnd.draft_s + self_draft_s,
                                max(rnd.wall_s - self_draft_s, 1e-6))
             if self.o.draft_ahead is not None and self.drafter_ok and self.o.self_draft is None:

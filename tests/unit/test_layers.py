@@ -37,7 +37,7 @@ BARE = ("router", "drafter_service", "verifier_service", "kernels")
 # layer of its longest matching prefix and may import only from that layer or lower ones.
 LAYERS = [
     ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.rowops", "specmesh.trees",
-                "specmesh.errors", "specmesh.workloads", "specmesh.results",
+                "specmesh.errors", "specmesh.workloads", "specmesh.results", "specmesh.threads",
                 "specmesh.kernels", "specmesh.v1"]),
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.keylist_attention", "specmesh.int4_matmul",
                   "specmesh.layer_stack", "specmesh.bf16_matmul",
