@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
+from specmesh.ahead import AheadDrafter, AheadInfo
 from specmesh.drafters import registry
 from specmesh.drafters.base import Drafter
 from specmesh.types import DraftContext, FeatureRows, InvalidArgument, SamplingParams, SessionLost, TokenTree
@@ -55,6 +56,7 @@ class DrafterHost:
         self._locks = {name: threading.Lock() for name in self.factories}
         self._sessions: "OrderedDict[str, _Session]" = OrderedDict()
         self._lock = threading.Lock()
+        self._ahead: dict[str, AheadDrafter] = {}  # draft-ahead caches, made by the first ProposeAhead
 
     @property
     def names(self) -> list[str]:
@@ -103,6 +105,14 @@ class DrafterHost:
         """Sync the session and draft; returns (tree, tokens held, draft ms). ``cache_id``
         names the draft cache the "cache" drafter reads; ``features`` is the delta of the
         session's hidden features (feature drafters only)."""
+        return self.propose_info(session_id, drafter, keep_len, append, prompt_len, sampling, budget, cache_id,
+                                 features)[:3]
+
+    def propose_info(self, session_id: str, drafter: str, keep_len: int, append: Sequence[int], prompt_len: int,
+                     sampling: SamplingParams, budget: int, cache_id: str = "",
+                     features: Optional[FeatureRows] = None) -> tuple[TokenTree, int, float, AheadInfo]:
+        """``propose``, plus how the draft was obtained: from a drafted-ahead round
+        (``propose_ahead``) or not (``ahead.AheadInfo``)."""
         if drafter not in self.factories:
             raise InvalidArgument("drafter", f"unknown drafter {drafter!r}; available: {self.names}")
         if len(cache_id.encode()) > MAX_CACHE_ID:
@@ -136,11 +146,63 @@ class DrafterHost:
             self._release_in(name, sid, None)
         d = self._drafter(drafter)
         t0 = time.perf_counter()
+        ahead = self._ahead.get(drafter)
+        if ahead is not None and fd is None:  # its lock and the model thread are taken inside
+            tree, info = ahead.propose_info(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), budget)
+            return tree, len(tokens), (time.perf_counter() - t0) * 1e3, info
         with self._locks[drafter]:
             if fd is not None:
                 fd.sync_features(session_id, features, keep_len)
             tree = d.propose(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), budget)
-        return tree, len(tokens), (time.perf_counter() - t0) * 1e3
+        return tree, len(tokens), (time.perf_counter() - t0) * 1e3, AheadInfo()
+
+    def propose_ahead(self, session_id: str, drafter: str, keep_len: int, append: Sequence[int], prompt_len: int,
+                      sampling: SamplingParams, tree: TokenTree, budget: int, cache_id: str = "") -> int:
+        """Round r (the session synced like ``propose``; ``tree`` its draft) is being
+        verified: draft round r+1 ahead for its likely outcomes (``specmesh.ahead``) and
+        return at once with the tokens held. Token-only drafters."""
+        if drafter not in self.factories:
+            raise InvalidArgument("drafter", f"unknown drafter {drafter!r}; available: {self.names}")
+        if self.needs_features(drafter):
+            raise InvalidArgument("drafter", f"{drafter!r} needs the target's hidden features: no draft-ahead")
+        if len(cache_id.encode()) > MAX_CACHE_ID:
+            raise InvalidArgument("cache_id", f"longer than {MAX_CACHE_ID} bytes")
+        if not 1 <= budget <= self.max_tree_nodes:
+            raise InvalidArgument("budget", f"must be in [1, {self.max_tree_nodes}], got {budget}")
+        if len(tree) > self.max_tree_nodes:
+            raise InvalidArgument("tree", f"{len(tree)} nodes exceed max_tree_nodes {self.max_tree_nodes}")
+        if len(tree.parents) != len(tree.tokens):
+            raise InvalidArgument("tree.parents", f"{len(tree.parents)} parents for {len(tree.tokens)} tokens")
+        for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)):
+            if not 0 <= t < self.vocab_size:
+                raise InvalidArgument("tree.tokens", f"token id {t} outside [0, {self.vocab_size})")
+            if not -1 <= p < i:
+                raise InvalidArgument("tree.parents", f"node {i} has parent {p}: must be in [-1, {i})")
+        d = self._drafter(drafter)
+        with self._lock:
+            s = self._sessions.get(session_id)
+            tokens = self._tokens(s.tokens if s else [], keep_len, append)
+            if not tokens:
+                raise InvalidArgument("sync.append_tokens", "the session holds no tokens")
+            if not 0 <= prompt_len <= len(tokens):
+                raise InvalidArgument("prompt_len", f"must be in [0, {len(tokens)}], got {prompt_len}")
+            if s is not None and s.drafter != drafter:
+                raise InvalidArgument("drafter", f"session {session_id!r} drafts with {s.drafter!r}")
+            # ---- valid: change state
+            self._sessions[session_id] = _Session(tokens, prompt_len, drafter)
+            self._sessions.move_to_end(session_id)
+            ahead = self._ahead.get(drafter)
+            if ahead is None:
+                ahead = self._ahead[drafter] = AheadDrafter(  # drafter work where the host runs it (run)
+                    d, lock=self._locks[drafter], run=getattr(self, "run", None), max_sessions=self.max_sessions)
+        ahead.propose_ahead(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), tree, budget)
+        return len(tokens)
+
+    @staticmethod
+    def _propose_in(d: Drafter, fd, features, keep_len: int, ctx: DraftContext, budget: int) -> TokenTree:
+        if fd is not None:
+            fd.sync_features(ctx.session_id, features, keep_len)
+        return d.propose(ctx, budget)
 
     def seed(self, cache_id: str, texts: Sequence[Sequence[int]], ttl_s: float = 0.0,
              replace: bool = False) -> tuple[int, int]:
@@ -183,6 +245,8 @@ class DrafterHost:
         d = self._drafters.get(name)
         if d is None:
             return
+        if name in self._ahead:  # cancel its ahead work; the drafter state goes after any round in flight
+            self._ahead[name].forget(session_id)
         with self._locks[name]:
             if final is not None:
                 d.finish(session_id, final[0], final[1])
@@ -197,6 +261,9 @@ class DrafterHost:
             if name in self._locks:
                 with self._locks[name]:
                     self._drafters.pop(name, None)
+                ahead = self._ahead.pop(name, None)
+                if ahead is not None:
+                    ahead.close()
 
     def info(self) -> dict:
         with self._lock:

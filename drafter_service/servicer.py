@@ -8,7 +8,9 @@ adaptive_lookup with the target's embedding table and draft_lm, on
 ``settings.device``) and, when the model has a trained block drafter, ``block`` /
 ``block_tree`` (loaded at start, on ``settings.device``), which read the
 target's hidden features sent with each Propose. ``Seed`` adds
-texts to a draft cache.
+texts to a draft cache. ``ProposeAhead`` drafts the next round of a token-only
+drafter's session while the router verifies this one (``host.propose_ahead``,
+``specmesh.ahead``); the next ``Propose`` answers from it on a hit and says so.
 
 It knows nothing about the verifier, strategies or tokenizers.
 """
@@ -35,11 +37,21 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         t0 = time.perf_counter()
         sampling = convert.sampling_from_proto(request.sampling)
         feats = convert.features_from_proto(request.features) if request.HasField("features") else None
-        tree, held, draft_ms = self.host.propose(
+        tree, held, draft_ms, ahead = self.host.propose_info(
             check_session_id(request.session_id), request.drafter, request.sync.keep_len,
             list(request.sync.append_tokens), request.prompt_len, sampling, request.budget, request.cache_id, feats)
         return drafter_pb2.ProposeResponse(tree=convert.tree_to_proto(tree), held_len=held, draft_ms=draft_ms,
-                                           server_ms=(time.perf_counter() - t0) * 1e3, source=tree.source)
+                                           server_ms=(time.perf_counter() - t0) * 1e3, source=tree.source,
+                                           ahead=convert.ahead_to_proto(ahead))
+
+    def ProposeAhead(self, request, context):
+        t0 = time.perf_counter()
+        held = self.host.propose_ahead(
+            check_session_id(request.session_id), request.drafter, request.sync.keep_len,
+            list(request.sync.append_tokens), request.prompt_len, convert.sampling_from_proto(request.sampling),
+            convert.tree_from_proto(request.tree), request.budget, request.cache_id)
+        return drafter_pb2.ProposeAheadResponse(held_len=held, server_ms=(time.perf_counter() - t0) * 1e3)
+
 
     def Release(self, request, context):
         released = self.host.release(check_session_id(request.session_id), request.finished,

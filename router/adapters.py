@@ -8,7 +8,11 @@
   the drafter unhealthy (``PeerHealth``): the exception reaches the loop, which
   falls back to plain decoding for that round, and further rounds skip drafting
   (empty draft, no RPC) until the backoff has passed; then the next round
-  probes the drafter again.
+  probes the drafter again. With draft-ahead (``propose_ahead``, token-only
+  drafters) it sends ``ProposeAhead`` without waiting before each Verify and
+  collects the answer at the next ``propose``, whose response says whether the
+  draft came from a drafted-ahead round (``propose_info``: ``ahead.AheadInfo``,
+  its span placed on this process's clock).
 - ``RemoteVerifier`` implements the ``Verifier`` protocol over one of several
   Verifier replicas (``replicas.ReplicaSet``): the session is pinned to a
   replica (least-loaded or rendezvous hash). FAILED_PRECONDITION becomes
@@ -44,6 +48,7 @@ from typing import Optional, Sequence
 
 import grpc
 
+from specmesh.ahead import AheadInfo
 from specmesh.seqs import common_prefix_len
 from specmesh.serving import convert
 from specmesh.types import FEATURE_DTYPE, DraftContext, FeatureRows, SessionLost, TokenTree, VerifyRequest, \
@@ -137,6 +142,7 @@ class RemoteDrafter:
         self.network_s = 0.0
         self.skipped = 0  # rounds without drafting while the drafter was down
         self.feature_bytes = 0  # feature bytes sent to the drafter service
+        self._ahead: dict[str, tuple] = {}  # session -> (ProposeAhead future, tokens sent, perf_counter sent)
 
     def _feature_delta(self, sid: str, keep: int) -> Optional[FeatureRows]:
         log = self.features
@@ -153,9 +159,52 @@ class RemoteDrafter:
         return log.rows(min(max(start, window_start), log.n))  # never more than a window
 
     def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
+        return self.propose_info(ctx, budget)[0]
+
+    def propose_ahead(self, ctx: DraftContext, tree: TokenTree, budget: int) -> bool:
+        """Ask the service to draft the next round ahead while this one verifies
+        (``Drafter/ProposeAhead``, sent without waiting: its answer is collected by the
+        next ``propose``). Token-only drafters; False when not sent."""
+        if self.features is not None or not self.peer.health.available():
+            return False
+        sid, tokens = ctx.session_id, ctx.tokens
+        self._collect_ahead(sid)
+        held = self._held.pop(sid, [])  # unknown until the call is answered
+        keep = common_prefix_len(held, tokens)
+        req = drafter_pb2.ProposeAheadRequest(
+            session_id=sid, drafter=self.name, sync=convert.sync_to_proto(keep, tokens[keep:]),
+            prompt_len=ctx.prompt_len, sampling=convert.sampling_to_proto(ctx.sampling), budget=budget,
+            cache_id=ctx.cache_id or self.cache_id, tree=convert.tree_to_proto(tree))
+        fut = self.peer.stub.ProposeAhead.future(req, timeout=self.calls.timeout(self.timeout_s),
+                                                 metadata=self.calls.metadata)
+        self._ahead[sid] = (fut, list(tokens), time.perf_counter())
+        return True
+
+    def _collect_ahead(self, sid: str) -> Optional[float]:
+        """Wait for the session's ProposeAhead answer (sent a verify ago: answered long
+        since); on success the service holds its tokens. Returns when it was sent, or None
+        when there was none or it failed (the next Propose then resends from 0)."""
+        pending = self._ahead.pop(sid, None)
+        if pending is None:
+            return None
+        fut, tokens, sent = pending
+        try:
+            fut.result()
+        except grpc.RpcError as e:
+            if e.code() in DOWN:
+                self.peer.health.failed()
+            log.info("ProposeAhead failed (%s); the next round drafts afresh", e.code())
+            return None
+        self._held[sid] = tokens
+        return sent
+
+    def propose_info(self, ctx: DraftContext, budget: int) -> tuple[TokenTree, Optional[AheadInfo]]:
+        """``propose``, and how the service obtained the draft (``ahead.AheadInfo``: from
+        a drafted-ahead round or not; None when no call was made)."""
+        asked = self._collect_ahead(ctx.session_id)
         if not self.peer.health.available():
             self.skipped += 1
-            return TokenTree()
+            return TokenTree(), None
         sid, tokens = ctx.session_id, ctx.tokens
         held = self._held.pop(sid, [])  # unknown until this call succeeds
         keep = common_prefix_len(held, tokens)
@@ -190,9 +239,10 @@ class RemoteDrafter:
             self.features.rewritten = None
         tree = convert.tree_from_proto(resp.tree)
         tree.source = resp.source
-        return tree
+        return tree, convert.ahead_from_proto(resp.ahead, asked)
 
     def _release(self, session_id: str, finished: bool, tokens: Sequence[int] = (), prompt_len: int = 0) -> None:
+        self._collect_ahead(session_id)
         held = self._held.pop(session_id, None)
         self._held_rows.pop(session_id, None)
         if held is None or not self.peer.health.available():

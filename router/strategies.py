@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence
 
+from specmesh.ahead import OverlapPolicy
 from specmesh.drafters import registry
 from specmesh.seqs import common_prefix_len
 from specmesh.loop import AdaptiveBudget, BudgetPolicy, LoopOptions, VerifyCosts, speculative_generate
@@ -205,7 +206,7 @@ class Run:
                 resumed=len(p.resume),  # a resumed request (router.core): its delivered output, prefilled
                 sampling=p.sampling, max_new_tokens=p.max_new_tokens, stop_ids=stop_ids, session_id=self.sid,
                 budget=self.policy(), self_draft=p.self_draft, on_drafter_error=on_drafter_error,
-                max_new_limit=s.max_new_tokens, round_scope=round_scope,
+                max_new_limit=s.max_new_tokens, round_scope=round_scope, draft_ahead=self.owner.overlap(p),
                 draft_first=p.strategy == "proactive"), stats=stats)  # cached replies start at once
         fmt = self.owner.think_format()
         kw = {}
@@ -283,6 +284,7 @@ class Strategies:
         self.gate = Gate()
         self.book = auto.SessionBook()
         self.verify_costs = VerifyCosts()  # the verifiers' cost per scored draft token, shared by all requests
+        self._overlap: dict[str, OverlapPolicy] = {}  # drafter -> draft-ahead policy (``overlap``)
         self._anticipator: Optional[Anticipator] = None
         self._fmt: Optional[ThinkFormat] = None
         self._calibration = None
@@ -310,6 +312,19 @@ class Strategies:
                 log.warning("tree schedule not loaded: %s", e)
                 self._tree_schedule = (None,)
         return self._tree_schedule[0]
+
+    def overlap(self, plan) -> Optional[OverlapPolicy]:
+        """The draft-ahead policy of an ``external`` request with a token-only drafter (one
+        per drafter, shared by all requests: what it measured carries over; settings
+        ``draft_ahead``); None for the others (no draft-ahead)."""
+        mode = self.parts.s.draft_ahead
+        if mode == "off" or plan.strategy != "external" or plan.drafter not in registry.CONTEXT_ONLY:
+            return None
+        with self._lock:
+            pol = self._overlap.get(plan.drafter)
+            if pol is None or pol.mode != mode:
+                pol = self._overlap[plan.drafter] = OverlapPolicy(mode)
+            return pol
 
     def think_format(self) -> ThinkFormat:
         if self._fmt is None:

@@ -183,6 +183,11 @@ class RouterMetrics(ServiceMetrics):
                                        "(lossy) acceptance rule, by rule", LA, registry=r)
         self.lossy_accepted = Counter("specmesh_lossy_accepted_tokens_total", "Drafted tokens accepted by a "
                                       "relaxed (lossy) acceptance rule, by rule", LA, registry=r)
+        self.ahead = Counter("specmesh_draft_ahead", "Rounds of drafters that can draft ahead, by how the draft was "
+                             "obtained: hit (from a round drafted while the previous one verified), miss (drafted "
+                             "afresh), off (no draft-ahead asked)", L + ["result"], registry=r)
+        self.ahead_wasted = Counter("specmesh_draft_ahead_wasted_tokens", "Drafted-ahead tokens of outcomes that "
+                                    "did not happen", L, registry=r)
         self._counts: dict[tuple, list[int]] = {}  # (strategy, drafter) -> [drafted rounds, ceiling rounds]
         self._lock = threading.Lock()
 
@@ -252,6 +257,12 @@ class RouterMetrics(ServiceMetrics):
                 c[0] += 1
                 c[1] += int(ceiling)
                 self.ceiling_ratio.labels(*lab).set(c[1] / c[0])
+
+    def record_ahead(self, strategy: str, drafter: str, result: str, wasted: int = 0) -> None:
+        """One round's draft-ahead result (hit / miss / off) and its wasted ahead tokens."""
+        self.ahead.labels(strategy, drafter, result).inc()
+        if wasted > 0:
+            self.ahead_wasted.labels(strategy, drafter).inc(wasted)
 
     def add_generated(self, strategy: str, drafter: str, n: int, acceptance: str = "exact") -> None:
         if n > 0:

@@ -120,6 +120,7 @@ class RequestObservation:
         self.rounds_seen = 0
         self.phase = -1
         self.span = self.ctx = None
+        self.last_round_ctx = None  # the previous round's span: a draft-ahead span's parent
         if tracing.enabled():
             self.span = tracing.tracer().start_span("specmesh.generate",
                                                     attributes=_request_attributes(self.model, plan, session_id))
@@ -193,6 +194,23 @@ class RequestObservation:
             self.span.end()
 
 
+AHEAD_MS = ("ahead_ms", "drafter_busy_ms", "drafter_idle_ms", "verifier_busy_ms", "verifier_idle_ms")
+
+
+def ahead_span(parent, f: dict) -> None:
+    """The drafter's draft-ahead work behind this round, as a ``specmesh.draft_ahead`` span
+    under the previous round (whose verify it overlapped), placed at its own times
+    (``ahead_span``: perf_counter seconds of this process, converted to the span clock)."""
+    t0, t1 = f["ahead_span"]
+    now_perf, now_ns = time.perf_counter(), time.time_ns()
+    sp = tracing.tracer().start_span("specmesh.draft_ahead", context=parent,
+                                     start_time=now_ns - int((now_perf - t0) * 1e9),
+                                     attributes={"specmesh.ahead.result": str(f.get("ahead", "")),
+                                                 "specmesh.ahead.outcomes": int(f.get("ahead_outcomes", 0)),
+                                                 "specmesh.ahead.wasted": int(f.get("wasted", 0))})
+    sp.end(end_time=now_ns - int((now_perf - t1) * 1e9))
+
+
 class RoundScope:
     """Context manager around one round; yields the dict the loop fills."""
 
@@ -236,6 +254,9 @@ class RoundScope:
             if req.metrics is not None and not prefill:
                 req.metrics.record_round(req.strategy, req.drafter_name, drafted, accepted, depth, wall_s,
                                          req.block, req.acceptance)
+            if req.metrics is not None and "ahead" in f:
+                req.metrics.record_ahead(req.strategy, req.drafter_name, str(f["ahead"]).split(":")[0],
+                                         int(f.get("wasted", 0)))
             if span is not None and span.is_recording():
                 net, dnet = req.network_s()
                 span.set_attributes({
@@ -249,6 +270,14 @@ class RoundScope:
                     "specmesh.round.drafter_network_ms": (dnet - self.net0[1]) * 1e3,
                     "specmesh.round.wall_ms": float(f.get("wall_ms", wall_s * 1e3)),
                     "specmesh.round.batch_size": int(f.get("batch_size", 1))})
+                if "ahead" in f:
+                    span.set_attributes({"specmesh.round.ahead": str(f["ahead"]),
+                                         "specmesh.round.ahead_wasted": int(f.get("wasted", 0))})
+                    span.set_attributes({f"specmesh.round.{k}": float(f[k]) for k in AHEAD_MS if k in f})
+            if "ahead_span" in f and f["ahead_span"] is not None and req.ctx is not None:
+                ahead_span(req.last_round_ctx or req.ctx, f)
+        if span is not None:
+            req.last_round_ctx = trace.set_span_in_context(span)
         if span is not None:
             if ev is not None:
                 span.set_status(Status(StatusCode.ERROR, type(ev).__name__))

@@ -57,6 +57,8 @@ _FLAGS = [
      "(default: when it is a model of its own)"),
     ("--drafter-address", "drafter_address", str, "router: drafter host:port ('none' = no drafter)"),
     ("--drafter-timeout-s", "drafter_timeout_s", float, "router: deadline of one drafter call (default 2)"),
+    ("--draft-ahead", "draft_ahead", str, "router: external token-only drafters draft the next round while the "
+     "verifier verifies this one: off | on | auto (measured; default specmesh.ahead.AHEAD_DEFAULT)"),
     ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
     ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
     ("--router-addresses", "router_addresses", str, "openai: comma-separated router host:port list (or one DNS "

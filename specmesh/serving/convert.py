@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from ..types import (FeatureRows, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, TokenTree,
                      VerifyRequest, VerifyResult)
-from ..v1 import common_pb2, verifier_pb2
+from ..v1 import common_pb2, drafter_pb2, verifier_pb2
 
 U64 = (1 << 64) - 1
 
@@ -92,6 +92,27 @@ def tree_from_proto(m: common_pb2.TokenTree) -> TokenTree:
         return TokenTree(list(m.tokens), list(m.parents), siblings=m.siblings)
     return TokenTree(list(m.tokens), list(m.parents), [list(d.ids) for d in m.q], [list(d.probs) for d in m.q],
                      siblings=m.siblings)
+
+
+def ahead_to_proto(a) -> "drafter_pb2.AheadResult":
+    """An ``ahead.AheadInfo`` (how a Propose's draft was obtained) for the wire; its span
+    as ms after the ProposeAhead that asked for it."""
+    m = drafter_pb2.AheadResult(result=a.result, reason=a.reason, ahead_ms=a.ahead_s * 1e3, wasted_tokens=a.wasted,
+                                outcomes=a.outcomes)
+    if a.span is not None and a.asked is not None:
+        m.start_ms, m.end_ms = (a.span[0] - a.asked) * 1e3, (a.span[1] - a.asked) * 1e3
+    return m
+
+
+def ahead_from_proto(m, asked: Optional[float] = None):
+    """The ``ahead.AheadInfo`` of a ProposeResponse; ``asked``: when (perf_counter, this
+    process) the ProposeAhead was sent, to place the ahead span on this clock."""
+    from ..ahead import AheadInfo
+
+    span = None
+    if asked is not None and m.end_ms > 0:
+        span = (asked + m.start_ms / 1e3, asked + m.end_ms / 1e3)
+    return AheadInfo(m.result or "off", m.reason, m.ahead_ms / 1e3, m.wasted_tokens, m.outcomes, span, asked)
 
 
 def sync_to_proto(keep_len: int, append: Sequence[int]) -> common_pb2.SessionSync:

@@ -24,6 +24,8 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, YamlConfigSettingsSource
 
+from ..ahead import AHEAD_DEFAULT
+
 _YAML_FILE: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("specmesh_yaml", default=None)
 
 MiB = 1 << 20
@@ -86,6 +88,8 @@ class ServeSettings(BaseSettings):
     default_drafter: str = Field("prompt_lookup", description="the external drafter of requests that name none "
                                  "(one of drafters.registry.EXTERNAL)")
     draft_budget: int = Field(6, ge=1)
+    draft_ahead: Literal["off", "on", "auto"] = Field(AHEAD_DEFAULT, description="external token-only drafters "
+                                                      "draft the next round while this one verifies (specmesh.ahead)")
     auto_anticipate: bool = Field(False, description="anticipate every finished turn that has a conversation_id")
     anticipate_tokens: int = Field(512, ge=1, description="idle tokens per anticipation (upper limit)")
     anticipate_next_turns: int = Field(2, ge=0, le=8, description="predicted next user turns per anticipation")

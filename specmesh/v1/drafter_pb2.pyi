@@ -28,18 +28,66 @@ class ProposeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., cache_id: _Optional[str] = ..., features: _Optional[_Union[_common_pb2.HiddenFeatures, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("tree", "held_len", "draft_ms", "server_ms", "source")
+    __slots__ = ("tree", "held_len", "draft_ms", "server_ms", "source", "ahead")
     TREE_FIELD_NUMBER: _ClassVar[int]
     HELD_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     SERVER_MS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.TokenTree
     held_len: int
     draft_ms: float
     server_ms: float
     source: str
-    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., held_len: _Optional[int] = ..., draft_ms: _Optional[float] = ..., server_ms: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
+    ahead: AheadResult
+    def __init__(self, tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., held_len: _Optional[int] = ..., draft_ms: _Optional[float] = ..., server_ms: _Optional[float] = ..., source: _Optional[str] = ..., ahead: _Optional[_Union[AheadResult, _Mapping]] = ...) -> None: ...
+
+class AheadResult(_message.Message):
+    __slots__ = ("result", "reason", "ahead_ms", "wasted_tokens", "outcomes", "start_ms", "end_ms")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    WASTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    START_MS_FIELD_NUMBER: _ClassVar[int]
+    END_MS_FIELD_NUMBER: _ClassVar[int]
+    result: str
+    reason: str
+    ahead_ms: float
+    wasted_tokens: int
+    outcomes: int
+    start_ms: float
+    end_ms: float
+    def __init__(self, result: _Optional[str] = ..., reason: _Optional[str] = ..., ahead_ms: _Optional[float] = ..., wasted_tokens: _Optional[int] = ..., outcomes: _Optional[int] = ..., start_ms: _Optional[float] = ..., end_ms: _Optional[float] = ...) -> None: ...
+
+class ProposeAheadRequest(_message.Message):
+    __slots__ = ("session_id", "drafter", "sync", "prompt_len", "sampling", "budget", "cache_id", "tree")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    drafter: str
+    sync: _common_pb2.SessionSync
+    prompt_len: int
+    sampling: _common_pb2.SamplingParams
+    budget: int
+    cache_id: str
+    tree: _common_pb2.TokenTree
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., cache_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+
+class ProposeAheadResponse(_message.Message):
+    __slots__ = ("held_len", "server_ms")
+    HELD_LEN_FIELD_NUMBER: _ClassVar[int]
+    SERVER_MS_FIELD_NUMBER: _ClassVar[int]
+    held_len: int
+    server_ms: float
+    def __init__(self, held_len: _Optional[int] = ..., server_ms: _Optional[float] = ...) -> None: ...
 
 class TokenList(_message.Message):
     __slots__ = ("tokens",)

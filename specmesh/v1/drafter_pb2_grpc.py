@@ -55,6 +55,11 @@ class DrafterStub:
                 request_serializer=specmesh_dot_v1_dot_drafter__pb2.SeedRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_drafter__pb2.SeedResponse.FromString,
                 _registered_method=True)
+        self.ProposeAhead = channel.unary_unary(
+                '/specmesh.v1.Drafter/ProposeAhead',
+                request_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeAheadRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeAheadResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -90,6 +95,23 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeAhead(self, request, context):
+        """Draft-ahead (decoupled speculation): round r's draft is being verified;
+        draft round r+1 now for its likely outcomes (all accepted + the drafter's
+        own guess of the bonus token; for each rejection point k, the first k
+        accepted + the drafter's second choice at k), each exactly as a Propose
+        after that outcome would (draws keyed by the committed length it assumes).
+        Returns at once; the work runs on the drafter's worker. The next Propose of
+        the session is answered from these rounds when one assumed exactly its
+        committed tokens (ProposeResponse.ahead says hit or miss and why). Token-only
+        drafters (prompt_lookup, suffix, adaptive_lookup, cache, draft_lm); a
+        drafter that needs features is INVALID_ARGUMENT (drafter). Bounded: at most
+        a few rounds per session, replaced by the next call, dropped after a TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +134,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Seed,
                     request_deserializer=specmesh_dot_v1_dot_drafter__pb2.SeedRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_drafter__pb2.SeedResponse.SerializeToString,
+            ),
+            'ProposeAhead': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeAhead,
+                    request_deserializer=specmesh_dot_v1_dot_drafter__pb2.ProposeAheadRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_drafter__pb2.ProposeAheadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +249,33 @@ class Drafter:
             '/specmesh.v1.Drafter/Seed',
             specmesh_dot_v1_dot_drafter__pb2.SeedRequest.SerializeToString,
             specmesh_dot_v1_dot_drafter__pb2.SeedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeAhead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.Drafter/ProposeAhead',
+            specmesh_dot_v1_dot_drafter__pb2.ProposeAheadRequest.SerializeToString,
+            specmesh_dot_v1_dot_drafter__pb2.ProposeAheadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,181 @@
+"""Draft-ahead through the real services (``Drafter/ProposeAhead``, the router's ``draft_ahead``).
+
+Greedy output equals plain decoding for every token-only drafter with overlap on; the
+round trace shows the drafter's ahead span overlapping the verify it ran beside (forced
+with the verifier paused inside that verify until the ahead round is drafted: events,
+no timing); the metrics count hits and misses; bad ProposeAhead input is
+INVALID_ARGUMENT naming the field with no state change; a drafter that dies mid-stream
+and a session released while its ahead round runs change no token and leave nothing held.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import grpc
+import pytest
+
+from specmesh.drafters import PromptLookupDrafter, SuffixDrafter
+from specmesh.drafters.adaptive_lookup import AdaptiveLookupDrafter
+from specmesh.drafters.model_drafters import DraftLMDrafter
+from specmesh.engine import LlamaEngine
+from specmesh.serving import convert
+from specmesh.types import SamplingParams, TokenTree
+from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2
+from tests.support import (TRACED_SETTINGS, V, FakeCodec, GatedVerifier, TracedStack, code_of, samples, scrape,
+                           settings, shared_tiny_weights, spans_of, total)
+
+PROMPT = "abcabcabdabcabcabd"
+N = 24
+
+
+class Watched(PromptLookupDrafter):
+    """Prompt lookup (the last token repeated where it finds nothing) that records the
+    committed length of every ahead round it drafts (calls on the draft-ahead worker), and
+    can fail from the ``fail_after``-th call on."""
+
+    def __init__(self):
+        super().__init__()
+        self.cv = threading.Condition()
+        self.ahead_lengths: list[int] = []
+        self.fail_after = None
+        self.calls = 0
+
+    def propose(self, ctx, budget):
+        self.calls += 1
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise RuntimeError("drafter died")
+        tree = super().propose(ctx, budget)
+        if not len(tree) and budget > 0:  # always a draft, so every round has an outcome to draft ahead for
+            tree = TokenTree.chain([ctx.tokens[-1]] * budget)
+        if threading.current_thread().name.startswith("draft-ahead") and budget > 1:
+            with self.cv:
+                self.ahead_lengths.append(len(ctx.tokens))
+                self.cv.notify_all()
+        return tree
+
+
+class Stack(TracedStack):
+    """Overlap on; ``watched``: the drafter service's prompt_lookup is a ``Watched`` one."""
+
+    def __init__(self, path, mode: str = "on", watched: bool = False):
+        w = shared_tiny_weights()
+        self.watched = Watched()
+        drafters = {"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter,
+                    "adaptive_lookup": lambda: AdaptiveLookupDrafter(vocab_size=V),
+                    "draft_lm": lambda: DraftLMDrafter(LlamaEngine(w[0], w[1], n_slots=4, max_seq_len=256))}
+        if watched:
+            drafters = {"prompt_lookup": lambda: self.watched}
+        super().__init__(path, [GatedVerifier], FakeCodec(), V, settings=functools.partial(settings, TRACED_SETTINGS),
+                         drafters=drafters, router_settings={"draft_ahead": mode})
+
+    def generate(self, strategy="external", drafter="prompt_lookup", n=N, budget=3):
+        req = router_pb2.GenerateRequest(prompt=PROMPT, raw_prompt=True, max_new_tokens=n, strategy=strategy,
+                                         drafter=drafter, draft_budget=budget,
+                                         sampling=convert.sampling_to_proto(SamplingParams()))
+        final = None
+        for msg in self.stub.Generate(req, timeout=60):
+            if msg.HasField("final"):
+                final = msg.final
+        return list(final.token_ids), final
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("ahead") / "spans.jsonl")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def wstack(tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("watched") / "spans.jsonl", watched=True)
+    yield s
+    s.close()
+
+
+def test_propose_ahead_is_registered_as_a_drafter_rpc():
+    assert "ProposeAhead" in drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].methods_by_name
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "suffix", "adaptive_lookup", "draft_lm"])
+def test_greedy_output_with_draft_ahead_equals_plain_decoding(stack, drafter):
+    ref, _ = stack.generate("autoregressive", "")
+    before = samples(scrape(stack.ports["router"]))
+    out, final = stack.generate("external", drafter)
+    assert out == ref
+    after = samples(scrape(stack.ports["router"]))
+    counted = {r: total(after, "specmesh_draft_ahead_total", drafter=drafter, result=r)
+               - total(before, "specmesh_draft_ahead_total", drafter=drafter, result=r) for r in ("hit", "miss", "off")}
+    assert counted["hit"] + counted["miss"] >= 1 and counted["off"] == 0
+    assert sum(counted.values()) <= final.stats.rounds
+    assert stack.host._ahead[drafter].held() == {"sessions": 0, "entries": 0}  # released with the generation
+
+
+def test_the_trace_shows_the_ahead_span_overlapping_the_verify(wstack):
+    """Round 1's verify pauses until the drafter has drafted an ahead round of round 2 (an
+    outcome of round 1: committed length >= prompt + 2); its span lies inside that verify."""
+    stack = wstack
+    stack.mem.clear()
+    p_len = len(FakeCodec().encode(PROMPT))
+    v = stack.verifier
+    v.arm(2)  # verify_batch call 2: round 1 (call 1 is the prefill)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=stack.generate("external", "prompt_lookup")))
+    t.start()
+    assert v.reached.wait(20)
+    with stack.watched.cv:
+        assert stack.watched.cv.wait_for(lambda: any(n >= p_len + 2 for n in stack.watched.ahead_lengths), 20)
+    v.resume.set()
+    t.join(60)
+    assert result["out"][0] == stack.generate("autoregressive", "")[0]
+    spans = spans_of(stack.mem)
+    rounds = {s["span_id"]: s for s in spans if s["name"] == "specmesh.round"}
+    ahead = [s for s in spans if s["name"] == "specmesh.draft_ahead"]
+    assert ahead and all(s["parent_id"] in rounds for s in ahead)
+    r1 = next(s for s in rounds.values() if s["attributes"]["specmesh.round.index"] == 1)
+    verify = next(s for s in spans if s["parent_id"] == r1["span_id"] and s["name"].endswith("Verifier/Verify"))
+    mine = [s for s in ahead if s["parent_id"] == r1["span_id"]]
+    assert mine, "the ahead work of round 2 hangs under round 1"
+    a = mine[0]
+    assert a["start_ns"] < verify["end_ns"] and a["end_ns"] > verify["start_ns"]  # overlapping
+    r2 = next(s for s in rounds.values() if s["attributes"]["specmesh.round.index"] == 2)
+    assert r2["attributes"]["specmesh.round.ahead"].split(":")[0] in ("hit", "miss")
+    for k in ("drafter_busy_ms", "drafter_idle_ms", "verifier_busy_ms", "verifier_idle_ms"):
+        assert r2["attributes"][f"specmesh.round.{k}"] >= 0
+
+
+def test_propose_ahead_bad_input_names_the_field_and_changes_nothing(stack):
+    with grpc.insecure_channel(stack.dserver.address) as ch:
+        stub = drafter_pb2_grpc.DrafterStub(ch)
+        held = stack.host.info()["sessions"]
+
+        def call(**kw):
+            base = dict(session_id="bad", drafter="prompt_lookup", budget=2,
+                        sync=convert.sync_to_proto(0, [3, 4, 5]), prompt_len=3,
+                        tree=convert.tree_to_proto(TokenTree.chain([3, 4])))
+            base.update(kw)
+            return lambda: stub.ProposeAhead(drafter_pb2.ProposeAheadRequest(**base), timeout=5)
+
+        for kw, field in [(dict(budget=0), "budget"), (dict(drafter="nope"), "drafter"),
+                          (dict(tree=convert.tree_to_proto(TokenTree([3, 4], [-1, 5]))), "tree.parents"),
+                          (dict(tree=convert.tree_to_proto(TokenTree.chain([3, V + 7]))), "tree.tokens"),
+                          (dict(prompt_len=9), "prompt_len"), (dict(session_id=""), "session_id")]:
+            code, details = code_of(call(**kw))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and field in details, (field, details)
+        assert stack.host.info()["sessions"] == held
+
+
+def test_a_drafter_dying_mid_stream_changes_no_token(wstack):
+    stack = wstack
+    ref, _ = stack.generate("autoregressive", "")
+    stack.watched.calls, stack.watched.fail_after = 0, 5  # ahead rounds and Proposes fail from the 5th call on
+    try:
+        out, final = stack.generate("external", "prompt_lookup")
+    finally:
+        stack.watched.fail_after = None
+    assert out == ref and final.stats.fallbacks > 0
+    # the router stops drafting after the INTERNAL and does not know what the service holds, so it
+    # sends no Release (as without draft-ahead): the service's LRU and the ahead cache's TTL free it
+    assert stack.host._ahead["prompt_lookup"].held()["entries"] == 0
