@@ -22,7 +22,8 @@ logged (logger ``specmesh.client``) and counted (``Client.resumes``,
 ``Stream.resumes``, ``Result.stats.resumed_tokens``). Greedy output, and seeded
 sampled output under a fixed draft budget, is the uninterrupted run's
 (docs/serving.md, "Failure model"). A call that fails before its first message
-is not retried.
+is not retried, nor is a reasoning request (the router cannot replay its
+thinking phase).
 
 TLS: pass ``root_certificates`` (PEM bytes or a path; ``tls=True`` alone uses
 the system roots) and, for mutual TLS, ``private_key`` and
@@ -170,6 +171,7 @@ class _Resumable(_Collector):
 
     def _may_resume(self, e: grpc.RpcError, got_message: bool) -> bool:
         return (self._client.resume and not self._cancelled and self.result is None
+                and not (self._request.reasoning or self._request.strategy == "ssr")  # not replayable: router.core
                 and e.code() == grpc.StatusCode.UNAVAILABLE and (got_message or self._failed_tries > 0))
 
     def _give_up(self, e: grpc.RpcError, why: str):

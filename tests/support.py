@@ -13,6 +13,8 @@ folder (the repository root is on ``sys.path`` through pyproject's ``pythonpath`
   ``GRPC_SETTINGS`` (the gRPC unit tests), ``TRACED_SETTINGS`` (observability, lossy,
   defaults) and ``REAL_SETTINGS`` (the real-model end-to-end stacks);
 - gRPC helpers: ``wait_for``, ``healthy``, ``code_of``, ``free_port``;
+- ``ServeProcess``: the real ``specmesh serve`` (its supervised processes) on free
+  ports, its log collected, a child's pid, SIGKILL a child, wait until it is back;
 - stacks: ``LocalStack`` (``specmesh.serving.stack``: router + drafter service +
   verifier service(s) in process on loopback) and its presets ``TinyStack`` (gated
   tiny verifiers), ``BlockStack`` (the same with the tiny block drafter on both sides), ``TracedStack`` / ``TinyTracedStack`` (metrics and spans) and
@@ -784,3 +786,67 @@ class ToyChain:
     def expected_pairs(self, n: int) -> torch.Tensor:
         """What ``pair_counts`` should be under the target's own law: n P(x | start) P(y | x)."""
         return n * self.P[self.V][:, None] * self.P[: self.V]
+
+
+# ---------------------------------------------------------------- the real `specmesh serve`
+
+class ServeProcess:
+    """``specmesh serve`` (router, drafter, verifier and the OpenAI front as supervised
+    processes) on free ports, started with ``extra`` flags; waits (up to ``timeout``)
+    until it printed its addresses. ``log`` collects its output; ``pid(service)`` is the
+    service's current process, ``kill(service)`` SIGKILLs it, ``back(service, n)`` waits
+    until the supervisor has brought it back ``n`` times; ``stop()`` sends SIGTERM and
+    returns the exit code."""
+
+    def __init__(self, *extra: str, timeout: float = 300.0):
+        import re
+        import subprocess
+        import sys
+
+        self.ports = {k: free_port() for k in ("router", "drafter", "verifier", "sup")}
+        cmd = [sys.executable, "-m", "specmesh.cli", "serve", "--router-port", str(self.ports["router"]),
+               "--drafter-port", str(self.ports["drafter"]), "--verifier-port", str(self.ports["verifier"]),
+               "--router-metrics-port", "0", "--drafter-metrics-port", "0", "--verifier-metrics-port", "0",
+               "--supervisor-metrics-port", str(self.ports["sup"]), "--restart-backoff-s", "0.2",
+               "--http-port", "0", *extra]
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True)
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(self.proc.stderr), daemon=True).start()
+        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
+        self.address = f"127.0.0.1:{self.ports['router']}"
+        assert wait_for(lambda: any(x.startswith("try: specmesh generate") for x in self.log), timeout), self.text()
+        urls = [m.group(1) for x in self.log for m in [re.match(r"openai +(http\S+/v1)", x)] if m]
+        self.openai_url = urls[0] if urls else None
+
+    def text(self) -> str:
+        return "".join(self.log)
+
+    def pid(self, service: str) -> int:
+        import re
+
+        pids = [int(m.group(1)) for x in list(self.log) for m in [re.search(rf"started {service} \(pid (\d+)\)", x)]
+                if m]
+        return pids[-1]
+
+    def kill(self, service: str) -> int:
+        import signal
+
+        pid = self.pid(service)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def back(self, service: str, times: int = 1, timeout: float = 300.0) -> bool:
+        return wait_for(lambda: self.text().count(f"{service} is back") >= times, timeout)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        import signal
+        import subprocess
+
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait(timeout)
