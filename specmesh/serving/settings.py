@@ -52,7 +52,7 @@ class ServeSettings(BaseSettings):
     # ---- model (verifier; the router loads only the tokenizer)
     model: str = "smollm2-135m-instruct"
     # bf16: the fastest exact dtype here that is not a quantisation (the engine is
-    # batch-invariant on CPU, so greedy speculation equals plain decoding; README)
+    # batch-invariant on CPU, so greedy speculation equals plain decoding; docs/performance.md)
     dtype: Literal["fp32", "bf16", "int8", "int4"] = "bf16"
     n_slots: int = Field(8, ge=1, description="KV slots of the verifier")
     max_seq_len: int = Field(2048, ge=16)
