@@ -97,10 +97,10 @@ class DeploymentSpec(BaseModel):
     def options(self, name: str) -> dict:
         """Keyword arguments of ``Deployment.options``."""
         actor: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
-        if self.memory:
         spin = _spin_env()
         if spin:  # the replicas' OpenMP threads spin briefly, as `specmesh serve`'s do (specmesh.threads)
             actor["runtime_env"] = {"env_vars": spin}
+        if self.memory:
             actor["memory"] = self.memory
         if self.resources:
             actor["resources"] = dict(self.resources)
