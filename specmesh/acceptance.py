@@ -519,6 +519,28 @@ def accept_batch_reading(logits: Sequence[torch.Tensor], trees: Sequence[TokenTr
     return out, vals
 
 
+def warm_up_kernels(device, vocab: int, max_nodes: int = 64, batch_sizes: Sequence[int] = (1, 2)) -> int:
+    """Run the batched acceptance (``_accept_group``) once per shape class the verifier can
+    send: greedy and sampled, chains and trees of 1, 2, 4 ... ``max_nodes`` nodes, for
+    each of ``batch_sizes`` requests, so that on CUDA the Triton kernels are compiled
+    here (start-up: ``Runtime.warm_up``), not inside the first verify rounds (each
+    kernel specialises on its block sizes). Returns the calls made."""
+    calls, n = 0, 1
+    sizes = []
+    while n <= max_nodes:
+        sizes.append(n)
+        n *= 2
+    logits = torch.zeros(max_nodes + 1, vocab, device=device)
+    for greedy in (True, False):
+        sp = SamplingParams() if greedy else SamplingParams(temperature=1.0)
+        for k in sizes:
+            for tree in (TokenTree.chain([0] * k), TokenTree([0] * k, [-1] + [0] * (k - 1))):
+                for b in batch_sizes:
+                    _accept_group([logits[: k + 1]] * b, [tree] * b, [sp] * b, list(range(b)), greedy, "auto")
+                    calls += 1
+    return calls
+
+
 def accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
            probs: Optional[torch.Tensor] = None, amateur: Optional[torch.Tensor] = None,
            specialist: Optional[torch.Tensor] = None) -> Acceptance:

@@ -187,25 +187,31 @@ class Runtime:
                                                 vocab_size=self.engine.vocab_size)
             self.verifier.self_drafters["specialist"] = self.specialist
         self.warmup_s: Optional[float] = None
-        if getattr(self.engine, "capture", False):  # CUDA graphs: every bucket captured before serving
+        if self.device.type == "cuda":  # graphs captured and kernels compiled before serving
             self.warm_up()
 
     def warm_up(self) -> int:
-        """Capture (``GraphedEngine.warm_up``) every bucket this configuration can use
-        before the first request: all batch x token x key buckets with the hidden layers
-        the verifier and its drafters read (kept features, the fused drafter's last layer,
-        the contrastive exit), with and without the adapter's terms when one is attached,
-        and the layer-skip exit's one-session buckets; then marks the engine as serving
-        (a later capture is counted: ``specmesh_cuda_graph_captures_total``). Logs the
-        seconds it took (``warmup_s``). Returns how many buckets exist; 0 for an engine
-        without buckets."""
+        """Before the first request (run at start-up on CUDA): compile the batched
+        acceptance kernels for every shape class (``acceptance.warm_up_kernels``), and
+        capture (``GraphedEngine.warm_up``) every bucket this configuration can use: all
+        batch x token x key buckets with the hidden layers the verifier and its drafters
+        read (kept features, the fused drafter's last layer, the contrastive exit), with
+        and without the adapter's terms when one is attached, and the layer-skip exit's
+        one-session buckets; then marks the engine as serving (a later capture is
+        counted: ``specmesh_cuda_graph_captures_total``). Logs the seconds it took
+        (``warmup_s``). Returns how many buckets exist; 0 for an engine without them."""
         import logging
         import time
 
+        from .acceptance import warm_up_kernels
+
         eng = self.engine
-        if not hasattr(eng, "warm_up"):
-            return 0
         t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            warm_up_kernels(self.device, eng.vocab_size, self.verifier.max_tree_nodes)
+        if not hasattr(eng, "warm_up"):
+            self.warmup_s = time.perf_counter() - t0
+            return 0
         v = self.verifier
         hidden = set(v.feature_layers) | {eng.n_layers - 1}
         ex = v.contrastive_exit()

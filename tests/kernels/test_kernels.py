@@ -24,6 +24,9 @@ from specmesh import acceptance as A  # noqa: E402
 from specmesh.types import SamplingParams, TokenTree  # noqa: E402
 from tests.support import ROOT as REPO_ROOT  # noqa: E402
 
+# selected by ``pytest -m cuda`` (``specmesh device-check`` runs them on the GPU); here they run
+# under the interpreter like every other test
+pytestmark = pytest.mark.cuda
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAVE_TRITON or (not CUDA and os.environ.get("TRITON_INTERPRET") != "1"),
                                   reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
