@@ -75,10 +75,10 @@ _FLAGS = [
     ("--batch-window-ms", "batch_window_ms", float, "verifier: dynamic batching window"),
     ("--max-batch", "max_batch", int, "verifier: largest batch"),
     ("--workers", "workers", int, "handler threads"),
-    ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
-    ("--tls-key", "tls_key", str, "server private key (PEM)"),
     ("--cpus", "cpus", str, "CPUs per service, which also sets its torch threads: verifier=0-1,drafter=1,router=0 "
      "(all three) or 0-1 (this service); default: every CPU, shared (docs/serving.md, \"Placement\")"),
+    ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
+    ("--tls-key", "tls_key", str, "server private key (PEM)"),
     ("--tls-client-ca", "tls_client_ca", str, "require client certificates signed by this CA (mTLS)"),
     ("--peer-ca", "peer_ca", str, "router: CA of the drafter/verifier certificates"),
     ("--peer-cert", "peer_cert", str, "router: client certificate for mTLS to drafter/verifier"),
@@ -199,8 +199,6 @@ def serve_main(args) -> int:
         raise InvalidArgument("--port", f"{settings.port} names the port of a single service (`specmesh serve "
                               "router --port N`); starting all three, give each its own: --router-port, "
                               "--drafter-port, --verifier-port")
-    if args.service in (None, "verifier", "drafter"):
-        settings.torch_device()  # a device this machine lacks: one clear error before anything starts
     from specmesh.threads import place
 
     try:  # each service on its CPUs before torch loads (its OpenMP runtime sizes itself then)
@@ -210,6 +208,8 @@ def serve_main(args) -> int:
         from ..types import InvalidArgument
 
         raise InvalidArgument("cpus", str(e)) from None
+    if args.service in (None, "verifier", "drafter"):
+        settings.torch_device()  # a device this machine lacks: one clear error before anything starts
     if args.service is None:
         return serve_all(settings)
     if args.service == "openai":  # the HTTP front alone: speaks the SDK to the routers, resumes their streams
@@ -248,8 +248,6 @@ def serve_one(service: str, s) -> int:
     mode = "tls" if running.tls else "insecure"
     auth = "token" if s.token() else "no auth"
     dev = f", device {s.torch_device()}" if service == "verifier" else ""
-    print(f"specmesh {service} listening on {running.address} ({mode}, {auth}{dev})", flush=True)
-    if metrics is not None:
     if service in ("verifier", "drafter"):
         import torch
 
@@ -257,6 +255,8 @@ def serve_one(service: str, s) -> int:
 
         dev += (f", cpus {s.cpus_for(service) or 'all'}, model thread with {model_thread().run(torch.get_num_threads)}"
                 f" torch threads")
+    print(f"specmesh {service} listening on {running.address} ({mode}, {auth}{dev})", flush=True)
+    if metrics is not None:
         mhost = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
         try:
             mport = metrics.serve(s.metrics_port_of(service), s.host)

@@ -105,13 +105,13 @@ class ServeSettings(BaseSettings):
     batch_window_ms: float = Field(2.0, ge=0)
     max_batch: int = Field(8, ge=1)
     workers: int = Field(32, ge=1, description="gRPC handler threads per server")
+    cpus: str = Field("", description="CPUs each service may use, and so its torch threads: a CPU list for every "
+                      "service of this process (\"0-1\") or one per service (\"verifier=0-1,drafter=1,router=0\"); "
+                      "\"\" = every CPU, torch's default thread count")
 
     # ---- timeouts, retries
     drain_s: float = Field(5.0, ge=0, description="grace period for in-flight calls on SIGTERM")
     drafter_timeout_s: float = Field(2.0, gt=0)
-    cpus: str = Field("", description="CPUs each service may use, and so its torch threads: a CPU list for every "
-                      "service of this process (\"0-1\") or one per service (\"verifier=0-1,drafter=1,router=0\"); "
-                      "\"\" = every CPU, torch's default thread count")
     verifier_timeout_s: float = Field(60.0, gt=0)
     verifier_retry_s: float = Field(15.0, ge=0, description="how long the router retries unreachable verifiers")
     drafter_backoff_s: float = Field(1.0, gt=0, description="first wait before retrying an unhealthy drafter")
@@ -203,10 +203,6 @@ class ServeSettings(BaseSettings):
             raise ValueError("ssr_fractions must lie in (0, 1)")
         return v
 
-    def ssr_fraction_list(self) -> list[float]:
-        return [float(a) for a in self.ssr_fractions.split(",") if a.strip()]
-
-    @model_validator(mode="after")
     @field_validator("cpus")
     @classmethod
     def _cpus(cls, v: str) -> str:
@@ -225,6 +221,10 @@ class ServeSettings(BaseSettings):
         c = self.cpus_for(service)
         return len(parse_cpus(c)) if c else None
 
+    def ssr_fraction_list(self) -> list[float]:
+        return [float(a) for a in self.ssr_fractions.split(",") if a.strip()]
+
+    @model_validator(mode="after")
     def _check(self) -> "ServeSettings":
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
@@ -269,10 +269,6 @@ class ServeSettings(BaseSettings):
         return self.metrics_port if self.metrics_port is not None else getattr(self, f"{service}_metrics_port")
 
 
-def load_settings(config: Optional[str | os.PathLike] = None, **overrides) -> ServeSettings:
-    """Settings from ``overrides`` (flags) > environment > YAML ``config`` (or
-    ``$SPECMESH_CONFIG``) > defaults."""
-    path = config or os.environ.get("SPECMESH_CONFIG") or None
 def _cpu_map(text: str) -> dict[str, str]:
     """``"0-1"`` -> {"*": "0-1"}; ``"verifier=0-1,3,drafter=1"`` -> {"verifier": "0-1,3", "drafter": "1"}
     (a part without ``=`` continues the service before it)."""
@@ -306,6 +302,10 @@ def _cpu_map(text: str) -> dict[str, str]:
     return m
 
 
+def load_settings(config: Optional[str | os.PathLike] = None, **overrides) -> ServeSettings:
+    """Settings from ``overrides`` (flags) > environment > YAML ``config`` (or
+    ``$SPECMESH_CONFIG``) > defaults."""
+    path = config or os.environ.get("SPECMESH_CONFIG") or None
     if path and not Path(path).is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     tok = _YAML_FILE.set(str(path) if path else None)

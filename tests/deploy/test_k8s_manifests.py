@@ -71,9 +71,9 @@ def _merge(base, patch):
     if isinstance(base, list) and isinstance(patch, list) and all(isinstance(x, dict) and "name" in x
                                                                  for x in base + patch):
         out = [dict(x) for x in base]
+        new = []
         for p in patch:
             i = next((j for j, x in enumerate(out) if x["name"] == p["name"]), None)
-        new = []
             if i is None:
                 new.append(copy.deepcopy(p))
             else:
@@ -251,11 +251,11 @@ def test_plain_grpc_wiring(name, tmp_path):
         assert c["readinessProbe"]["grpc"]["service"] == f"specmesh.v1.{svc.capitalize()}"
         assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"]
         assert {"configMapRef": {"name": "specmesh-env"}} in c["envFrom"]
-        assert c["image"].startswith("specmesh:")
-        sel = d["spec"]["selector"]["matchLabels"]
         if svc in ("verifier", "drafter"):  # the model thread's torch threads follow the container's CPU request
             env = {e["name"]: e for e in c.get("env", [])}
             assert env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]["resource"] == "requests.cpu"
+        assert c["image"].startswith("specmesh:")
+        sel = d["spec"]["selector"]["matchLabels"]
         assert sel.items() <= d["spec"]["template"]["metadata"]["labels"].items()
     # the router discovers verifiers and drafters through headless Services selecting their pods
     (rc,) = deps["specmesh-router"]["spec"]["template"]["spec"]["containers"]
