@@ -463,9 +463,10 @@ class LoopOptions:
     and the drafter's and verifier's busy and idle ms. ``resumed``: the last ``resumed`` of the prompt ids
     are output an earlier, interrupted run of this request already delivered (a resumed
     generation): they count toward ``max_new_tokens`` and are not prompt to the drafter,
-    and the first round drafts like any other, so from a round boundary of the
-    interrupted run the rounds are its rounds (every draw is keyed by the absolute
-    committed length: ``seeding``)."""
+    and the first round drafts like any other after a prefill of all but the last token
+    (``_Generation.prefill_resumed``), so from a round boundary of the interrupted run
+    the rounds are its rounds (every draw is keyed by the absolute committed length:
+    ``seeding``)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 128
@@ -554,6 +555,19 @@ class _Generation:
                 DraftContext(self.sid, list(self.tokens), self.prompt_len, self.o.sampling), rnd.tree, budget))
         except Exception:  # noqa: BLE001 - draft-ahead is an optimisation: the next round drafts afresh
             pass
+
+    def prefill_resumed(self) -> None:
+        """A resumed generation: prefill all but the last committed token, dropping the
+        sampled token, so the verifier holds what it held at this round boundary of the
+        interrupted run (and a drafter fed its hidden features has their rows) and the
+        first round is that run's round: the last token pending, drafted, verified."""
+        req = VerifyRequest(self.sid, 0, self.tokens[:-1], TokenTree(), self.o.sampling,
+                            round_seed(self.o.sampling.seed, len(self.tokens) - 1))
+        t0 = time.perf_counter()
+        self.verifier.verify(req)
+        self.kv_len = len(self.tokens) - 1
+        self.stats.prefill_s += time.perf_counter() - t0
+        self.stats.target_forwards += 1
 
     def verify(self, rnd: _Round, rs: int) -> None:
         """Send the committed tokens the verifier lacks and the draft; re-prefill a lost session."""
@@ -671,6 +685,8 @@ def speculative_generate(drafter, verifier, prompt_ids: Sequence[int], options: 
         if g.n_new >= o.max_new_tokens:  # resumed with every token: only the final message was lost
             stats.finish_reason, stats.new_tokens = "length", g.n_new
             return
+        if o.resumed:
+            g.prefill_resumed()
         while True:
             scope = o.round_scope(index) if o.round_scope is not None else contextlib.nullcontext({})
             with scope as facts:

@@ -4,7 +4,8 @@
   uninterrupted output, greedy and seeded sampled, in each fixed-budget strategy:
   same tokens, same text, the caller's text plus the new deltas equal to it (no
   character twice, none lost), ``max_new_tokens`` counted from the original start,
-  ``resumed_tokens`` in the stats; a resume that already has every token only ends it;
+  ``resumed_tokens`` in the stats (the block drafter too, in the verifier and on the
+  drafter service); a resume that already has every token only ends it;
 - bad resumes are INVALID_ARGUMENT naming the field, and change nothing;
 - the SDK (blocking and asyncio) resumes a stream whose router went away on the
   next router address, with the uninterrupted output and its counter, and with
@@ -78,6 +79,25 @@ def test_a_resume_from_any_round_boundary_is_the_uninterrupted_run(stack, strate
         assert final.stats.new_tokens == full.stats.new_tokens  # counted from the original start
         assert final.stats.finish_reason == full.stats.finish_reason
         assert final.stats.prompt_tokens == full.stats.prompt_tokens
+
+
+@pytest.mark.parametrize("strategy,drafter", [("self", "block_tree"), ("external", "block_tree"),
+                                              ("external", "block")])
+def test_a_resume_with_the_block_drafter_is_the_uninterrupted_run(strategy, drafter):
+    """The block drafter, in the verifier and on the drafter service (fed the target's
+    hidden features through the router: the resumed prefill sends their rows first)."""
+    from tests.support import BlockStack
+
+    with BlockStack() as block:
+        for sampling in (None, dict(temperature=0.8, seed=5)):
+            full_deltas, full = run(block, request(strategy, drafter, sampling))
+            for k in range(1, len(full_deltas)):
+                req = request(strategy, drafter, sampling)
+                req.resume.token_ids.extend(t for d in full_deltas[:k] for t in d[0])
+                req.resume.text_chars = len("".join(d[1] for d in full_deltas[:k]))
+                final = run(block, req)[1]
+                assert list(final.token_ids) == list(full.token_ids), (k, sampling)
+                assert final.stats.fallbacks == 0  # the drafter drafted from the first round on
 
 
 def test_a_resume_owes_held_back_text_and_skips_text_the_caller_has(stack):
