@@ -20,7 +20,7 @@ UNAVAILABLE is raised), at most ``max_resumes`` times per stream. The router sen
 text the caller lacks, so the caller sees each character once; each resume is
 logged (logger ``specmesh.client``) and counted (``Client.resumes``,
 ``Stream.resumes``, ``Result.stats.resumed_tokens``). Greedy output, and seeded
-sampled output under a fixed draft budget, is the uninterrupted run's
+sampled output wherever two uninterrupted runs agree, is the uninterrupted run's
 (docs/serving.md, "Failure model"). A call that fails before its first message
 is not retried, nor is a reasoning request (the router cannot replay its
 thinking phase).
