@@ -141,7 +141,8 @@ def register(sub) -> None:
     g.add_argument("prompt", help="prompt text (one user turn with the chat template unless --raw; at most the "
                    "router's --max-prompt-tokens, 1536 tokens by default)")
     g.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", "127.0.0.1:50051"),
-                   help="the router, host:port (default: env SPECMESH_ADDRESS, else 127.0.0.1:50051)")
+                   help="the router, host:port, or several comma-separated (a stream whose router dies is "
+                        "resumed on the next; default: env SPECMESH_ADDRESS, else 127.0.0.1:50051)")
     g.add_argument("--strategy", default="",
                    help="autoregressive | external | self | proactive | ssr | auto (default: the router's "
                         "--default-strategy, auto unless set)")
@@ -174,6 +175,8 @@ def register(sub) -> None:
                    help="stop string, repeatable: the output ends just before the first one")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
+    g.add_argument("--no-resume", action="store_true",
+                   help="fail when the router dies mid-stream instead of resuming the stream (on by default)")
     g.add_argument("--token-file", default=None, help="bearer token file (or env SPECMESH_AUTH_TOKEN)")
     g.add_argument("--ca", default=None, help="CA certificate (PEM): connect with TLS")
     g.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
@@ -413,7 +416,7 @@ def generate_main(args) -> int:
     if args.token_file:
         token = Path(args.token_file).read_text().strip()
     client = Client(args.address, token=token, root_certificates=args.ca, timeout=args.timeout,
-                    private_key=args.key, certificate_chain=args.cert)
+                    private_key=args.key, certificate_chain=args.cert, resume=not args.no_resume)
     kw = dict(strategy=args.strategy, drafter=args.drafter, max_new_tokens=args.max_new_tokens,
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               draft_budget=args.draft_budget, raw_prompt=args.raw, conversation_id=args.conversation_id,
