@@ -10,7 +10,9 @@ Drafters that condition on the target's hidden states (the registry's
 ``needs_features``: the block drafter's ``block`` / ``block_tree``) also get the
 session's feature rows synced by delta (``FeatureRows``; the drafter checks them,
 ``BlockFeatureDrafter.check_features``, before any state changes).
-Every input is validated before any state changes; a
+Every drafter call (build, propose, seed, finish, release) runs through ``run``:
+in the service, the process's model thread (``specmesh.threads``), so a draft
+model loads and runs on one thread only. Every input is validated before any state changes; a
 ``keep_len`` beyond what it holds raises ``SessionLost`` (the caller resends
 from 0). Each drafter runs under its own lock (the draft LM's KV slots are not
 thread-safe).
@@ -46,8 +48,9 @@ class _Session:
 
 class DrafterHost:
     def __init__(self, factories: dict[str, Callable[[], Drafter]], vocab_size: int, max_sessions: int = 1024,
-                 max_tree_nodes: int = 64):
+                 max_tree_nodes: int = 64, run: Optional[Callable] = None):
         self.factories = dict(factories)
+        self.run = run or (lambda fn, *a, **kw: fn(*a, **kw))  # where drafter work runs (a ModelThread.run)
         self.vocab_size = vocab_size
         self.max_sessions = max_sessions
         self.max_tree_nodes = max_tree_nodes
@@ -66,7 +69,7 @@ class DrafterHost:
         with self._locks[name]:
             d = self._drafters.get(name)
             if d is None:
-                d = self._drafters[name] = self.factories[name]()
+                d = self._drafters[name] = self.run(self.factories[name])
             return d
 
     def _tokens(self, held: list[int], keep_len: int, append: Sequence[int], field: str = "sync") -> list[int]:
@@ -151,9 +154,8 @@ class DrafterHost:
             tree, info = ahead.propose_info(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), budget)
             return tree, len(tokens), (time.perf_counter() - t0) * 1e3, info
         with self._locks[drafter]:
-            if fd is not None:
-                fd.sync_features(session_id, features, keep_len)
-            tree = d.propose(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), budget)
+            tree = self.run(self._propose_in, d, fd, features, keep_len,
+                            DraftContext(session_id, tokens, prompt_len, sampling, cache_id), budget)
         return tree, len(tokens), (time.perf_counter() - t0) * 1e3, AheadInfo()
 
     def propose_ahead(self, session_id: str, drafter: str, keep_len: int, append: Sequence[int], prompt_len: int,
@@ -223,7 +225,7 @@ class DrafterHost:
             raise InvalidArgument("texts", f"{total} tokens exceed the limit {MAX_SEED_TOKENS} per call")
         d = self._drafter(CACHE_DRAFTER)
         with self._locks[CACHE_DRAFTER]:
-            return d.seed(cache_id, texts, ttl_s or None, replace)
+            return self.run(d.seed, cache_id, texts, ttl_s or None, replace)
 
     def release(self, session_id: str, finished: bool = False, keep_len: int = 0, append: Sequence[int] = (),
                 prompt_len: int = 0) -> bool:
@@ -249,9 +251,9 @@ class DrafterHost:
             self._ahead[name].forget(session_id)
         with self._locks[name]:
             if final is not None:
-                d.finish(session_id, final[0], final[1])
+                self.run(d.finish, session_id, final[0], final[1])
             else:
-                d.release(session_id)
+                self.run(d.release, session_id)
 
     def reset(self, names: Sequence[str]) -> None:
         """Drop the named drafters (rebuilt on next use): forgets what they learned

@@ -52,7 +52,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             convert.tree_from_proto(request.tree), request.budget, request.cache_id)
         return drafter_pb2.ProposeAheadResponse(held_len=held, server_ms=(time.perf_counter() - t0) * 1e3)
 
-
     def Release(self, request, context):
         released = self.host.release(check_session_id(request.session_id), request.finished,
                                      request.sync.keep_len, list(request.sync.append_tokens), request.prompt_len)
@@ -139,8 +138,13 @@ def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
         from specmesh.models.loading import load_config, resolve_model
 
         vocab_size = int(load_config(resolve_model(settings.model, quiet=True))["vocab_size"])
+    run = None
+    if factories is None:  # the service's own drafters: built and run on the process's model thread
+        from specmesh.threads import model_thread
+
+        run = model_thread(settings.model_threads("drafter")).run
     host = DrafterHost(factories or default_factories(settings), vocab_size, settings.max_drafter_sessions,
-                       settings.max_tree_nodes)
+                       settings.max_tree_nodes, run=run)
     host.feature_drafters()  # load the block drafter now: its first Info and Propose would wait for it
     if preload_draft_lm(settings):  # and a real draft LM: loading it can take longer than drafter_timeout_s
         host.preload(["draft_lm"])
