@@ -145,6 +145,7 @@ def gpu_runtime():
     return Runtime("smollm2-135m-instruct", dtype="fp32", n_slots=2, max_seq_len=1024, quiet=True, device="cuda")
 
 
+@pytest.mark.slow  # the real model: the staged check's last call (device-check --phase model)
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "layerskip", "block_tree", "uno", "uno_tree"])
 def test_greedy_speculation_identical_on_gpu(gpu_runtime, drafter):
     from specmesh.cudagraph import GraphedEngine
@@ -208,6 +209,7 @@ def test_invariant_graphs_rows_do_not_depend_on_the_call():
 
 # chains only: a tree node sees its ancestors at tree-layout key indices, not where the same
 # tokens sit as a chain, so trees (block_tree, uno's mask blocks) are not invariant here
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "block", "layerskip"])
 def test_bf16_greedy_speculation_identical_with_invariant_graphs(gpu_runtime_bf16_invariant, drafter):
     from specmesh.demo import PROMPTS

@@ -142,6 +142,68 @@ def test_gpu_scripts_parse():
         assert r.returncode == 0, (name, r.stderr)
 
 
+# what the device check imports (its phases, the CLI commands it runs, gpu-assemble's conversion)
+DEVICE_PATH = ("specmesh.cli", "specmesh.bench.device_check", "specmesh.runtime", "specmesh.bench.harness",
+               "specmesh.bench.peers", "specmesh.bench.systems", "specmesh.bench.strategies", "specmesh.bench.sweep",
+               "specmesh.serving.server", "specmesh.serving.stack", "specmesh.router", "specmesh.drafter_service",
+               "specmesh.verifier_service", "specmesh.models.gguf_state", "specmesh.uno.diffusion",
+               "specmesh.observability.wiring", "specmesh.kernels", "pytest")
+NAMESPACES = {"google.protobuf": "protobuf", "opentelemetry.sdk": "opentelemetry-sdk",
+              "opentelemetry.semconv": "opentelemetry-semantic-conventions", "opentelemetry": "opentelemetry-api"}
+
+
+def test_gpu_stage_wheels_and_the_image_cover_what_the_device_check_imports():
+    """Every third-party package the project's own code imports on the device check's path
+    (imported in a fresh interpreter through ``DEVICE_PATH``) is in the GPU machines' image
+    (``scripts/gpu-image-packages``) or among the wheels ``scripts/gpu-stage`` stages; the
+    staged grpcio and protobuf meet the committed stubs' floors. (gpu-stage checks the
+    staged wheels' own requirements against the same image list when it downloads them.)"""
+    import ast
+    import json
+    import re
+    import subprocess
+    import sys
+    from importlib.metadata import packages_distributions
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731
+    image = {norm(x.split("#")[0].strip()) for x in (root / "scripts" / "gpu-image-packages").read_text().splitlines()
+             if x.split("#")[0].strip()}
+    stage = (root / "scripts" / "gpu-stage").read_text()
+    pins = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][A-Za-z0-9.]*)", stage.split("WHEELS=(", 1)[1].split(")", 1)[0]))
+    staged = {norm(k) for k in pins}
+    own = set()  # the import names the project's code uses
+    for folder in ("specmesh", "router", "drafter_service", "verifier_service", "kernels"):
+        for f in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Import):
+                    own |= {a.name for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    own.add(node.module)
+    code = "import importlib, json, sys\n" + "".join(f"importlib.import_module({m!r})\n" for m in DEVICE_PATH) \
+        + "print(json.dumps(sorted(sys.modules)))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loaded = set(json.loads(r.stdout.strip().splitlines()[-1]))
+    dists = packages_distributions()
+    need = {}
+    for name in sorted(own & loaded):
+        top = name.split(".")[0]
+        if top in sys.stdlib_module_names or top in ("specmesh", "tests", "router", "kernels"):
+            continue
+        ns = next((d for k, d in NAMESPACES.items() if name == k or name.startswith(k + ".")), None)
+        for d in ([ns] if ns else dists.get(top, [top])):
+            need.setdefault(norm(d), name)
+    missing = {d: n for d, n in need.items() if d not in image and d not in staged}
+    assert not missing, f"imported on the device path, neither in the image nor staged: {missing}"
+    stub = re.search(r"GRPC_GENERATED_VERSION = '([^']+)'", (root / "specmesh/v1/common_pb2_grpc.py").read_text())
+    pb = re.search(r"ValidateProtobufRuntimeVersion\(\s*_runtime_version.Domain.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+)",
+                   (root / "specmesh/v1/common_pb2.py").read_text())
+    ver = lambda v: tuple(int(x) for x in re.findall(r"\d+", v)[:3])  # noqa: E731
+    assert ver(pins["grpcio"]) >= ver(stub.group(1)) and ver(pins["protobuf"]) >= tuple(map(int, pb.groups()))
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama as a Hugging Face directory, with the real model's tokenizer files."""
