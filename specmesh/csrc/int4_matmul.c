@@ -1,4 +1,5 @@
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -709,7 +710,9 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
         }
 #undef LESS
         /* the m dot products, eight at a time: each its own sum in input order (one chain
-           a product would wait on its previous add's latency) */
+           a product would wait on its previous add's latency), one fused multiply-add a
+           step (fmaf: the compiler's contraction of a += x * y is not guaranteed; on an AMD
+           EPYC build it was not, and the sums differed from the FMA chain by an ulp or two) */
         const float* h = hn + r * H;
         for (int64_t j0 = 0; j0 < m; j0 += 8) {
             const int nj = m - j0 < 8 ? (int)(m - j0) : 8;
@@ -718,7 +721,7 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
                 const int8_t* t[8];
                 for (int q = 0; q < 8; q++) t[q] = (const int8_t*)table + (int64_t)hi[j0 + (q < nj ? q : 0)] * H;
                 for (int64_t d = 0; d < H; d++)
-                    for (int q = 0; q < 8; q++) a[q] += h[d] * (float)t[q][d];
+                    for (int q = 0; q < 8; q++) a[q] = fmaf(h[d], (float)t[q][d], a[q]);
                 for (int q = 0; q < nj; q++) {
                     uint32_t u = (uint32_t)scales[hi[j0 + q]] << 16; float sc; memcpy(&sc, &u, 4);
                     o[hi[j0 + q]] = a[q] * sc;
@@ -728,7 +731,7 @@ int screen_refine(const uint16_t* lg, int64_t n, int64_t V, const float* hn, con
                 for (int q = 0; q < 8; q++) t[q] = (const uint16_t*)table + (int64_t)hi[j0 + (q < nj ? q : 0)] * H;
                 for (int64_t d = 0; d < H; d++)
                     for (int q = 0; q < 8; q++) {
-                        uint32_t u = (uint32_t)t[q][d] << 16; float w; memcpy(&w, &u, 4); a[q] += h[d] * w;
+                        uint32_t u = (uint32_t)t[q][d] << 16; float w; memcpy(&w, &u, 4); a[q] = fmaf(h[d], w, a[q]);
                     }
                 for (int q = 0; q < nj; q++) o[hi[j0 + q]] = a[q];
             }
