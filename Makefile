@@ -7,7 +7,7 @@ ARGS    ?=
 # test processes (pytest-xdist; whole files per process, so module fixtures load once each)
 WORKERS ?= 2
 
-.PHONY: setup demo test test-fast bench bench-peers setup-qwen bench-qwen protos clean
+.PHONY: setup demo test test-fast bench bench-services bench-peers setup-qwen bench-qwen protos clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,12 @@ test-fast: setup
 
 bench: setup
 	$(BIN)/specmesh bench $(ARGS)
+
+# what users get: the same prompts in process and through `specmesh serve` (SDK and OpenAI
+# HTTP), alternating; prints each path's ratio to the engine in process (bf16, greedy,
+# 96 tokens, 2 prompts each of open_writing, chat_multiturn and code_edit; ~5 min on 2 cores)
+bench-services: setup
+	$(BIN)/specmesh bench-services --out bench-out/services $(ARGS)
 
 # llama.cpp side by side: builds llama-cpp-python once (the `bench-peers` extra; minutes), then
 # our int4 engine (plain and speculative) and llama.cpp (plain and prompt lookup) on the same
