@@ -520,16 +520,14 @@ def accept_batch_reading(logits: Sequence[torch.Tensor], trees: Sequence[TokenTr
 
 
 def warm_up_kernels(device, vocab: int, max_nodes: int = 64, batch_sizes: Sequence[int] = (1, 2)) -> int:
-    """Run the batched acceptance (``_accept_group``) once per shape class the verifier can
-    send: greedy and sampled, chains and trees of 1, 2, 4 ... ``max_nodes`` nodes, for
-    each of ``batch_sizes`` requests, so that on CUDA the Triton kernels are compiled
-    here (start-up: ``Runtime.warm_up``), not inside the first verify rounds (each
-    kernel specialises on its block sizes). Returns the calls made."""
-    calls, n = 0, 1
-    sizes = []
-    while n <= max_nodes:
-        sizes.append(n)
-        n *= 2
+    """Run the batched acceptance (``_accept_group``) for every tree size the verifier can
+    send: greedy and sampled, a chain and a one-level tree of each of 1 ... ``max_nodes``
+    nodes (every node count and every depth), for each of ``batch_sizes`` requests, so
+    that on CUDA the Triton kernels are compiled here (start-up: ``Runtime.warm_up``), not
+    inside the first verify rounds (a kernel specialises on its block sizes and on which
+    integer arguments are 1 or multiples of 16). Returns the calls made."""
+    calls = 0
+    sizes = range(1, max_nodes + 1)
     logits = torch.zeros(max_nodes + 1, vocab, device=device)
     for greedy in (True, False):
         sp = SamplingParams() if greedy else SamplingParams(temperature=1.0)

@@ -231,3 +231,38 @@ def test_bf16_greedy_speculation_identical_with_invariant_graphs(gpu_runtime_bf1
         out, _ = generate_tokens(d, rt.verifier, ids, max_new_tokens=64, stop_ids=rt.stop_ids, **kw)
         assert out == plain, (drafter, prompt[:40])
     _all_captured(rt.engine)
+
+
+def test_acceptance_kernels_compiled_at_start_up():
+    """``acceptance.warm_up_kernels`` (run by ``Runtime`` at start-up on CUDA) compiles every
+    Triton specialisation the verifier's rounds use: after it, greedy and sampled rounds
+    of chains and trees of 1..64 nodes, 1..4 sessions, compile nothing more (counted in
+    Triton's per-device kernel caches)."""
+    import importlib
+    import random
+
+    from specmesh import acceptance as A
+    from specmesh.types import SamplingParams, TokenTree
+
+    tk = importlib.import_module("specmesh.kernels.triton_kernels")
+    kernels = [getattr(tk, n) for n in dir(tk) if n.startswith("_") and n.endswith("_kernel")]
+
+    def compiled() -> int:
+        return sum(len(c[0]) for k in kernels for c in getattr(k, "device_caches", {}).values())
+
+    V = 49152
+    A.warm_up_kernels("cuda", V)
+    before = compiled()
+    assert before > 0
+    rng = random.Random(0)
+    for _ in range(40):
+        b = rng.randint(1, 4)
+        trees = []
+        for _ in range(b):
+            n = rng.randint(1, 64)
+            trees.append(TokenTree([rng.randrange(V) for _ in range(n)], [-1] + [rng.randrange(-1, i) for i in
+                                                                                  range(1, n)]))
+        sp = SamplingParams() if rng.random() < 0.5 else SamplingParams(temperature=0.9)
+        logits = [torch.randn(len(t) + 1, V, device="cuda") for t in trees]
+        A.accept_batch(logits, trees, [sp] * b, list(range(b)))
+    assert compiled() == before
