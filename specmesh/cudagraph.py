@@ -131,6 +131,8 @@ class _Step:
 
 
 class GraphedEngine(LlamaEngine):
+    device_tokens = True  # score_token takes its token on the device without a host read
+
     def __init__(self, config: dict, state_dict: dict, dtype: str = "fp32", n_slots: int = 4,
                  max_seq_len: int = 2048, device="cpu", capture: Optional[bool] = None,
                  batch_buckets: Sequence[int] = BATCH_BUCKETS, token_buckets: Sequence[int] = TOKEN_BUCKETS,
@@ -445,6 +447,29 @@ class GraphedEngine(LlamaEngine):
                 lg = lg[torch.tensor([got.index(j) for j in want], dtype=torch.long, device=self.device)]
             out[i] = ScoreOutput(lg, {li: torch.cat(hs) for li, hs in hid.items()})
         return out
+
+    @torch.inference_mode()
+    def score_token(self, slot: int, token: torch.Tensor, n_layers: Optional[int] = None,
+                    extra: int = 0) -> torch.Tensor:
+        """``LlamaEngine.score_token`` without reading the token: the call is planned with a
+        placeholder token, and the device tensor is copied into the bucket's input on the
+        device before the replay (a greedy draft loop then reads nothing per token)."""
+        nl = self.n_layers if n_layers is None else n_layers
+        plan = self._plan([(slot, [0], [-1])], [[0]], nl, [extra])
+        if plan is None or plan[3]:
+            return super().score_token(slot, token, n_layers=n_layers, extra=extra)
+        B, T, S, adapted, segs = plan
+        st = self._step(B, T, nl, self._hidden_for(nl, ()), S, adapted)
+        st.inp.copy_(self._pack(B, T, segs), non_blocking=True)
+        st.ids.view(-1)[:1].copy_(token.reshape(-1)[:1])  # the token, device to device
+        if st.graph is not None:
+            st.graph.replay()
+            self.calls["replayed"] += 1
+        else:
+            st.out = self._forward(st)
+            self.calls["uncaptured"] += 1
+        self.calls["graphed"] += 1
+        return st.out[0][0].clone()  # row (0, 0): the static output is overwritten by the next replay
 
     @torch.inference_mode()
     def score_batch(self, items: Sequence[tuple[int, Sequence[int], Sequence[int]]],

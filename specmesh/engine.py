@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 
 from . import bf16_matmul, int4_matmul, trees
-from .device import to_device
+from .device import host_int, to_device
 from .rowops import topk_rows
 from .types import InvalidArgument, ResourceExhausted
 
@@ -627,6 +627,15 @@ class LlamaEngine:
             self.k_cache[:, slot, :, dst] = self.k_cache[:, slot, :, src]
             self.v_cache[:, slot, :, dst] = self.v_cache[:, slot, :, src]
         self.lengths[slot] = L + len(path)
+
+    def score_token(self, slot: int, token: torch.Tensor, n_layers: Optional[int] = None,
+                    extra: int = 0) -> torch.Tensor:
+        """``score(slot, [t], [-1], rows=[0], n_layers=n_layers, extra=extra).logits[0]`` for a
+        token t given as a one-element tensor on the device (e.g. the previous step's
+        argmax: a greedy draft loop). Here the token is read to the host first (one
+        counted host read); ``GraphedEngine`` feeds it to its bucket on the device."""
+        t = host_int(token.reshape(-1)[0], "token")
+        return self.score(slot, [t], [-1], rows=[0], n_layers=n_layers, extra=extra).logits[0]
 
     def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
         """Append a chain of tokens to the slot; return the logits [V] after the last."""

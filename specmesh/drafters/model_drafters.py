@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..device import host_int, to_host
+from ..device import host_int, host_list, to_device, to_host
 from ..engine import LlamaEngine
 from ..seeding import draft_generator
 from ..seqs import common_prefix_len
@@ -130,7 +130,15 @@ class LayerSkipDrafter(DrafterBase):
         budget = min(budget, eng.max_seq_len - eng.length(slot) - 2)
         if budget <= 0:
             return TokenTree()
-        gen = None if ctx.sampling.greedy else draft_generator(ctx)
+        if ctx.sampling.greedy and getattr(eng, "device_tokens", False):  # argmax fed on the device: one read
+            tok = to_device(torch.tensor([ctx.tokens[-1]]), eng.device)
+            picked = []
+            with self.verifier.lock:
+                for i in range(budget):
+                    tok = eng.score_token(slot, tok, n_layers=self.exit_layer, extra=i).argmax(-1, keepdim=True)
+                    picked.append(tok)
+            return TokenTree.chain(host_list(torch.cat(picked), "draft"))
+        gen = draft_generator(ctx)
         toks, qids, qps = [], [], []
         cur = ctx.tokens[-1]
         with self.verifier.lock:

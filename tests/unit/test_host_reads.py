@@ -5,8 +5,8 @@ the prompt's, on ``GraphedEngine``'s static forward (the CUDA path, run without
 capture) with the batched acceptance kernels (their torch reference: the code path a
 GPU takes), for each drafter, greedy and sampled, the entropy asked for as the router
 does. The counts are the real ones; the targets (greedy <= 2, sampled <= 3) hold for
-external drafters and the block drafter; what exceeds them is pinned here and named
-in docs/design.md (layer-skip reads each drafted token; uno reads its first token)."""
+external drafters, the block drafter, uno and greedy layer-skip; sampled layer-skip
+reads each drafted token (pinned here, named in docs/design.md)."""
 
 from __future__ import annotations
 
@@ -92,9 +92,34 @@ def test_host_reads_per_round(verifier, method, mode):
     assert got == [EXPECTED[(method, mode)]] * len(got), got
 
 
-@pytest.mark.parametrize("mode", ["greedy", "sampled"])
-def test_layerskip_reads_each_drafted_token(verifier, mode):
-    """Layer-skip drafts token by token on the host: one read per drafted token, then
-    acceptance's one (a device-side draft loop would need the token fed back on the device)."""
-    got = _reads_per_round(verifier, "layerskip", GREEDY if mode == "greedy" else SAMPLED)
+def test_layerskip_greedy_feeds_its_tokens_on_the_device(verifier):
+    """Greedy layer-skip: each step's argmax goes into the next step's bucket on the device
+    (``GraphedEngine.score_token``): the draft is read once, then acceptance's one."""
+    got = _reads_per_round(verifier, "layerskip", GREEDY)
+    assert got == [2] * len(got), got
+
+
+def test_layerskip_sampled_reads_each_drafted_token(verifier):
+    """Sampled layer-skip draws each token on the host (the round's CPU generator): one read
+    per drafted token, then acceptance's one."""
+    got = _reads_per_round(verifier, "layerskip", SAMPLED)
     assert got == [BUDGET + 1] * len(got), got
+
+
+def test_layerskip_greedy_draft_is_the_same_on_the_device_path():
+    """The device-fed draft loop drafts what the host loop drafts (eager engine: host loop)."""
+    from specmesh.cudagraph import GraphedEngine
+    from specmesh.drafters.model_drafters import LayerSkipDrafter
+    from specmesh.engine import LlamaEngine
+    from specmesh.types import DraftContext
+    from specmesh.verifier import EngineVerifier
+
+    model, cfg = tiny_hf()
+    drafts = []
+    for eng in (LlamaEngine(cfg, model.state_dict(), n_slots=1, max_seq_len=128),
+                GraphedEngine(cfg, model.state_dict(), n_slots=1, max_seq_len=128, capture=False)):
+        v = EngineVerifier(eng)
+        d = LayerSkipDrafter(v, exit_layer=2)
+        v.prefill("s", PROMPT[:-1])
+        drafts.append(d.propose(DraftContext("s", PROMPT[-1:], 0, GREEDY), 6).tokens)
+    assert drafts[0] == drafts[1] and len(drafts[0]) == 6
