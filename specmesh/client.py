@@ -42,7 +42,6 @@ grpc, the generated stubs and the proto -> stats conversion only.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import threading
 import time
@@ -400,31 +399,37 @@ class AsyncClient(_Base):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self._channels: Optional[list] = None
-        self._stubs: list = []
+        self._conn: Optional[tuple] = None  # (addresses, channels, stubs), made in the running event loop
+        self._old: list = []  # channels of addresses left behind (``set_addresses``), closed with the client
+
+    def _connection(self) -> tuple:
+        conn = self._conn
+        if conn is None or conn[0] is not self.addresses:  # first use, or new addresses
+            chans = [channel(a, self._creds, aio=True, options=self._options) for a in self.addresses]
+            conn = self._conn = (self.addresses, chans, [router_pb2_grpc.RouterStub(c) for c in chans])
+        return conn
 
     def _channel_at(self, i: int):
-        if self._channels is None:  # created inside the running event loop
-            self._channels = [channel(a, self._creds, aio=True, options=self._options) for a in self.addresses]
-            self._stubs = [router_pb2_grpc.RouterStub(c) for c in self._channels]
-        return self._channels[i]
+        chans = self._connection()[1]
+        return chans[i % len(chans)]
 
     def _get_stub(self):
-        self._channel_at(0)
-        return self._stubs[0]
+        return self._connection()[2][0]
 
-    def with_addresses(self, address: Union[str, Sequence[str]]) -> "AsyncClient":
-        """A client like this one (credentials, token, deadline, resume settings) to
-        other router addresses; this one stays open for the streams it carries."""
-        c = copy.copy(self)
-        c.addresses = split_addresses(address)
-        c.address, c._channels, c._stubs, c._next = ",".join(c.addresses), None, [], 0
-        c._count_lock = threading.Lock()
-        return c
+    def set_addresses(self, address: Union[str, Sequence[str]]) -> None:
+        """Point this client at other router addresses (a front following a registry):
+        new streams, and the resumes of streams in flight, use them. Safe from another
+        thread: the channels are made in the event loop on next use; the old ones stay
+        open for the calls still on them until ``close``."""
+        conn = self._conn
+        if conn is not None and conn[0] is self.addresses:
+            self._old += conn[1]
+        self.addresses = split_addresses(address)
+        self.address = ",".join(self.addresses)
 
     def _call(self, i: int, request, timeout: Optional[float], metadata: tuple):
-        self._channel_at(i)
-        return self._stubs[i].Generate(request, timeout=timeout, metadata=metadata)
+        stubs = self._connection()[2]
+        return stubs[i % len(stubs)].Generate(request, timeout=timeout, metadata=metadata)
 
     def stream(self, prompt: Optional[str] = None, *, timeout: Optional[float] = None,
                client_id: Optional[str] = None, **kw) -> AsyncStream:
@@ -456,7 +461,7 @@ class AsyncClient(_Base):
             raise from_rpc_error(e) from None
 
     async def close(self) -> None:
-        for c in self._channels or []:
+        for c in (self._conn[1] if self._conn else []) + self._old:
             await c.close()
 
     async def __aenter__(self):

@@ -580,7 +580,7 @@ def start_http(s, router_address: str, port: Optional[int] = None) -> HttpServer
     url = f"{'https' if tls else 'http'}://{host}:{sock.getsockname()[1]}/v1"
 
     server = HttpServer(app, sock, tls, ssl_kw, url)
-    server.api = api  # its client may be replaced (``AsyncClient.with_addresses``) as routers come and go
+    server.api = api  # its client follows the routers as they come and go (``AsyncClient.set_addresses``)
     return server.start()
 
 

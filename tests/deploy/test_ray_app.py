@@ -9,7 +9,9 @@ while generations of both run leaves the verifier replica untouched, both drafte
 replicas serve and every output equals plain greedy; killing a drafter replica
 (``ray.kill`` on its actor) while the router still lists it changes no output (the
 sessions sent to it fail over and seed the surviving replica with the router's
-tokens and features), and Serve replaces it.
+tokens and features), and Serve replaces it; killing the router replica in the
+middle of an OpenAI-client stream through the ``OpenAI`` deployment (the HTTP front
+of its own) changes no text: the front resumes the stream on the replacement.
 """
 
 from __future__ import annotations
@@ -285,3 +287,30 @@ def test_killing_a_drafter_replica_changes_no_output(cluster, ref):
             assert c.generate(p, strategy="external", max_new_tokens=N).token_ids == ref(p)
     new = (set(now) - set(before)).pop()
     assert _drafter_proposals(now[new]) > 0, "the replacement replica serves"
+
+
+def test_killing_the_router_replica_keeps_an_openai_stream(cluster, ref):
+    """Issue 51 in the Ray app: an OpenAI-client stream through the ``OpenAI`` deployment
+    whose router replica is killed after its first piece resumes on the replacement (at
+    a new address here, router_port 0: the front follows the registry) and finishes
+    with the uninterrupted text; the front counts the resume on /health."""
+    import json
+    import urllib.request
+
+    openai = pytest.importorskip("openai", reason="pip install -e '.[test]'")
+    url = cluster.describe()["openai_api"]
+    (victim,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(f"SERVE_REPLICA::{APP}#Router#")]
+    kw = dict(model="smollm2-135m-instruct", messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=64,
+              temperature=0, extra_body={"strategy": "autoregressive"})
+    with openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600) as oa:
+        want = oa.chat.completions.create(**kw).choices[0].message.content
+        pieces: list[str] = []
+        for ch in oa.chat.completions.create(stream=True, **kw):
+            if ch.choices and ch.choices[0].delta.content:
+                pieces.append(ch.choices[0].delta.content)
+                if len(pieces) == 1:
+                    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    assert "".join(pieces) == want
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=30) as h:
+        assert json.loads(h.read())["resumes"] >= 1

@@ -217,6 +217,30 @@ def test_the_async_sdk_resumes_and_resume_false_does_not(stack):
     assert wait_for(lambda: len(stack.verifier_info().sessions) == 0)
 
 
+def test_an_async_client_pointed_at_other_routers_resumes_there(stack):
+    """``AsyncClient.set_addresses`` (the Ray OpenAI front following the registry): a
+    stream in flight on a router that goes away resumes on the new addresses."""
+    from specmesh import AsyncClient
+
+    kw = dict(strategy="external", drafter="prompt_lookup", max_new_tokens=30, temperature=0.8, seed=5)
+    two = TwoRouters(stack)
+
+    async def go():
+        async with AsyncClient(two.addresses[0], timeout=60) as c:
+            ref = await c.generate(PROMPT, **kw)
+            two.hold()
+            s, pieces = c.stream(PROMPT, **kw), []
+            async for p in s:
+                pieces.append(p)
+                if len(pieces) == 1:
+                    c.set_addresses([two.addresses[1]])
+                    await asyncio.get_running_loop().run_in_executor(None, two.kill_first_when_held)
+            return ref, s, pieces
+
+    ref, s, pieces = asyncio.run(go())
+    assert "".join(pieces) == ref.text and s.token_ids == ref.token_ids and s.resumes == 1
+
+
 class FrontProcess:
     """``specmesh serve openai`` in front of ``addresses``, a process of its own."""
 

@@ -301,9 +301,9 @@ class OpenAIReplica(_Replica):
         while not self._stop.wait(self.cfg.refresh_s):
             try:
                 now = self._routers()
-                if now and now != self.routers:  # new streams go to the current routers; old ones finish
+                if now and now != self.routers:
                     self.routers = now
-                    self.http.api.client = self.http.api.client.with_addresses(now)
+                    self.http.api.client.set_addresses(now)  # in-flight streams resume on them too
             except Exception:  # noqa: BLE001 - keep following; the next read may work
                 log.exception("registry refresh failed")
 
