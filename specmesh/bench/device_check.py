@@ -472,8 +472,10 @@ def model_free_phase(args, device, deadline: float, result: dict, log, save) -> 
             result["skipped"]["hf_static_compile"] = f"{left:.0f} s left, the compile may take {HF_COMPILE_S:.0f}"
         else:
             t0 = time.monotonic()
-            hf = make_hf("hf_static_compile", HFModels(rand, None, device=device, dtype="bf16"), [],
-                         max_cache_len=rt.max_seq_len)
+            # a stop id is needed by generate(); the last id of a random model's vocabulary rarely comes
+            # (the tokens counted are those made)
+            hf = make_hf("hf_static_compile", HFModels(rand, None, device=device, dtype="bf16"),
+                         [rt.engine.vocab_size - 1], max_cache_len=rt.max_seq_len)
             hf.run(prompt, n)  # compiles and captures, outside the timing
             result["warmups"]["hf_static_compile"] = round(time.monotonic() - t0, 1)
             save()
