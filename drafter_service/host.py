@@ -60,6 +60,7 @@ class DrafterHost:
         self._sessions: "OrderedDict[str, _Session]" = OrderedDict()
         self._lock = threading.Lock()
         self._ahead: dict[str, AheadDrafter] = {}  # draft-ahead caches, made by the first ProposeAhead
+        self.ahead_options: dict = {}  # their AheadDrafter options (width, max_outcomes, ttl_s)
 
     @property
     def names(self) -> list[str]:
@@ -196,7 +197,8 @@ class DrafterHost:
             ahead = self._ahead.get(drafter)
             if ahead is None:
                 ahead = self._ahead[drafter] = AheadDrafter(  # drafter work where the host runs it (run)
-                    d, lock=self._locks[drafter], run=getattr(self, "run", None), max_sessions=self.max_sessions)
+                    d, lock=self._locks[drafter], run=getattr(self, "run", None), max_sessions=self.max_sessions,
+                    **self.ahead_options)
         ahead.propose_ahead(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), tree, budget)
         return len(tokens)
 

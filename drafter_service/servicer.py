@@ -145,6 +145,8 @@ def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
         run = model_thread(settings.model_threads("drafter")).run
     host = DrafterHost(factories or default_factories(settings), vocab_size, settings.max_drafter_sessions,
                        settings.max_tree_nodes, run=run)
+    host.ahead_options = dict(width=settings.draft_ahead_width, max_outcomes=settings.draft_ahead_outcomes,
+                              ttl_s=settings.draft_ahead_ttl_s)
     host.feature_drafters()  # load the block drafter now: its first Info and Propose would wait for it
     if preload_draft_lm(settings):  # and a real draft LM: loading it can take longer than drafter_timeout_s
         host.preload(["draft_lm"])

@@ -71,22 +71,31 @@ def main_path(tree: TokenTree) -> list[int]:
     return out
 
 
-def assumed_outcomes(tokens: Sequence[int], tree: TokenTree,
-                     guess: Callable[[list[int], int], list[int]]) -> Iterator[tuple[str, list[int]]]:
+def assumed_outcomes(tokens: Sequence[int], tree: TokenTree, guess: Callable[[list[int], int], list[int]],
+                     width: int = 1) -> Iterator[tuple[str, list[int]]]:
     """(kind, committed tokens after round r) for the likely outcomes, most useful first,
     lazily (``guess(tokens, n)``: the drafter's n best next tokens; each call may cost a
-    drafter step, so the caller stops when the verify result arrives)."""
+    drafter step, so the caller stops when the verify result arrives). ``width``: how many
+    of the drafter's guesses each outcome is tried with (1: the bonus token is its best
+    guess, a rejection's correction its second choice there; more widens the fan-out,
+    rank by rank: every "all" and "reject@k" outcome with its r-th guess before any with
+    its (r+1)-th)."""
     base, path = list(tokens), main_path(tree)
     seen: set[tuple[int, ...]] = set()
-    g = guess(base + path, 1)
-    if g:
-        seen.add(tuple(path) + (g[0],))
-        yield "all", base + path + [g[0]]
-    for k in range(len(path)):
-        alts = [t for t in guess(base + path[:k], 2) if t != path[k]]
-        if alts and tuple(path[:k]) + (alts[0],) not in seen:
-            seen.add(tuple(path[:k]) + (alts[0],))
-            yield f"reject@{k}", base + path[:k] + [alts[0]]
+    known: dict[int, list[int]] = {}
+
+    def alts(k: int) -> list[int]:  # guesses after the first k drafted tokens (k = len(path): the bonus)
+        if k not in known:
+            g = guess(base + path[:k], width + (k < len(path)))
+            known[k] = [t for t in g if k == len(path) or t != path[k]][:width]
+        return known[k]
+
+    for rank in range(width):
+        for k in [len(path)] + list(range(len(path))):
+            a = alts(k)
+            if rank < len(a) and tuple(path[:k]) + (a[rank],) not in seen:
+                seen.add(tuple(path[:k]) + (a[rank],))
+                yield ("all" if k == len(path) else f"reject@{k}"), base + path[:k] + [a[rank]]
 
 
 def truncate(tree: TokenTree, budget: int) -> TokenTree:
@@ -164,6 +173,8 @@ class _Session:
         self.span: Optional[list[float]] = None
         self.asked_at = time.perf_counter()
         self.error = False
+        self.idle = threading.Event()  # no ahead job pending (``settle``)
+        self.idle.set()
 
 
 def _skey(s: SamplingParams, prompt_len: int, cache_id: str) -> tuple:
@@ -180,7 +191,8 @@ class AheadDrafter:
 
     def __init__(self, drafter, max_outcomes: int = 4, ttl_s: float = 30.0, max_sessions: int = 1024,
                  lock: Optional[threading.Lock] = None, clock: Callable[[], float] = time.monotonic,
-                 run: Optional[Callable] = None):
+                 run: Optional[Callable] = None, width: int = 1):
+        self.width = width  # guesses per outcome (``assumed_outcomes``)
         self.run = run or (lambda fn, *a: fn(*a))
         self.drafter = drafter
         self.name = getattr(drafter, "name", "drafter")
@@ -213,6 +225,7 @@ class AheadDrafter:
                 job_left = st.job is not None and st.job.drafted < self.max_outcomes
                 st.gen += 1  # cancel the rest of the fan-out
                 st.job = None
+                st.idle.set()
                 entry = self._find(st, ctx)
         if entry is not None:
             entry.done.wait()  # the ahead round of this very outcome is being drafted: it is ours
@@ -272,7 +285,8 @@ class AheadDrafter:
             st.entries.clear()
             st.asked, st.used, st.error, st.asked_at = True, now, False, time.perf_counter()
             st.ahead_s, st.span = 0.0, None
-            st.job = _Job(st.gen, assumed_outcomes(base.tokens, tree, guess), base, budget)
+            st.job = _Job(st.gen, assumed_outcomes(base.tokens, tree, guess, self.width), base, budget)
+            st.idle.clear()
             if not st.queued:
                 st.queued = True
                 self._queue.append((ctx.session_id, st))
@@ -297,6 +311,13 @@ class AheadDrafter:
             st = self._sessions.pop(session_id, None)
             if st is not None:
                 self._drop(st)
+
+    def settle(self, session_id: str, timeout: Optional[float] = None) -> bool:
+        """Wait until the session's ahead work is done (every outcome drafted, or cancelled):
+        what a verify lasting at least as long as the drafter would see. False on timeout."""
+        with self._mu:
+            st = self._sessions.get(session_id)
+        return True if st is None else st.idle.wait(timeout)
 
     def held(self) -> dict:
         """Sessions and entries held (for tests and Info)."""
@@ -330,6 +351,7 @@ class AheadDrafter:
         st.released = True
         st.gen += 1
         st.job = None
+        st.idle.set()
         for e in st.entries.values():
             e.done.set()
         st.entries.clear()
@@ -354,17 +376,25 @@ class AheadDrafter:
                 st.queued = False
             self._step(sid, st)
 
+    def _end_job(self, st: _Session, job: Optional[_Job]) -> None:
+        if job is not None and st.job is job:
+            st.job = None
+        if st.job is None:
+            st.idle.set()
+
     def _step(self, sid: str, st: _Session) -> None:
         """One outcome of the session's job: its guess and its ahead round."""
         with self.lock:
             with self._mu:
                 job = st.job
-                if job is None or st.released or job.gen != st.gen or job.drafted >= self.max_outcomes:
+                if job is None or st.released or job.gen != st.gen:
+                    return  # cancelled: whoever cancelled it marked the session idle
+                if job.drafted >= self.max_outcomes:
+                    self._end_job(st, job)
                     return
-            t0 = time.perf_counter()
+            t0, nxt, entry = time.perf_counter(), None, None
             try:
                 nxt = self.run(next, job.it, None)  # the outcome's guesses run the drafter too
-                entry = None
                 if nxt is not None:
                     kind, toks = nxt
                     entry = _Entry(tuple(toks), _skey(job.ctx.sampling, job.ctx.prompt_len, job.ctx.cache_id),
@@ -373,26 +403,28 @@ class AheadDrafter:
                         if job.gen != st.gen or st.released:
                             return
                         st.entries[(len(toks), toks[-1])] = entry
-                    entry.tree = self.run(self.drafter.propose, self._ahead_context(job, toks), job.budget)  # draws keyed by len(toks): seeding.py
+                    # draws keyed by len(toks), the committed length it assumes (seeding.py)
+                    entry.tree = self.run(self.drafter.propose, self._ahead_context(job, toks), job.budget)
             except Exception:  # noqa: BLE001 - a failed ahead round is a miss, never an error of the request
                 with self._mu:
                     st.error = True
-                    st.job = None
-                nxt = None
+                    self._end_job(st, job)
+                return
             finally:
                 t1 = time.perf_counter()
                 with self._mu:
                     st.ahead_s += t1 - t0
                     st.span = [t0, t1] if st.span is None else [st.span[0], t1]
-                    if nxt is not None and entry is not None:
+                    if entry is not None:
                         entry.done.set()
             with self._mu:
                 if nxt is None:
-                    if st.job is job:
-                        st.job = None
+                    self._end_job(st, job)
                     return
                 job.drafted += 1
-                if st.job is job and job.drafted < self.max_outcomes and not st.released and not st.queued:
+                if job.drafted >= self.max_outcomes:
+                    self._end_job(st, job)
+                elif st.job is job and not st.released and not st.queued:
                     st.queued = True
                     self._queue.append((sid, st))
                     self._wake.notify()

@@ -90,6 +90,10 @@ class ServeSettings(BaseSettings):
     draft_budget: int = Field(6, ge=1)
     draft_ahead: Literal["off", "on", "auto"] = Field(AHEAD_DEFAULT, description="external token-only drafters "
                                                       "draft the next round while this one verifies (specmesh.ahead)")
+    draft_ahead_width: int = Field(1, ge=1, le=64, description="drafter: guesses tried per draft-ahead outcome "
+                                   "(1: the bonus token is its best guess, a rejection's token its second choice)")
+    draft_ahead_outcomes: int = Field(4, ge=1, le=64, description="drafter: ahead rounds drafted per verify, at most")
+    draft_ahead_ttl_s: float = Field(30.0, gt=0, description="drafter: a draft-ahead cache entry's lifetime")
     auto_anticipate: bool = Field(False, description="anticipate every finished turn that has a conversation_id")
     anticipate_tokens: int = Field(512, ge=1, description="idle tokens per anticipation (upper limit)")
     anticipate_next_turns: int = Field(2, ge=0, le=8, description="predicted next user turns per anticipation")

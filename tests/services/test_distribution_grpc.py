@@ -63,9 +63,13 @@ class CountingVerifier(EngineVerifier):
     """Counts the draft nodes it verifies and accepts (every round, the prefill's included)."""
 
     drafted = accepted = 0
+    settle = None  # called with each verified session id before the answer goes back (draft-ahead cases)
 
     def verify_batch(self, reqs):
         out = super().verify_batch(reqs)
+        if self.settle is not None:
+            for r in reqs:
+                self.settle(r.session_id)
         for r in out:
             if not isinstance(r, BaseException):
                 self.drafted += r.drafted
@@ -77,10 +81,10 @@ class Services(LocalStack):
     """The stack over a CountingVerifier (with layer-skip) on the 6-token target, a drafter
     service with prompt lookup, suffix, cache and the draft LM, and DigitCodec."""
 
-    def __init__(self):
+    def __init__(self, **extra):
         base = dict(max_seq_len=64, n_slots=8, max_new_tokens=16, default_max_new_tokens=4, max_prompt_tokens=32,
                     max_message_bytes=8192, max_tree_nodes=8, batch_window_ms=0.5, workers=8, drain_s=0.0,
-                    verifier_retry_s=5.0, draft_budget=2)
+                    verifier_retry_s=5.0, draft_budget=2, **extra)
 
         def counting_verifier():
             v = CountingVerifier(LlamaEngine(*TARGET, n_slots=8, max_seq_len=64))
@@ -179,3 +183,41 @@ def test_verifier_service_refuses_unlabelled_sampled_siblings(services):
         res = stub.Verify(convert.verify_request_to_proto(req), timeout=10)
         assert res.cache_len >= len(PROMPT)
         services.verifier.release("sib-1")
+
+
+# ---------------------------------------------------------------- draft-ahead through the services
+
+@pytest.fixture(scope="module")
+def ahead_services():
+    """The same stack with the router drafting ahead (ProposeAhead before every Verify) and
+    the drafter service fanning out over every outcome (width = the vocabulary); each Verify
+    answers only once the drafter's ahead work for its session is done, so the next round
+    comes from the ahead cache wherever an outcome matched (forced, not timed)."""
+    s = Services(draft_ahead="on", draft_ahead_width=V, draft_ahead_outcomes=64)
+
+    def settle(sid):
+        ahead = s.host._ahead.get("draft_lm")
+        if ahead is not None:
+            assert ahead.settle(sid, 60)
+
+    s.verifier.settle = settle
+    yield s
+    s.close()
+
+
+def test_sampled_output_with_draft_ahead_through_the_services_matches_the_exact_distribution(ahead_services):
+    sampling = SamplingParams(temperature=1.0)
+    counts: Counter = Counter()
+    v = ahead_services.verifier
+    drafted0, accepted0 = v.drafted, v.accepted
+    for seed in range(N):
+        sp = SamplingParams(temperature=sampling.temperature, seed=seed)
+        out, final = ahead_services.generate(sp, strategy="external", drafter="draft_lm")
+        assert len(out) == N_NEW
+        counts[tuple(out)] += 1
+    drafted, accepted = v.drafted - drafted0, v.accepted - accepted0
+    assert drafted > N // 2 and 0 < accepted < drafted, (drafted, accepted)
+    ahead = ahead_services.host._ahead["draft_lm"]
+    assert ahead.hits > N // 10, (ahead.hits, ahead.misses)  # the drafted-ahead rounds were used
+    p = chi2(counts, exact_joint(PROMPT, [None] * N_NEW, sampling))
+    assert p > ALPHA, f"external:draft_lm with draft-ahead: chi-square p = {p:.2e}"

@@ -10,6 +10,13 @@ self drafters), draws correlated with the acceptance uniforms, an inexact siblin
 rule. The same test run with those mechanisms put back must fail (so the test
 has the power to see them). Every run has a fixed seed: the outcome is
 deterministic, not a matter of luck on a given day.
+
+Draft-ahead (``specmesh.ahead``) is tested the same way with every round drafted
+ahead for every outcome and used where one matched; its broken variant (ahead rounds
+drawing from the acceptance stream of the round they assume) must fail, and an ahead
+round reused under the wrong outcome (the hit check without the tokens) must stay
+exact: the exact rule accepts any proposal drawn from the q it is sent, independent
+of the uniforms that judge it, so the hit check buys acceptance, the seeding exactness.
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ from typing import Callable, Optional
 import pytest
 
 from specmesh import int4_matmul, seeding
+from specmesh.ahead import AheadDrafter, OverlapPolicy
 from specmesh.blockdraft.serve import BlockSelfDrafter
 from specmesh.drafters import CacheDrafter, PromptLookupDrafter, SuffixDrafter, make_drafter
 from specmesh.drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from specmesh.engine import LlamaEngine
 from specmesh.loop import AdaptiveBudget, generate_tokens, speculative_generate
 from specmesh.strategies.ssr import ThinkFormat, local_side_answer, reasoning_generate
-from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, SamplingParams, TokenTree
+from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, DraftContext, SamplingParams, TokenTree
 from tests.support import SMALL_DRAFT as DRAFT
 from tests.support import SMALL_N_NEW as N_NEW
 from tests.support import SMALL_PROMPT as PROMPT
@@ -252,3 +260,110 @@ def test_ssr_sampled_answer_matches_full_cot_decoding():
     assert counter.drafted > N_SAMPLES // 2 and 0 < counter.accepted < counter.drafted
     p = chi2(counts, exact_joint(PROMPT, [None, 4, 5, None, None], sampling))
     assert p > ALPHA, f"ssr: chi-square p = {p:.2e}"
+
+
+# ---------------------------------------------------------------- draft-ahead (specmesh.ahead)
+
+class Settled(DraftCount):
+    """The verifier of a draft-ahead run, counting: each verify lasts until the drafter's
+    ahead work for the session is done (every outcome drafted), so the next round comes
+    from the ahead cache wherever an outcome matched — the race forced, not timed."""
+
+    def __init__(self, ver, ahead):
+        super().__init__(ver)
+        self.ahead = ahead
+
+    def verify(self, req):
+        res = super().verify(req)
+        assert self.ahead.settle(req.session_id, 60)
+        return res
+
+
+def ahead_runner(ver, ahead, budget: int = 2):
+    def run(sp: SamplingParams) -> list[int]:
+        out: list[int] = []
+        for chunk in speculative_generate(ahead, ver, PROMPT, sampling=sp, max_new_tokens=N_NEW, budget=budget,
+                                          draft_first=True, draft_ahead=OverlapPolicy("on")):
+            out += chunk
+        return out
+    return run
+
+
+AHEAD_CASES = [("draft_lm", "t1"), ("draft_lm", "t07_k3"), ("prompt_lookup", "t13_p08"), ("suffix", "t1"),
+               ("adaptive_lookup", "t07_k3")]
+
+
+class Guessing:
+    """A lookup drafter that guesses every token (lookups guess only their own continuation:
+    with these the ahead fan-out covers every outcome of a round, as the draft LM's does)."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+
+    def propose(self, ctx, budget):
+        return self.inner.propose(ctx, budget)
+
+    def guess(self, ctx, n):
+        return list(range(V))[:n]
+
+    def release(self, sid):
+        self.inner.release(sid)
+
+    def finish(self, sid, toks, p):
+        self.inner.finish(sid, toks, p)
+
+
+def _ahead_counts(name: str, samp: str):
+    sampling = SAMPLINGS[samp]
+    ver, drafter, _, budget = make_case(name)
+    if not hasattr(drafter, "guess"):
+        drafter = Guessing(drafter)
+    ahead = AheadDrafter(drafter, width=V, max_outcomes=64)  # every outcome of the round: hits wherever one
+    counter = Settled(ver, ahead)  # can happen (the width the drafter offers: lookups guess fewer tokens)
+    counts = sample_counts(ahead_runner(counter, ahead, budget), sampling, N_SAMPLES)
+    return chi2(counts, exact_joint(PROMPT, [None] * N_NEW, sampling)), counter, ahead
+
+
+@pytest.mark.parametrize("name,samp", AHEAD_CASES, ids=[f"{a}-{b}" for a, b in AHEAD_CASES])
+def test_sampled_speculation_with_draft_ahead_matches_the_exact_distribution(name, samp):
+    """Overlap on: rounds drafted ahead for the likely outcomes of the round being verified,
+    used where the real outcome is one of them (a hit), else drafted afresh."""
+    p, counter, ahead = _ahead_counts(name, samp)
+    assert counter.drafted > N_SAMPLES // 2 and 0 < counter.accepted < counter.drafted
+    assert ahead.hits > N_SAMPLES // 10, f"{name}: only {ahead.hits} hits ({ahead.misses} misses)"
+    assert p > ALPHA, f"{name}/{samp} with draft-ahead: chi-square p = {p:.2e}"
+
+
+def test_the_same_test_fails_when_ahead_rounds_draw_from_the_acceptance_stream(monkeypatch):
+    """Broken: the ahead rounds' draws come from the acceptance stream of the round they
+    assume (the uniforms that judge them on a hit), not the drafter's own stream."""
+    import threading
+
+    import specmesh.drafters.model_drafters as md
+
+    def ahead_on_accept(ctx, device=None):
+        if threading.current_thread().name.startswith("draft-ahead"):
+            return seeding.generator(seeding.round_seed(ctx.sampling.seed, len(ctx.tokens)), seeding.ACCEPT, device)
+        return seeding.draft_generator(ctx, device)
+
+    monkeypatch.setattr(md, "draft_generator", ahead_on_accept)
+    p, _, ahead = _ahead_counts("draft_lm", "t1")
+    assert ahead.hits > N_SAMPLES // 10
+    assert p < ALPHA, f"the broken variant passed (p = {p:.3f}): the test has no power"
+
+
+def _any_round_of_that_length(self, st, ctx):
+    """The hit check without the tokens: any ahead round assuming the same committed length,
+    whatever outcome it assumed."""
+    return next((e for (n, _), e in st.entries.items() if n == len(ctx.tokens)), None)
+
+
+def test_an_ahead_round_reused_under_the_wrong_outcome(monkeypatch):
+    """A round drafted for another outcome of the same length, with its own q and draws
+    keyed by that length: the exact rule accepts any proposal drawn from the q it is sent,
+    independent of its uniforms, so this stays exact — the hit check buys acceptance (and
+    draw-for-draw identity with drafting afresh), the seeding buys exactness."""
+    monkeypatch.setattr(AheadDrafter, "_find", _any_round_of_that_length)
+    p, _, ahead = _ahead_counts("draft_lm", "t1")
+    assert ahead.hits > N_SAMPLES // 10
+    assert p > ALPHA, f"p = {p:.2e}"
