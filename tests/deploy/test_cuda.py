@@ -266,3 +266,29 @@ def test_acceptance_kernels_compiled_at_start_up():
         logits = [torch.randn(len(t) + 1, V, device="cuda") for t in trees]
         A.accept_batch(logits, trees, [sp] * b, list(range(b)))
     assert compiled() == before
+
+
+def test_graphed_attention_takes_the_memory_efficient_kernel(monkeypatch):
+    """The static forward's attention calls (bf16 and fp32, chains and trees, several
+    sessions) are ones torch's memory-efficient kernel accepts on this GPU (not the math
+    fallback that a float mask with enable_gqa forced)."""
+    import specmesh.cudagraph as cg
+    from specmesh.cudagraph import GraphedEngine
+
+    calls = []
+    real = cg.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        params = torch.backends.cuda.SDPAParams(q, k, v, attn_mask, 0.0, False, bool(kw.get("enable_gqa", False)))
+        calls.append(torch.backends.cuda.can_use_efficient_attention(params, True))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    model, cfg = tiny_hf()
+    monkeypatch.setattr(cg.F, "scaled_dot_product_attention", spy)
+    for dtype in ("fp32", "bf16"):
+        eng = GraphedEngine(cfg, model.state_dict(), dtype=dtype, n_slots=2, max_seq_len=512, device="cuda",
+                            capture=False)
+        eng.prefill(0, list(range(5, 40)))
+        eng.score_batch([(0, [3, 4, 5, 6], [-1, 0, 0, 1]), (1, [7], [-1])])
+        eng.score(0, [8, 9], [-1, 0])
+    assert calls and all(calls), calls

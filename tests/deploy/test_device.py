@@ -505,6 +505,34 @@ def test_graphed_engine_key_buckets_attend_over_the_smallest_that_holds_the_keys
     assert seen == sorted(seen) and seen[-1] == 64  # 36 + 3 keys -> the 64 bucket
 
 
+def test_graphed_engine_attention_is_a_plain_multi_head_call_over_the_key_bucket(monkeypatch):
+    """What the fused kernels need from the static forward's attention: q, k and v with the
+    same head count (a KV head's query heads folded into its rows: no ``enable_gqa``), one
+    additive mask broadcast over heads, over the key bucket's S keys (not max_seq_len).
+    (tests/deploy/test_cuda.py asks torch on the GPU whether the memory-efficient kernel
+    takes these calls.)"""
+    import specmesh.cudagraph as cg
+
+    seen = []
+    real = cg.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        seen.append((q.shape, k.shape, v.shape, None if attn_mask is None else attn_mask.shape, dict(kw)))
+        return real(q, k, v, attn_mask=attn_mask, **kw)
+
+    model, cfg = tiny_hf()
+    eng = GraphedEngine(cfg, model.state_dict(), n_slots=2, max_seq_len=64, capture=False, key_buckets=(16, 32))
+    eng.prefill(0, list(range(3, 13)))
+    monkeypatch.setattr(cg.F, "scaled_dot_product_attention", spy)
+    eng.score_batch([(0, [5, 6, 7], [-1, 0, 0]), (1, [8], [-1])])
+    nk = cfg["num_key_value_heads"]
+    g = cfg["num_attention_heads"] // nk
+    assert len(seen) == cfg["num_hidden_layers"]
+    for qs, ks, vs, ms, kw in seen:  # batch 2, 4 tokens; keys: 10 + 4 -> the 16 bucket
+        assert qs == (2, nk, g * 4, eng.head_dim) and ks == vs == (2, nk, 16, eng.head_dim)
+        assert ms == (2, 1, g * 4, 16) and not kw.get("enable_gqa") and not kw.get("is_causal")
+
+
 def test_graphed_engine_counts_replays_failed_captures_and_serving_captures(monkeypatch):
     """The counters tell a replayed graph from a bucket's static forward run without one:
     a failed capture shows in ``capture_errors``, ``uncaptured`` and
