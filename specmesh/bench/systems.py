@@ -15,6 +15,12 @@ draft–verify loop (``specmesh.loop``) over an in-process ``Runtime``:
   ours_uno_tree       the same, its block as a calibrated tree
   ours_uno_separate   the same adapter in a draft pass of its own (two forwards a round)
 
+A token-only drafter's system (prompt_lookup, suffix, draft_lm) drafts ahead as
+``specmesh.ahead.AHEAD_DEFAULT`` says; ``ours_<drafter>_overlap`` always drafts the next
+round on the drafter's own thread while the verifier verifies this one
+(``ahead.AheadDrafter``, overlap "on"), ``ours_<drafter>_serial`` never does: name both
+to compare them side by side (e.g. ``ours_draft_lm_overlap,ours_draft_lm_serial``).
+
 The ``uno`` systems are in no default group (``uno`` names them; ``specmesh uno-study``
 measures them in detail).
 
@@ -43,6 +49,8 @@ HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
 HF_EXTRA_SYSTEMS = ("hf_static_compile",)  # known, but in no group: it compiles (minutes on a CPU)
 LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld")
 DTYPES = ("fp32", "bf16", "int8", "int4")
+OVERLAP_SUFFIXES = {"_overlap": "on", "_serial": "off"}  # ours_<drafter><suffix>: draft-ahead forced on / off
+OVERLAP_STRATEGIES = tuple(s for s in OURS_STRATEGIES if s in registry.CONTEXT_ONLY)  # token-only drafters
 DEFAULT_SYSTEMS = tuple(f"ours_{s}" for s in OURS_STRATEGIES) + HF_SYSTEMS + LLAMACPP_SYSTEMS
 GROUPS = {
     "all": DEFAULT_SYSTEMS,
@@ -87,6 +95,10 @@ def parse_ours(name: str, default_dtype: str) -> tuple[str, str, str]:
         if rest.endswith("_" + dt):
             rest, suffix = rest[: -len(dt) - 1], "_" + dt
             break
+    for mode in OVERLAP_SUFFIXES:
+        if rest.endswith(mode) and rest[: -len(mode)] in OVERLAP_STRATEGIES:
+            rest = rest[: -len(mode)]
+            break
     if rest not in OURS_STRATEGIES + OURS_EXTRA:
         raise InvalidArgument("systems", f"unknown system {name!r}; ours_* strategies: "
                                          f"{list(OURS_STRATEGIES + OURS_EXTRA)}")
@@ -114,6 +126,18 @@ def expand(names: Sequence[str]) -> list[str]:
     return out
 
 
+def overlap_mode(name: str) -> str:
+    """The draft-ahead mode of an ``ours_*`` system: its ``_overlap`` / ``_serial`` suffix,
+    else ``ahead.AHEAD_DEFAULT``."""
+    from ..ahead import AHEAD_DEFAULT
+
+    rest = name[len("ours_"):]
+    for dt in DTYPES:
+        if rest.endswith("_" + dt):
+            rest = rest[: -len(dt) - 1]
+    return next((m for s, m in OVERLAP_SUFFIXES.items() if rest.endswith(s)), AHEAD_DEFAULT)
+
+
 def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: bool = True) -> System:
     """An ``ours_*`` system over ``runtime`` (whose dtype must match the name's). With
     ``adaptive`` each generation gets a fresh ``AdaptiveBudget(budget)`` (draft length
@@ -130,6 +154,12 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
         self_draft = strategy
     elif strategy != "ar":
         drafter = runtime.drafter(strategy)  # one instance for the whole run (suffix keeps its global tree)
+    overlap = None
+    if strategy in OVERLAP_STRATEGIES and overlap_mode(name) != "off":
+        from ..ahead import AheadDrafter, OverlapPolicy
+
+        drafter = AheadDrafter(drafter)  # ahead rounds on its own thread while the verifier verifies
+        overlap = OverlapPolicy(overlap_mode(name))  # one per system: "auto" learns across its generations
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         stats = GenerationStats()
@@ -138,11 +168,13 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
                                              schedule=getattr(runtime, "tree_schedule", None))
                   if adaptive else budget)
         out, stats = generate_tokens(drafter, runtime.verifier, list(prompt_ids), max_new_tokens=max_new_tokens,
-                                     stop_ids=runtime.stop_ids, budget=policy, self_draft=self_draft, stats=stats)
+                                     stop_ids=runtime.stop_ids, budget=policy, self_draft=self_draft, stats=stats,
+                                     draft_ahead=overlap)
         dt = time.perf_counter() - t0
         return RunOutput(out, dt, stats.accepted_tokens + stats.rounds, stats.rounds, list(stats.accept_hist),
                          stats.draft_s, stats.verify_s)
 
     return System(name, "ours", "ours_ar" + suffix, run, dtype=dtype,
                   budget=budget if strategy != "ar" else None, speculative=strategy != "ar",
-                  info={"strategy": strategy, "engine_dtype": dtype})
+                  info={"strategy": strategy, "engine_dtype": dtype,
+                        "draft_ahead": overlap.mode if overlap is not None else "off"})

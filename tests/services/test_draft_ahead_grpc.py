@@ -179,3 +179,48 @@ def test_a_drafter_dying_mid_stream_changes_no_token(wstack):
     # the router stops drafting after the INTERNAL and does not know what the service holds, so it
     # sends no Release (as without draft-ahead): the service's LRU and the ahead cache's TTL free it
     assert stack.host._ahead["prompt_lookup"].held()["entries"] == 0
+
+
+class Held(PromptLookupDrafter):
+    """Prompt lookup whose ahead rounds (worker thread, budget above 1) block at ``entered``
+    until ``go`` while ``hold`` is set; logs every call per session in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.hold, self.entered, self.go = threading.Event(), threading.Event(), threading.Event()
+        self.log: list[tuple[str, str]] = []
+
+    def propose(self, ctx, budget):
+        if threading.current_thread().name.startswith("draft-ahead") and budget > 1 and self.hold.is_set():
+            self.entered.set()
+            self.go.wait(20)
+        out = super().propose(ctx, budget)
+        self.log.append(("propose", ctx.session_id))
+        return out
+
+    def release(self, session_id):
+        super().release(session_id)
+        self.log.append(("release", session_id))
+
+
+def test_a_session_released_while_its_ahead_round_runs_leaves_nothing_held():
+    """On the drafter service's host: Release arrives while the worker is inside an ahead
+    round of the session; it waits for that round (the drafter's lock), frees the
+    drafter's state after it, and no later ahead round of the session runs."""
+    from specmesh.drafter_service.host import DrafterHost
+
+    d = Held()
+    host = DrafterHost({"prompt_lookup": lambda: d}, V)
+    toks = [3, 4, 5, 3, 4, 5, 3, 4]
+    tree, _, _ = host.propose("s", "prompt_lookup", 0, toks, 4, SamplingParams(), 2)
+    d.hold.set()
+    assert host.propose_ahead("s", "prompt_lookup", len(toks), [], 4, SamplingParams(), tree, 2) == len(toks)
+    assert d.entered.wait(20)
+    t = threading.Thread(target=host.release, args=("s",))
+    t.start()
+    d.hold.clear()
+    d.go.set()
+    t.join(20)
+    assert host.info()["sessions"] == 0
+    assert host._ahead["prompt_lookup"].held() == {"sessions": 0, "entries": 0}
+    assert [e for e in d.log if e[1] == "s"][-1] == ("release", "s")  # nothing of it after the release
