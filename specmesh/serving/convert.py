@@ -173,7 +173,7 @@ _STAT_FIELDS = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_
                 "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "finish_reason", "lossy",
                 "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens",
                 "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens",
-                "acceptance", "resumed_tokens")
+                "acceptance", "resumed_tokens", "ahead_hits", "ahead_misses", "ahead_wasted")
 
 
 def stats_to_proto(s: GenerationStats) -> common_pb2.GenerationStats:

@@ -109,6 +109,7 @@ def test_greedy_output_with_draft_ahead_equals_plain_decoding(stack, drafter):
     counted = {r: total(after, "specmesh_draft_ahead_total", drafter=drafter, result=r)
                - total(before, "specmesh_draft_ahead_total", drafter=drafter, result=r) for r in ("hit", "miss", "off")}
     assert counted["hit"] + counted["miss"] >= 1 and counted["off"] == 0
+    assert (final.stats.ahead_hits, final.stats.ahead_misses) == (counted["hit"], counted["miss"])
     assert sum(counted.values()) <= final.stats.rounds
     assert stack.host._ahead[drafter].held() == {"sessions": 0, "entries": 0}  # released with the generation
 
