@@ -288,7 +288,7 @@ class EngineVerifier:
                     a = len(append)
                     toks = append + tree.tokens
                     pars = trees.after_chain(a, tree.parents)
-                    rows = [a - 1] + [a + j for j in range(len(tree))]
+                    rows = [a - 1] + [a + j for j in range(len(tree))]  # consecutive: read as a slice below
                     blocks = self._mask_blocks(r, slot, toks, pars, a, tree)
                     items.append((slot, toks, pars))
                     meta.append((i, r, slot, a, tree, rows, draft_ms))
@@ -301,7 +301,7 @@ class EngineVerifier:
                     hl = {*self.feature_layers} | ({exit_h} if cd else set()) | ({last} if any(fused) else set())
                     scored = self.engine.score_batch(items, rows=[m[5] for m in meta], hidden_layers=sorted(hl))
                     self.forwards += 1
-                    amateurs = [self.engine.head_logits(so.hidden[exit_h][m[5]])
+                    amateurs = [self.engine.head_logits(so.hidden[exit_h][m[5][0]: m[5][-1] + 1])
                                 if m[1].sampling.acceptance == "contrastive" else None
                                 for m, so in zip(meta, scored)] if cd else None
                     fwd_ms = (time.perf_counter() - t1) * 1e3
@@ -324,7 +324,7 @@ class EngineVerifier:
                         if blocks:  # the block after the stop node drafts the next round
                             blk = blocks.get(res.path[-1] if res.path else -1)
                             self.self_drafters[r.self_draft.method].absorb(
-                                r.session_id, None if blk is None else so.hidden[last][blk], self.engine.length(slot))
+                                r.session_id, None if blk is None else so.hidden[last][blk[0]: blk[-1] + 1], self.engine.length(slot))
                         ent = float(ents.get(k, 0.0))
                         out[i] = VerifyResult(
                             accepted=[tree.tokens[j] for j in res.path], next_token=res.next_token,
@@ -349,7 +349,7 @@ class EngineVerifier:
         blocks = {}
         for stop in d.mask_blocks(tree, room):
             p, blk = (a - 1 if stop < 0 else a + stop), []
-            for _ in range(d.block):
+            for _ in range(d.block):  # consecutive node indices: the block's rows are read as a slice
                 toks.append(self.engine.mask_id)
                 pars.append(p)
                 p = len(toks) - 1
