@@ -315,7 +315,7 @@ def test_a_router_not_back_before_the_deadline_is_one_clear_error(stack):
 
     openai = pytest.importorskip("openai")
     two = TwoRouters(stack)
-    with Client(two.addresses[0], timeout=15) as c:
+    with Client(two.addresses[0], timeout=30) as c:
         two.hold()
         s = c.stream(PROMPT, strategy="autoregressive", max_new_tokens=30)
         it = iter(s)
@@ -325,7 +325,7 @@ def test_a_router_not_back_before_the_deadline_is_one_clear_error(stack):
             list(it)
         assert s.resumes == 1
     two = TwoRouters(stack)
-    front = FrontProcess(two.addresses[:1], "--http-timeout-s", "15")
+    front = FrontProcess(two.addresses[:1], "--http-timeout-s", "30")
     try:
         oa = openai.OpenAI(base_url=front.url, api_key="x", max_retries=0, timeout=120)
         two.hold()
