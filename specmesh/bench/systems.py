@@ -152,13 +152,20 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
                                              "drafter and the uno adapter need a checkpoint for this model; see "
                                              "`specmesh train-drafter`, `specmesh train-uno`)")
         self_draft = strategy
-    elif strategy != "ar":
+    ahead = strategy in OVERLAP_STRATEGIES and overlap_mode(name) != "off"
+    if strategy != "ar" and self_draft is None and not ahead:
         drafter = runtime.drafter(strategy)  # one instance for the whole run (suffix keeps its global tree)
     overlap = None
-    if strategy in OVERLAP_STRATEGIES and overlap_mode(name) != "off":
+    if ahead:
         from ..ahead import AheadDrafter, OverlapPolicy
+        from ..threads import ModelThread
 
-        drafter = AheadDrafter(drafter)  # ahead rounds on its own thread while the verifier verifies
+        # every drafter call (ahead rounds and misses) on one thread of its own with its own torch
+        # threads (half the process's), while this thread verifies (specmesh.threads: one team a thread)
+        import torch
+
+        mt = ModelThread(f"specmesh-drafter-{name}", threads=max(1, torch.get_num_threads() // 2))
+        drafter = AheadDrafter(mt.run(runtime.drafter, strategy), run=mt.run)  # loaded there too (if first)
         overlap = OverlapPolicy(overlap_mode(name))  # one per system: "auto" learns across its generations
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
