@@ -47,6 +47,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
+from specmesh.ahead import check_mode
 from specmesh.observability.requests import RouterObserver
 from specmesh.observability.throughput import ThroughputLog
 from specmesh.serving.convert import RouterStats
@@ -82,6 +83,7 @@ class GenerateSpec:
     thinking_budget: Optional[int] = None
     stop: tuple[str, ...] = ()  # stop strings on the output text
     resume: Optional["Resume"] = None  # continue an interrupted stream of this request
+    draft_ahead: str = ""  # "" (the router's setting) | "on" | "off" | "auto" (specmesh.ahead)
 
 
 @dataclass
@@ -125,6 +127,7 @@ class Plan:
     stop: tuple[str, ...] = ()
     resume: tuple[int, ...] = ()  # output tokens delivered before (a resumed request)
     resume_chars: int = 0  # ... and the characters of their text the caller has
+    draft_ahead: str = ""  # the request's draft-ahead mode ("": the router's setting)
 
 
 class TextStream:
@@ -304,6 +307,8 @@ class Router:
     def plan(self, spec: GenerateSpec) -> Plan:
         """Validate every field (INVALID_ARGUMENT naming it); nothing changes."""
         self.runner.check(spec)
+        if spec.draft_ahead:
+            check_mode(spec.draft_ahead)
         if spec.resume is not None and (spec.resume.token_ids or spec.resume.text_chars) and (
                 spec.reasoning or spec.strategy == "ssr"):
             raise InvalidArgument("resume", "a reasoning request cannot be resumed (its thinking phase is not "
@@ -334,7 +339,8 @@ class Router:
         resume = self._resume(spec, n)
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
                     reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
-                    resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0)
+                    resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
+                    draft_ahead=spec.draft_ahead)
 
     def _resume(self, spec: GenerateSpec, n: int) -> Optional[Resume]:
         """Validate ``spec.resume`` against the request it continues (INVALID_ARGUMENT naming the field)."""

@@ -36,7 +36,7 @@ def spec_from_proto(m: router_pb2.GenerateRequest) -> GenerateSpec:
         conversation_id=m.conversation_id, reasoning=m.reasoning,
         thinking_budget=m.thinking_budget if m.HasField("thinking_budget") else None, stop=tuple(m.stop),
         resume=Resume(list(m.resume.token_ids), m.resume.text_chars, m.resume.session_id)
-        if m.HasField("resume") else None)
+        if m.HasField("resume") else None, draft_ahead=m.draft_ahead)
 
 
 def event_to_proto(ev) -> router_pb2.GenerateResponse:

@@ -317,7 +317,7 @@ class Strategies:
         """The draft-ahead policy of an ``external`` request with a token-only drafter (one
         per drafter, shared by all requests: what it measured carries over; settings
         ``draft_ahead``); None for the others (no draft-ahead)."""
-        mode = self.parts.s.draft_ahead
+        mode = getattr(plan, "draft_ahead", "") or self.parts.s.draft_ahead
         if mode == "off" or plan.strategy != "external" or plan.drafter not in registry.CONTEXT_ONLY:
             return None
         with self._lock:

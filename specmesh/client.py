@@ -81,7 +81,8 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
                   acceptance: Optional[str] = None, acceptance_params: Optional[dict] = None,
                   draft_budget: Optional[int] = None,
                   raw_prompt: bool = False, conversation_id: str = "", reasoning: bool = False,
-                  thinking_budget: Optional[int] = None, stop: Sequence[str] = ()) -> router_pb2.GenerateRequest:
+                  thinking_budget: Optional[int] = None, stop: Sequence[str] = (),
+                  draft_ahead: str = "") -> router_pb2.GenerateRequest:
     """A GenerateRequest; unset options take the router's defaults (the router validates).
     ``acceptance_params``: the rule's parameters by their SamplingParams names
     (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur, jsd_threshold)."""
@@ -100,7 +101,7 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
         setattr(sp, k, v)  # an unknown name raises AttributeError before anything is sent
     req = router_pb2.GenerateRequest(prompt=prompt or "", messages=messages_to_proto(messages), strategy=strategy,
                                      drafter=drafter, sampling=sp, raw_prompt=raw_prompt,
-                                     conversation_id=conversation_id, reasoning=reasoning)
+                                     conversation_id=conversation_id, reasoning=reasoning, draft_ahead=draft_ahead)
     if thinking_budget is not None:
         req.thinking_budget = thinking_budget
     req.stop.extend([stop] if isinstance(stop, str) else list(stop))  # the output ends before the first one

@@ -46,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
                    help="comma list: ar, a self drafter (block_tree, layerskip, ...) or an external one (suffix, "
-                        "prompt_lookup, ...)")
+                        "prompt_lookup, ...); a token-only external one with _overlap / _serial (draft_lm_overlap): "
+                        "draft-ahead on / off in process and per request through the services")
     p.add_argument("--workloads", default="open_writing,chat_multiturn,code_edit")
     p.add_argument("--workloads-dir", default=None)
     p.add_argument("--prompts", type=int, default=2, help="prompts per workload")
@@ -66,6 +67,10 @@ def systems_of(text: str) -> list[dict]:
     for name in (x.strip() for x in str(text).split(",")):
         if not name:
             continue
+        ahead, base = "", name  # <drafter>_overlap / _serial: draft-ahead forced on / off on both paths
+        for suffix, mode in (("_overlap", "on"), ("_serial", "off")):
+            if name.endswith(suffix) and name[: -len(suffix)] in registry.CONTEXT_ONLY:
+                ahead, name = mode, name[: -len(suffix)]
         if name == "ar":
             strategy, drafter = "autoregressive", ""
         elif name in registry.SELF:
@@ -75,7 +80,8 @@ def systems_of(text: str) -> list[dict]:
         else:
             raise InvalidArgument("systems", f"unknown system {name!r}: ar, {', '.join(registry.SELF)}, "
                                              f"{', '.join(registry.EXTERNAL)}")
-        out.append({"name": name, "ours": f"ours_{name}", "strategy": strategy, "drafter": drafter})
+        out.append({"name": base, "ours": f"ours_{base}", "strategy": strategy, "drafter": drafter,
+                    "draft_ahead": ahead})
     if not out:
         raise InvalidArgument("systems", "is empty")
     return out
@@ -117,7 +123,8 @@ class _Paths:
         if path == "serve":
             t0 = time.perf_counter()
             r = self.client.generate(prompt.prompt, messages=prompt.messages, strategy=sysd["strategy"],
-                                     drafter=sysd["drafter"], max_new_tokens=self.max_new, timeout=self.timeout)
+                                     drafter=sysd["drafter"], max_new_tokens=self.max_new, timeout=self.timeout,
+                                     draft_ahead=sysd.get("draft_ahead", ""))
             dt = time.perf_counter() - t0
             st = r.stats
             return {"tokens": list(r.token_ids), "n": len(r.token_ids), "s": dt, "rounds": st.rounds,

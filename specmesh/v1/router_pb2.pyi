@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id", "reasoning", "thinking_budget", "stop", "resume")
+    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id", "reasoning", "thinking_budget", "stop", "resume", "draft_ahead")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class GenerateRequest(_message.Message):
     THINKING_BUDGET_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     strategy: str
@@ -35,7 +36,8 @@ class GenerateRequest(_message.Message):
     thinking_budget: int
     stop: _containers.RepeatedScalarFieldContainer[str]
     resume: ResumeFrom
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., reasoning: _Optional[bool] = ..., thinking_budget: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ...) -> None: ...
+    draft_ahead: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., reasoning: _Optional[bool] = ..., thinking_budget: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., draft_ahead: _Optional[str] = ...) -> None: ...
 
 class ResumeFrom(_message.Message):
     __slots__ = ("token_ids", "text_chars", "session_id")

@@ -70,9 +70,9 @@ class Stack(TracedStack):
         super().__init__(path, [GatedVerifier], FakeCodec(), V, settings=functools.partial(settings, TRACED_SETTINGS),
                          drafters=drafters, router_settings={"draft_ahead": mode})
 
-    def generate(self, strategy="external", drafter="prompt_lookup", n=N, budget=3):
+    def generate(self, strategy="external", drafter="prompt_lookup", n=N, budget=3, draft_ahead=""):
         req = router_pb2.GenerateRequest(prompt=PROMPT, raw_prompt=True, max_new_tokens=n, strategy=strategy,
-                                         drafter=drafter, draft_budget=budget,
+                                         drafter=drafter, draft_budget=budget, draft_ahead=draft_ahead,
                                          sampling=convert.sampling_to_proto(SamplingParams()))
         final = None
         for msg in self.stub.Generate(req, timeout=60):
@@ -225,3 +225,27 @@ def test_a_session_released_while_its_ahead_round_runs_leaves_nothing_held():
     assert host.info()["sessions"] == 0
     assert host._ahead["prompt_lookup"].held() == {"sessions": 0, "entries": 0}
     assert [e for e in d.log if e[1] == "s"][-1] == ("release", "s")  # nothing of it after the release
+
+
+def test_a_request_turns_draft_ahead_off_or_on_and_a_bad_mode_is_refused(stack):
+    """GenerateRequest.draft_ahead overrides the router's setting for one request (how one
+    ``specmesh serve`` compares overlap on and off side by side); other values are
+    INVALID_ARGUMENT naming the field."""
+    ref, _ = stack.generate("autoregressive", "")
+    before = samples(scrape(stack.ports["router"]))
+    out, final = stack.generate("external", "suffix", draft_ahead="off")
+    after = samples(scrape(stack.ports["router"]))
+    assert out == ref and final.stats.ahead_hits == final.stats.ahead_misses == 0
+    assert total(after, "specmesh_draft_ahead_total", drafter="suffix", result="off") > \
+        total(before, "specmesh_draft_ahead_total", drafter="suffix", result="off")
+    code, details = code_of(lambda: stack.generate("external", "suffix", draft_ahead="sometimes"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("draft_ahead")
+
+
+def test_bench_services_names_overlapped_systems():
+    from specmesh.bench.services import systems_of
+
+    s = {d["name"]: d for d in systems_of("ar,draft_lm_overlap,draft_lm_serial,suffix")}
+    assert s["draft_lm_overlap"]["ours"] == "ours_draft_lm_overlap" and s["draft_lm_overlap"]["draft_ahead"] == "on"
+    assert s["draft_lm_serial"]["draft_ahead"] == "off" and s["draft_lm_serial"]["drafter"] == "draft_lm"
+    assert s["suffix"]["draft_ahead"] == "" and s["ar"]["strategy"] == "autoregressive"
