@@ -197,7 +197,7 @@ class DrafterHost:
             ahead = self._ahead.get(drafter)
             if ahead is None:
                 ahead = self._ahead[drafter] = AheadDrafter(  # drafter work where the host runs it (run)
-                    d, lock=self._locks[drafter], run=getattr(self, "run", None), max_sessions=self.max_sessions,
+                    d, lock=self._locks[drafter], run=self.run, max_sessions=self.max_sessions,
                     **self.ahead_options)
         ahead.propose_ahead(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), tree, budget)
         return len(tokens)
