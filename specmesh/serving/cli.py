@@ -164,6 +164,9 @@ def register(sub) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed of the sampled draws (same seed, same output)")
     g.add_argument("--draft-budget", type=int, default=None,
                    help="draft tokens per round at most (default: the router's, adapted per round)")
+    g.add_argument("--draft-ahead", default="", choices=["", "on", "off", "auto"],
+                   help="external token-only drafters: draft the next round while this one verifies (default: "
+                        "the router's --draft-ahead)")
     g.add_argument("--acceptance", default=None,
                    help="verify rule: exact (default) | typical | lenient | topk (lossy) | contrastive | "
                         "divergence (lossy; the verifier's specialist drafts: the router picks strategy self, "
@@ -421,7 +424,7 @@ def generate_main(args) -> int:
               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               draft_budget=args.draft_budget, raw_prompt=args.raw, conversation_id=args.conversation_id,
               reasoning=args.reasoning, thinking_budget=args.thinking_budget, stop=args.stop, acceptance=args.acceptance,
-              acceptance_params=_acceptance_params(args.acceptance_param))
+              acceptance_params=_acceptance_params(args.acceptance_param), draft_ahead=args.draft_ahead)
     out = sys.stderr if args.json else sys.stdout  # --json: stdout holds the JSON alone (| jq works)
     try:
         s = client.stream(args.prompt, **kw)
