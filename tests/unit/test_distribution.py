@@ -34,7 +34,7 @@ from specmesh.drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from specmesh.engine import LlamaEngine
 from specmesh.loop import AdaptiveBudget, generate_tokens, speculative_generate
 from specmesh.strategies.ssr import ThinkFormat, local_side_answer, reasoning_generate
-from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, DraftContext, SamplingParams, TokenTree
+from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, SamplingParams, TokenTree
 from tests.support import SMALL_DRAFT as DRAFT
 from tests.support import SMALL_N_NEW as N_NEW
 from tests.support import SMALL_PROMPT as PROMPT
