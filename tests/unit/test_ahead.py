@@ -258,3 +258,27 @@ def test_the_cache_is_bounded_in_sessions_and_time():
     a.propose_ahead(DraftContext("late", list(PROMPT), len(PROMPT)), TokenTree(), 2)
     assert a.held()["sessions"] == 1
     a.close()
+
+
+def test_every_drafter_call_runs_where_run_puts_it():
+    """With ``run`` (the drafter service's model thread) the ahead rounds, their guesses,
+    the misses and the release all run on that one thread."""
+    from specmesh.threads import ModelThread
+
+    seen = set()
+
+    class Where(PromptLookupDrafter):
+        def propose(self, ctx, budget):
+            seen.add(threading.current_thread().name)
+            return super().propose(ctx, budget)
+
+    mt = ModelThread("test-drafter-thread")
+    try:
+        a = AheadDrafter(Where(), run=mt.run)
+        ver = target()
+        ref, _ = generate_tokens(None, ver, PROMPT, max_new_tokens=N_NEW)
+        out, st = generate_tokens(a, ver, PROMPT, max_new_tokens=N_NEW, budget=3, draft_ahead=OverlapPolicy("on"))
+        assert out == ref and st.ahead_hits + st.ahead_misses > 0
+        assert seen == {"test-drafter-thread"}
+    finally:
+        mt.stop()
