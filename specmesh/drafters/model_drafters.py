@@ -100,6 +100,18 @@ class DraftLMDrafter(DrafterBase):
         self.sessions[ctx.session_id] = (slot, list(ctx.tokens))
         return _assemble(toks, qids, qps)
 
+    def guess(self, ctx: DraftContext, n: int) -> list[int]:
+        """Its ``n`` most likely next tokens after ``ctx.tokens`` (no draw; draft-ahead's
+        guesses of the bonus token and of a rejection's correction, ``specmesh.ahead``)."""
+        if n <= 0 or not ctx.tokens or len(ctx.tokens) >= self.engine.max_seq_len:
+            return []
+        slot, have = self._slot(ctx.session_id)
+        common = common_prefix_len(have, ctx.tokens[:-1])
+        self.engine.truncate(slot, common)
+        logits = self.engine.prefill(slot, ctx.tokens[common:])
+        self.sessions[ctx.session_id] = (slot, list(ctx.tokens))
+        return torch.topk(logits.float().reshape(-1), min(n, logits.shape[-1])).indices.tolist()
+
     def release(self, session_id: str) -> None:
         if session_id in self.sessions:
             slot, _ = self.sessions.pop(session_id)

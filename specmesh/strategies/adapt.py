@@ -137,7 +137,18 @@ class CacheMeter(_Wrap):
 
     def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
         self._settle(ctx.session_id, ctx.tokens)
-        tree = self.inner.propose(ctx, budget)
+        return self._count(ctx, self.inner.propose(ctx, budget))
+
+    def propose_info(self, ctx: DraftContext, budget: int):
+        """The loop drafts through this where the drafter can draft ahead: counted the same
+        (forwarding it to the inner drafter unmetered lost every count)."""
+        if not hasattr(self.inner, "propose_info"):
+            return self.propose(ctx, budget), None
+        self._settle(ctx.session_id, ctx.tokens)
+        tree, info = self.inner.propose_info(ctx, budget)
+        return self._count(ctx, tree), info
+
+    def _count(self, ctx: DraftContext, tree: TokenTree) -> TokenTree:
         if len(tree):
             self.drafted[tree.source] += len(tree)
             self._last[ctx.session_id] = (len(ctx.tokens), tree)
