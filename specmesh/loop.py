@@ -45,8 +45,9 @@ class BudgetPolicy:
                verify_s: float = 0.0) -> None:
         pass
 
-    def observe_load(self, batch: int) -> None:
-        """The sessions that shared the round's verify forward (the verifier's dynamic batch)."""
+    def observe_load(self, batch: int, drafted_inside: bool = False) -> None:
+        """The sessions that shared the round's verify forward (the verifier's dynamic batch);
+        ``drafted_inside``: the draft ran inside that forward's work (a self drafter)."""
 
 
 class VerifyCosts:
@@ -228,7 +229,8 @@ class AdaptiveBudget(BudgetPolicy):
     code_write / reasoning / open_writing / chat_multiturn).
     Under load (``observe_load``: the verifier batched this session's forwards with
     others) a scored token costs beta times the sessions in the forward, the delay it
-    adds to all of them: drafting shrinks, then stops, as the batches grow (a concurrency
+    adds to all of them, and so does a self drafter's draft pass (it runs in the
+    verifier's turn): drafting shrinks, then stops, as the batches grow (a concurrency
     sweep through the services: speculation must not cost the other streams more than it
     buys this one).
     ``for_drafter`` picks these settings by drafter name."""
@@ -267,6 +269,7 @@ class AdaptiveBudget(BudgetPolicy):
         self._updates = 0
         self._pending: Optional[float] = None  # the table's τ - 1 for the round in flight
         self.load = 1.0  # EMA of the sessions in this session's verify forwards (``observe_load``)
+        self.draft_load = 1.0  # the same where the draft runs in the verifier's turn (self drafters), else 1
 
     @classmethod
     def for_drafter(cls, drafter: Optional[str], max_budget: int, costs: Optional[VerifyCosts] = None, **kw):
@@ -291,8 +294,9 @@ class AdaptiveBudget(BudgetPolicy):
         more to raise the verifier's total tokens/s (alone: the cost model as it was)."""
         return (self.costs.beta if self.per_round_draft else self._beta) * self.load
 
-    def observe_load(self, batch: int) -> None:
+    def observe_load(self, batch: int, drafted_inside: bool = False) -> None:
         self.load = (1 - self.LOAD_EMA) * self.load + self.LOAD_EMA * max(1, batch)
+        self.draft_load = self.load if drafted_inside else 1.0
 
     @property
     def uses_entropy(self) -> bool:
@@ -313,8 +317,8 @@ class AdaptiveBudget(BudgetPolicy):
         if self.per_round_draft:
             if k == self.max_budget and measured_full and self.full_accepted is not None:
                 tokens = 1 + self.full_accepted
-            return tokens / (1 + (self.cost if k > 0 else 0.0) + k * self.beta)
-        return tokens / (1 + k * (self.cost + self.beta))
+            return tokens / (1 + (self.cost * self.draft_load if k > 0 else 0.0) + k * self.beta)
+        return tokens / (1 + k * (self.cost * self.draft_load + self.beta))
 
     def next(self) -> int:
         if self.per_round_draft and self.costs.needs_unit:  # no plain round's time, or a stale
@@ -331,7 +335,8 @@ class AdaptiveBudget(BudgetPolicy):
         self.last_speedup = best
         self._pending = None
         if self.tree and self.schedule is not None:
-            best_k = self.schedule.budget(self.entropy, self.cost, self.beta, self.max_budget, self.tau_scale)
+            best_k = self.schedule.budget(self.entropy, self.cost * self.draft_load, self.beta, self.max_budget,
+                                          self.tau_scale)
         elif self.tree and best_k and self.max_budget * self.beta <= self.TREE_CHEAP:
             best_k = self.max_budget  # a tree whose full size is cheap to verify: its full budget or nothing
         if best_k and not self.measured_pays():  # the model says it pays; the rounds say it does not
@@ -599,7 +604,7 @@ class _Generation:
             st.draft_s += rnd.draft_s + self_draft_s
             depth = max(rnd.tree.depths()) + 1 if len(rnd.tree) else res.drafted
             st.record_round(res.drafted, len(res.accepted), depth)
-            self.policy.observe_load(res.batch_size)
+            self.policy.observe_load(res.batch_size, self.o.self_draft is not None)
             self.policy.update(res.drafted, len(res.accepted), res.entropy, rnd.draft_s + self_draft_s,
                                max(rnd.wall_s - self_draft_s, 1e-6))
             if self.o.draft_ahead is not None and self.drafter_ok and self.o.self_draft is None:

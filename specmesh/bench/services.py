@@ -87,6 +87,19 @@ def systems_of(text: str) -> list[dict]:
     return out
 
 
+# drafters that learn across requests (suffix decoding's global tree): the SDK and HTTP paths share
+# one drafter service, so the second would draft from the first's output of the same prompt while the
+# in-process drafter saw it once; such systems run in process and through the SDK only
+LEARNS_ACROSS_REQUESTS = ("suffix",)
+
+
+def paths_of(sysd: dict, paths: list[str]) -> list[str]:
+    """The paths a system runs: no HTTP for a drafter that learns across requests, nor for a
+    forced draft-ahead mode (the OpenAI front takes the router's setting)."""
+    skip = sysd["drafter"] in LEARNS_ACROSS_REQUESTS or bool(sysd.get("draft_ahead"))
+    return [p for p in paths if not (p == "http" and skip)]
+
+
 def _http_generate(url: str, prompt, sysd: dict, max_new: int, timeout: float) -> tuple[str, int, float]:
     """One non-streaming chat completion (the served model, whatever its name); (text,
     completion tokens, seconds)."""
@@ -163,7 +176,7 @@ def run_bench(args) -> dict:
         paths_run = _Paths(rt, args.dtype, systems, services, args.max_new_tokens, args.timeout)
         warm = wl.Prompt("warmup", "warmup", prompt="Say hello and name three colours.")
         for sysd in systems:  # warm-up: a short generation on every (system, path); a fresh router may need a retry
-            for path in paths:
+            for path in paths_of(sysd, paths):
                 for attempt in range(3):
                     try:
                         paths_run.max_new = 16
@@ -174,12 +187,12 @@ def run_bench(args) -> dict:
                             raise
                         time.sleep(3)
         paths_run.max_new = args.max_new_tokens
-        total = args.repeats * len(prompts) * len(systems) * len(paths)
+        total = args.repeats * len(prompts) * sum(len(paths_of(sd, paths)) for sd in systems)
         done = 0
         for rep in range(args.repeats):
             for i, prompt in enumerate(prompts):
                 for sysd in systems:
-                    for path in rotated(paths, i + rep):
+                    for path in rotated(paths_of(sysd, paths), i + rep):
                         r = paths_run.run(path, sysd, prompt)
                         done += 1
                         key = (sysd["name"], path, prompt.id)
@@ -197,13 +210,13 @@ def run_bench(args) -> dict:
                                                                              else ""),
                    "workload": wname, "prompts": len(ps)}
             for path in paths:
-                rs = [best[(sysd["name"], path, p.id)] for p in ps]
+                rs = [best[(sysd["name"], path, p.id)] for p in ps if (sysd["name"], path, p.id) in best]
                 n, s = sum(r["n"] for r in rs), sum(r["s"] for r in rs)
-                rec[f"{path}_tokens_per_s"] = round(n / s, 2) if s else None
+                rec[f"{path}_tokens_per_s"] = round(n / s, 2) if rs and s else None
             base = [best[(sysd["name"], "in_process", p.id)] for p in ps]
             served = [best[(sysd["name"], "serve", p.id)] for p in ps]
             rec["identical"] = sum(a["tokens"] == b["tokens"] for a, b in zip(base, served))
-            if "http" in paths:
+            if "http" in paths_of(sysd, paths):
                 rec["identical_http_text"] = sum(a["text"] == best[(sysd["name"], "http", p.id)]["text"]
                                                  for a, p in zip(served, ps))
             rounds = sum(r["rounds"] or 0 for r in served)

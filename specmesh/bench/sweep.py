@@ -175,8 +175,16 @@ class Services:
                *(["--http-port", str(http_port)] if http_port else ["--http", "false"]), *extra]
         cmd += [a for k, p in ports.items() for a in (f"--{k}-port", str(p))]
         self.log = open(log_path, "w", encoding="utf-8")
+        import specmesh
+
+        child = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        if not specmesh._OMP_CHOSEN_BY_USER and not (env and {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(env)):
+            # the wait policy this process set for itself is not the user's: `specmesh serve` picks its own
+            # (spinning; passed on, PASSIVE read as the user's choice and the services slept: 0.55x)
+            child.pop("OMP_WAIT_POLICY", None)
+            child.pop("GOMP_SPINCOUNT", None)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+                                     env=child)
         ready = threading.Event()
 
         def pump():

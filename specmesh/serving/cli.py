@@ -207,9 +207,11 @@ def serve_main(args) -> int:
                               "--drafter-port, --verifier-port")
     from specmesh.threads import place
 
-    try:  # each service on its CPUs before torch loads (its OpenMP runtime sizes itself then)
+    try:  # every service's CPUs checked, then this one placed before torch loads (its OpenMP runtime sizes itself then)
         for svc in SERVICES:
-            place(settings.cpus_for(svc), apply=svc == args.service)
+            place(settings.cpus_for(svc), apply=False)
+        if args.service is not None:
+            place(settings.cpus_for(args.service))
     except ValueError as e:
         from ..types import InvalidArgument
 

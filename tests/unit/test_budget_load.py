@@ -36,3 +36,16 @@ def test_block_drafters_full_tree_is_no_longer_cheap_under_load():
     for _ in range(10):
         loaded.observe_load(32)
     assert alone.max_budget * alone.beta <= AdaptiveBudget.TREE_CHEAP < loaded.max_budget * loaded.beta
+
+
+def test_a_self_drafters_draft_pass_costs_every_session_in_the_forward():
+    costs = VerifyCosts(prior=0.02)
+    remote = AdaptiveBudget.for_drafter("block", 8, costs=costs)
+    inside = AdaptiveBudget.for_drafter("block", 8, costs=costs)
+    for p in (remote, inside):
+        p.cost = 0.2  # a draft pass: 0.2 of a one-token forward
+    for _ in range(10):
+        remote.observe_load(8, drafted_inside=False)
+        inside.observe_load(8, drafted_inside=True)
+    assert remote.draft_load == 1.0 and inside.draft_load > 7
+    assert inside.expected_speedup(4, alpha=0.8) < remote.expected_speedup(4, alpha=0.8)
