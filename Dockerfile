@@ -19,7 +19,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     TOKENIZERS_PARALLELISM=false
 
 # wget: KubeRay's default probes of Ray pods call it; gcc + libc6-dev: the CPU engine builds
-# its key-list attention kernel at start (specmesh/keylist_attention.py; without a compiler
+# its key-list attention kernel at start (specmesh/engine/keylist_attention.py; without a compiler
 # it falls back to torch's SDPA tiles, slower for draft trees)
 RUN apt-get update \
  && apt-get install -y --no-install-recommends wget gcc libc6-dev \

@@ -112,7 +112,7 @@ def block_factories(settings: ServeSettings) -> dict:
         def build():
             if "chain" not in made:
                 from specmesh.blockdraft.serve import BlockFeatureDrafter, target_head_state
-                from specmesh.device import resolve_device
+                from specmesh.engine.device import resolve_device
 
                 made["chain"] = BlockFeatureDrafter.from_checkpoint(
                     ckpt, target_head_state(settings.model), device=resolve_device(settings.device))

@@ -93,7 +93,7 @@ NAMES = ("seq even-odd", "seq odd-even", "exact", "pair sums", "tree", "two chai
 
 
 def main() -> None:
-    from specmesh.keylist_attention import c_source, compile_library
+    from specmesh.engine.keylist_attention import c_source, compile_library
 
     lib, _ = compile_library("amxorder", _SOURCE.replace("/*AMX_PREAMBLE*/", c_source("amx_preamble.h")))
     lib.amx_order.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_long)]

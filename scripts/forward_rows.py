@@ -28,7 +28,7 @@ import specmesh  # noqa: E402 - before torch: this script has the machine to its
 
 specmesh.spin_threads()
 
-from specmesh import int4_matmul  # noqa: E402
+from specmesh.engine import int4_matmul  # noqa: E402
 from specmesh.engine import LlamaEngine  # noqa: E402
 
 

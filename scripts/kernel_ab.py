@@ -2,8 +2,9 @@
 """Whole int4 forwards on this code's int4 kernel against another commit's, in one process.
 
 Builds two ``Runtime``s of the same model: one on the int4 library compiled from the C
-source at ``--rev`` (``csrc/int4_matmul.c`` with its includes; at revisions before the C
-left the Python module, ``_SOURCE`` of ``int4_matmul.py``, by ``at_rev.module_at``), one on this
+source at ``--rev`` (``csrc/int4_matmul.c`` with its includes, in ``specmesh/engine/csrc``
+or, before the engine package, ``specmesh/csrc``; at revisions before the C left the Python
+module, ``_SOURCE`` of ``specmesh/int4_matmul.py``, by ``at_rev.module_at``), one on this
 checkout's; the rest of the engine is this checkout's. After a prompt of ``--ctx``
 tokens it times a forward scoring a chain of N tokens on each, alternating, and checks
 that both return the same logits bit for bit (a kernel change that keeps the
@@ -29,8 +30,8 @@ specmesh.spin_threads()
 
 import torch
 
-from specmesh import int4_matmul as im
-from specmesh.keylist_attention import CSRC, c_source
+from specmesh.engine import int4_matmul as im
+from specmesh.engine.keylist_attention import CSRC, c_source
 from specmesh.runtime import Runtime
 
 from at_rev import module_at  # scripts/at_rev.py
@@ -38,15 +39,20 @@ from at_rev import module_at  # scripts/at_rev.py
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# where the C sources were (csrc/ moved into the engine package: specmesh/csrc before)
+CSRC_AT = (CSRC.relative_to(ROOT).as_posix(), "specmesh/csrc")
+
+
 def source_at(rev: str) -> str:
     """The int4 library's C text at ``rev``, as the builder compiles it."""
-    csrc = CSRC.relative_to(ROOT).as_posix()
-    r = subprocess.run(["git", "archive", rev, csrc], capture_output=True, cwd=ROOT)
-    if r.returncode != 0:  # before the C moved to csrc/: the module's string
-        return module_at(rev, Path(im.__file__).relative_to(ROOT).as_posix())._SOURCE
-    with tempfile.TemporaryDirectory() as d:
-        tarfile.open(fileobj=BytesIO(r.stdout)).extractall(d, filter="data")
-        return c_source("int4_matmul.c", root=Path(d) / csrc)
+    for csrc in CSRC_AT:
+        r = subprocess.run(["git", "archive", rev, csrc], capture_output=True, cwd=ROOT)
+        if r.returncode == 0:
+            with tempfile.TemporaryDirectory() as d:
+                tarfile.open(fileobj=BytesIO(r.stdout)).extractall(d, filter="data")
+                return c_source("int4_matmul.c", root=Path(d) / csrc)
+    # before the C moved to csrc/: the module's string (then specmesh/int4_matmul.py)
+    return module_at(rev, "specmesh/int4_matmul.py")._SOURCE
 
 
 def runtime_on(source: str, model: str) -> Runtime:

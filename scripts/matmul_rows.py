@@ -2,7 +2,7 @@
 """What scoring more rows costs per weight matmul, per engine dtype, on this CPU.
 
 Times the engine's own ``Linear`` (bf16 ``F.linear``, int8 ``_weight_int8pack_mm``,
-int4 with groups of 32: ``specmesh.int4_matmul`` where the CPU has AVX-512 BF16, else
+int4 with groups of 32: ``specmesh.engine.int4_matmul`` where the CPU has AVX-512 BF16, else
 ``_weight_int4pack_mm_for_cpu``; ``SPECMESH_INT4_KERNEL=torch`` for torch's) on one weight shape for
 1..256 input rows, best of 3 repeats of 20 calls each, all dtypes in one process.
 The ratio of 8 rows to 1 row is what verifying an 8-token draft costs against a

@@ -22,8 +22,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import seeding, trees
-from .device import host_list, to_device, to_host
-from .rowops import argmax_rows, topk_rows
+from .engine.device import host_list, to_device, to_host
+from .engine.rowops import argmax_rows, topk_rows
 from .types import SIBLINGS_WOR, SamplingParams, TokenTree
 
 

@@ -7,9 +7,9 @@ the stop ids, and builds any registered drafter (``prompt_lookup``, ``suffix``,
 ``draft_lm`` with its own engine, ``layerskip`` bound to this verifier).
 
 ``device`` (``cpu`` by default here; the command-line entry points default to
-``auto``) is resolved once by ``specmesh.device.resolve_device``; the engine, the
+``auto``) is resolved once by ``specmesh.engine.device.resolve_device``; the engine, the
 draft LM's engine and the block drafter live on it. On CUDA the engines are
-``GraphedEngine`` (CUDA-graph forwards, ``specmesh.cudagraph``) unless
+``GraphedEngine`` (CUDA-graph forwards, ``specmesh.engine.cudagraph``) unless
 ``cuda_graphs=False``.
 
 It knows nothing about gRPC.
@@ -26,8 +26,8 @@ from .drafters import DRAFTERS, make_drafter, registry
 from .drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from .drafters.specialist import SpecialistDrafter
 from .drafters.specialist import adapter_dir as specialist_adapter
-from .device import resolve_device
 from .engine import LlamaEngine
+from .engine.device import resolve_device
 from .loop import VerifyCosts
 from .models.codec import TextCodec
 from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, cache_root, freed_memory_returned, load_config,
@@ -115,7 +115,7 @@ def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: i
     dev = resolve_device(device)
     cls, kw = LlamaEngine, {}
     if cuda_graphs == "always" or (dev.type == "cuda" and cuda_graphs):
-        from .cudagraph import GraphedEngine
+        from .engine.cudagraph import GraphedEngine
 
         cls, kw = GraphedEngine, ({"invariant": True} if cuda_graphs == "invariant" else {})
     return cls.from_pretrained(path, dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len, quiet=quiet, device=dev,

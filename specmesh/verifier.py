@@ -30,8 +30,8 @@ import torch
 
 from . import acceptance as acc
 from . import trees
-from .device import to_device, to_host
 from .engine import LlamaEngine
+from .engine.device import to_device, to_host
 from .types import (FEATURE_DTYPE, DraftContext, FeatureRows, InvalidArgument, ResourceExhausted, SessionLost,
                     VerifyRequest, VerifyResult)
 

@@ -308,7 +308,7 @@ def render(result: dict) -> str:
 def main(args) -> int:
     import torch
 
-    from ..device import resolve_device
+    from ..engine.device import resolve_device
     from ..types import InvalidArgument
 
     if not torch.cuda.is_available() and not args.allow_cpu:
@@ -532,7 +532,7 @@ def _bench_phase(args, device, deadline: float, result: dict, log, ctx: dict) ->
         except Exception as e:  # noqa: BLE001 - reported; the benchmark still runs
             result["notes"].append(f"forward timing on {type(rt.engine).__name__} failed: {type(e).__name__}: {e}")
     if device.type == "cuda":  # the batch-invariant graphs: every forward one bucket (4 slots x 64 tokens)
-        from ..cudagraph import GraphedEngine
+        from ..engine.cudagraph import GraphedEngine
 
         try:
             inv = GraphedEngine.from_pretrained(str(g.model_dir), dtype="bf16", n_slots=4, max_seq_len=2048,

@@ -274,7 +274,7 @@ def train_main(args) -> int:
         raise InvalidArgument("--eval-only", "needs --init CHECKPOINT")
     t0 = time.time()
     if args.amp is None:
-        from ..device import cpu_bf16_is_fast
+        from ..engine.device import cpu_bf16_is_fast
 
         args.amp = cpu_bf16_is_fast()
     torch.manual_seed(args.seed)

@@ -40,7 +40,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..device import host_equal
+from ..engine.device import host_equal
 from .model import BlockDrafter
 
 
@@ -93,7 +93,7 @@ class FoldedDrafter:
         engine's group-wise weights (``engine.Linear``; its kernel's cost grows slowly
         with the rows, where bf16's small-row products are slow), for an int4 target: a
         draft changes speed only, never the output. ``weights="bf16"`` (CPU): the ten
-        matrices as the bf16 engine's ``Linear`` (``specmesh.bf16_matmul`` where it
+        matrices as the bf16 engine's ``Linear`` (``specmesh.engine.bf16_matmul`` where it
         builds: the 8 rows of a draft cost about one), for a bf16 target."""
         if weights not in ("float", "int4", "bf16"):
             raise ValueError(f"weights must be 'float', 'int4' or 'bf16', got {weights!r}")
@@ -131,7 +131,7 @@ class FoldedDrafter:
         self.device = self.w_in.device
         self._keylist = None  # the CPU's key-list attention kernel (None: SDPA)
         if self.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and self.hd % 16 == 0:
-            from ..keylist_attention import load as load_keylist
+            from ..engine.keylist_attention import load as load_keylist
 
             self._keylist = load_keylist()
         self.weights = weights
@@ -163,7 +163,7 @@ class FoldedDrafter:
         block's rows sees the cache rows [off, off + T), the context window and the block."""
         if self._keylist is None:
             return None
-        from ..keylist_attention import RowKeys
+        from ..engine.keylist_attention import RowKeys
 
         B, i32 = self.cfg.block, torch.int32
         return RowKeys(slot=torch.zeros(B, dtype=i32), ctx=torch.zeros(B, dtype=i32),

@@ -31,9 +31,9 @@ from typing import Optional
 
 import torch
 
-from .. import bf16_matmul
-from ..device import host_list, to_host
 from ..drafters.base import DrafterBase
+from ..engine import bf16_matmul
+from ..engine.device import host_list, to_host
 from ..loop import TreeSchedule
 from ..seeding import draft_generator
 from ..types import DraftContext, FeatureRows, InvalidArgument, SessionLost, TokenTree

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from ..device import host_int, host_list, to_device, to_host
 from ..engine import LlamaEngine
+from ..engine.device import host_int, host_list, to_device, to_host
 from ..seeding import draft_generator
 from ..seqs import common_prefix_len
 from ..types import DraftContext, SamplingParams, TokenTree

@@ -192,7 +192,7 @@ class ServeSettings(BaseSettings):
     def torch_device(self):
         """The ``torch.device`` of ``device`` on this machine; raises
         ``InvalidArgument("device", ...)`` when it does not exist here."""
-        from specmesh.device import resolve_device
+        from specmesh.engine.device import resolve_device
 
         return resolve_device(self.device)
 

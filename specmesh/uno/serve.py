@@ -40,8 +40,8 @@ import torch
 
 from ..blockdraft.serve import draft_from_slots
 from ..blockdraft.tree import Calibration
-from ..device import host_int, to_host
 from ..drafters.base import DrafterBase
+from ..engine.device import host_int, to_host
 from ..seeding import draft_generator
 from ..types import DraftContext, TokenTree
 from .adapter import GatedAdapter

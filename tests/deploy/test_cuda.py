@@ -10,7 +10,7 @@
 - the gated rows in captured graphs equal the eager engine's;
 - the batch-invariant graphs (``cuda_graphs="invariant"``): rows bitwise independent of the
   call on this GPU, and bf16 greedy speculation with chain drafters equal to bf16 plain
-  decoding (trees are not invariant there: ``specmesh.cudagraph``);
+  decoding (trees are not invariant there: ``specmesh.engine.cudagraph``);
 - every bucket these tests use ran as a captured graph (``_all_captured``: a failed capture
   is a test failure), and the Runtime's start-up warm-up left nothing to capture.
 """
@@ -44,7 +44,7 @@ def _same(a, b, atol=1e-4):
 
 
 def test_resolve_device_on_cuda():
-    from specmesh.device import describe, resolve_device
+    from specmesh.engine.device import describe, resolve_device
 
     d = resolve_device("auto")
     assert d.type == "cuda" and resolve_device("cuda:0") == torch.device("cuda", 0)
@@ -52,7 +52,7 @@ def test_resolve_device_on_cuda():
 
 
 def test_graphed_engine_captured_equals_eager():
-    from specmesh.cudagraph import GraphedEngine
+    from specmesh.engine.cudagraph import GraphedEngine
     from specmesh.engine import LlamaEngine
 
     model, cfg = tiny_hf()
@@ -93,7 +93,7 @@ def _all_captured(eng):
 
 
 def test_graphed_engine_gated_rows_captured_equal_eager():
-    from specmesh.cudagraph import GraphedEngine
+    from specmesh.engine.cudagraph import GraphedEngine
     from specmesh.engine import LlamaEngine
     from specmesh.uno.adapter import new_adapter
 
@@ -148,7 +148,7 @@ def gpu_runtime():
 @pytest.mark.slow  # the real model: the staged check's last call (device-check --phase model)
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "layerskip", "block_tree", "uno", "uno_tree"])
 def test_greedy_speculation_identical_on_gpu(gpu_runtime, drafter):
-    from specmesh.cudagraph import GraphedEngine
+    from specmesh.engine.cudagraph import GraphedEngine
     from specmesh.demo import PROMPTS
     from specmesh.loop import AdaptiveBudget, generate_tokens
 
@@ -181,7 +181,7 @@ def gpu_runtime_bf16_invariant():
 def test_invariant_graphs_rows_do_not_depend_on_the_call():
     """The batch-invariant mode's premise on this GPU: with one bucket shape, a row's logits
     are bitwise the same alone, in a chain, in a prompt chunk and beside another session."""
-    from specmesh.cudagraph import GraphedEngine
+    from specmesh.engine.cudagraph import GraphedEngine
 
     model, cfg = tiny_hf()
     sd = model.state_dict()
@@ -272,8 +272,8 @@ def test_graphed_attention_takes_the_memory_efficient_kernel(monkeypatch):
     """The static forward's attention calls (bf16 and fp32, chains and trees, several
     sessions) are ones torch's memory-efficient kernel accepts on this GPU (not the math
     fallback that a float mask with enable_gqa forced)."""
-    import specmesh.cudagraph as cg
-    from specmesh.cudagraph import GraphedEngine
+    import specmesh.engine.cudagraph as cg
+    from specmesh.engine.cudagraph import GraphedEngine
 
     calls = []
     real = cg.F.scaled_dot_product_attention

@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from specmesh.cudagraph import GraphedEngine
-from specmesh.device import resolve_device
 from specmesh.engine import LlamaEngine
+from specmesh.engine.cudagraph import GraphedEngine
+from specmesh.engine.device import resolve_device
 from specmesh.types import InvalidArgument
 from tests.support import tiny_hf
 
@@ -511,7 +511,7 @@ def test_graphed_engine_attention_is_a_plain_multi_head_call_over_the_key_bucket
     additive mask broadcast over heads, over the key bucket's S keys (not max_seq_len).
     (tests/deploy/test_cuda.py asks torch on the GPU whether the memory-efficient kernel
     takes these calls.)"""
-    import specmesh.cudagraph as cg
+    import specmesh.engine.cudagraph as cg
 
     seen = []
     real = cg.F.scaled_dot_product_attention
@@ -638,7 +638,7 @@ def test_cpu_bf16_is_fast_follows_the_cpu_instructions(monkeypatch):
     """bf16 autocast is the training default only where the CPU multiplies bf16 natively."""
     import torch
 
-    from specmesh.device import cpu_bf16_is_fast
+    from specmesh.engine.device import cpu_bf16_is_fast
 
     for amx, avx512_bf16, fast in ((False, False, False), (True, False, True), (False, True, True)):
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda v=amx: v, raising=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from specmesh.cudagraph import GraphedEngine
+from specmesh.engine.cudagraph import GraphedEngine
 
 
 @pytest.mark.slow

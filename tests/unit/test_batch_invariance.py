@@ -31,7 +31,7 @@ ATTENTIONS = ["keylist", "sdpa"]
 
 
 def _engine(dtype, invariant=True, max_seq_len=400, attention=None):
-    from specmesh import keylist_attention
+    from specmesh.engine import keylist_attention
     from specmesh.engine import LlamaEngine
 
     eng, model = tiny_engine(dtype, n_slots=3, max_seq_len=max_seq_len)

@@ -1,4 +1,4 @@
-"""The bf16 matmul kernel (``specmesh.bf16_matmul``), its AVX-512 BF16, AMX and AVX2
+"""The bf16 matmul kernel (``specmesh.engine.bf16_matmul``), its AVX-512 BF16, AMX and AVX2
 paths (each where the CPU has it; AVX2 also bit for bit its documented order): close to
 the exact product, a row's bits depend on that row alone (not on how
 many rows share the call, where it sits, or the thread count), bad input refused, the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh import bf16_matmul as bm
+from specmesh.engine import bf16_matmul as bm
 from specmesh.engine import Linear
 from specmesh.types import InvalidArgument
 from tests.support import kernel_or_skip

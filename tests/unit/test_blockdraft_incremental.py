@@ -115,7 +115,7 @@ def test_engine_weights_draft_close_to_the_float_pass(weights, least):
 def test_a_bf16_engine_gets_the_bf16_kernel_drafter():
     """``BlockSelfDrafter`` on a CPU bf16 engine folds the drafter onto the bf16 kernel
     where it runs."""
-    from specmesh import bf16_matmul
+    from specmesh.engine import bf16_matmul
     from specmesh.blockdraft.serve import BlockSelfDrafter
     from specmesh.verifier import EngineVerifier
     from tests.support import tiny_engine

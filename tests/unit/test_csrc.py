@@ -1,4 +1,4 @@
-"""The CPU kernels' C sources (``specmesh/csrc``): what the builder compiles is each
+"""The CPU kernels' C sources (``specmesh/engine/csrc``): what the builder compiles is each
 ``.c`` file with its local includes inlined (``keylist_attention.c_source``), and every
 file there ships with the package (pyproject's package data)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from specmesh import bf16_matmul, int4_matmul, keylist_attention, layer_stack
-from specmesh.keylist_attention import CSRC, c_source
+from specmesh.engine import bf16_matmul, int4_matmul, keylist_attention, layer_stack
+from specmesh.engine.keylist_attention import CSRC, c_source
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +35,7 @@ def test_each_kernel_compiles_its_csrc_file_self_contained(mod):
 
 def test_every_csrc_file_is_package_data():
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    package = ".".join(CSRC.parent.relative_to(ROOT).parts)  # the package csrc/ sits in (specmesh today)
+    package = ".".join(CSRC.parent.relative_to(ROOT).parts)  # the package csrc/ sits in (specmesh.engine)
     patterns = conf["tool"]["setuptools"]["package-data"][package]
     rel = CSRC.relative_to(CSRC.parent)
     files = sorted(p.name for p in CSRC.iterdir() if p.is_file())

@@ -26,12 +26,12 @@ from typing import Callable, Optional
 
 import pytest
 
-from specmesh import int4_matmul, seeding
+from specmesh import seeding
 from specmesh.ahead import AheadDrafter, OverlapPolicy
 from specmesh.blockdraft.serve import BlockSelfDrafter
 from specmesh.drafters import CacheDrafter, PromptLookupDrafter, SuffixDrafter, make_drafter
 from specmesh.drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
-from specmesh.engine import LlamaEngine
+from specmesh.engine import LlamaEngine, int4_matmul
 from specmesh.loop import AdaptiveBudget, generate_tokens, speculative_generate
 from specmesh.strategies.ssr import ThinkFormat, local_side_answer, reasoning_generate
 from specmesh.types import SIBLINGS_IID, SIBLINGS_WOR, SamplingParams, TokenTree
@@ -185,7 +185,7 @@ def test_sampled_speculation_on_a_kernel_target_matches_its_distribution(dtype, 
     with the block drafter whose matrices run on the same kernels
     (``FoldedDrafter(weights=dtype)``, what ``BlockSelfDrafter`` picks there): the joint
     of plain sampling on that same engine, by the same chi-square test."""
-    from specmesh import bf16_matmul
+    from specmesh.engine import bf16_matmul
     from specmesh.verifier import EngineVerifier
 
     sampling = SAMPLINGS[samp]

@@ -145,8 +145,7 @@ def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table(head):
     head: with its int8 copy's rows); "int8" keeps the int8 head. The screen runs on bf16
     inputs ("screen") or int8 ones ("screen8": our W4A8 matmul, the default where it
     exists; where it does not, asking for it is refused and the default is "screen")."""
-    from specmesh import int4_matmul
-    from specmesh.engine import SCREEN_TOP, InvalidArgument, LlamaEngine, rms_norm
+    from specmesh.engine import SCREEN_TOP, LlamaEngine, int4_matmul, rms_norm
 
     model, cfg = tiny_hf()
     sd = model.state_dict()

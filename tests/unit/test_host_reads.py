@@ -1,4 +1,4 @@
-"""Host reads per verify round (``specmesh.device.host_reads``): every device -> host
+"""Host reads per verify round (``specmesh.engine.device.host_reads``): every device -> host
 read on the serving path goes through one counting helper, so this CPU test counts
 what a GPU round would wait for. A round here is one ``EngineVerifier.verify`` after
 the prompt's, on ``GraphedEngine``'s static forward (the CUDA path, run without
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh.device import counting_host_reads
+from specmesh.engine.device import counting_host_reads
 from specmesh.types import SamplingParams, SelfDraft, TokenTree, VerifyRequest
 from tests.support import tiny_hf
 
@@ -27,7 +27,7 @@ def verifier():
     from specmesh.blockdraft.model import BlockDrafterConfig
     from specmesh.blockdraft.serve import BlockSelfDrafter
     from specmesh.blockdraft.train import new_model
-    from specmesh.cudagraph import GraphedEngine
+    from specmesh.engine.cudagraph import GraphedEngine
     from specmesh.drafters.model_drafters import LayerSkipDrafter
     from specmesh.uno.adapter import new_adapter
     from specmesh.uno.serve import UnoDrafter
@@ -108,7 +108,7 @@ def test_layerskip_sampled_reads_each_drafted_token(verifier):
 
 def test_layerskip_greedy_draft_is_the_same_on_the_device_path():
     """The device-fed draft loop drafts what the host loop drafts (eager engine: host loop)."""
-    from specmesh.cudagraph import GraphedEngine
+    from specmesh.engine.cudagraph import GraphedEngine
     from specmesh.drafters.model_drafters import LayerSkipDrafter
     from specmesh.engine import LlamaEngine
     from specmesh.types import DraftContext

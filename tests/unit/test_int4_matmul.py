@@ -1,4 +1,4 @@
-"""The int4 weight-only matmul kernel (``specmesh.int4_matmul``): the int4 engine's
+"""The int4 weight-only matmul kernel (``specmesh.engine.int4_matmul``): the int4 engine's
 weights ``(q - 8) * scale + zero`` applied to bf16 rows, close to the exact product and
 to torch's int4 kernel; a row's bits depend on that row alone (not on how many rows
 share the call, where it sits, or the thread count); the screen head's top logits are
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from specmesh import int4_matmul as im
+from specmesh.engine import int4_matmul as im
 from specmesh.engine import quantize_int4
 from tests.support import kernel_or_skip
 

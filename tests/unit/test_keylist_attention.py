@@ -1,4 +1,4 @@
-"""The key-list attention kernel (``specmesh.keylist_attention``): close to exact softmax
+"""The key-list attention kernel (``specmesh.engine.keylist_attention``): close to exact softmax
 attention, and a row's bits depend only on its own query and key sequence — not on the
 other rows of the call, on how its keys are named (a contiguous prefix or a list), on
 the thread count, or on the slot its keys live in."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specmesh import keylist_attention as ka
+from specmesh.engine import keylist_attention as ka
 from tests.support import kernel_or_skip
 
 NQ, NK, HD, T, S = 9, 3, 64, 256, 3

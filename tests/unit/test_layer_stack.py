@@ -1,4 +1,4 @@
-"""The int4 and bf16 engines' layers in one C call (``specmesh.layer_stack``): the same
+"""The int4 and bf16 engines' layers in one C call (``specmesh.engine.layer_stack``): the same
 bits as the per-call path (``fused_stack`` off) for prompts, decode steps, trees,
 several slots, kept hidden states, layer-skip exits and biased (Qwen2) projections;
 the K/V cache written alike; it stands aside where it does not apply; bad input is
@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from specmesh import bf16_matmul, int4_matmul, layer_stack
+from specmesh.engine import bf16_matmul, int4_matmul, layer_stack
 from specmesh.engine import Linear
 from tests.support import kernel_or_skip, tiny_engine
 

@@ -9,10 +9,12 @@
   resolved): no cycle between modules, neither at module level nor counting
   the lazy imports; every module sits in a layer of ``LAYERS`` and imports only
   from its own layer or lower ones (the entry points too: serving, then training and
-  studies, then benchmarks, then the commands); the core (types, seeding, trees, rowops,
-  acceptance, engine, verifier, loop, drafters) reaches no gRPC, protos,
-  serving, services or deployment code, even transitively; the kernels import
-  only torch, triton and themselves; nothing imports a folder by its bare name.
+  studies, then benchmarks, then the commands); the core (types, seeding, trees,
+  acceptance, the engine package with its CPU kernels and rowops, verifier, loop,
+  drafters) reaches no gRPC, protos, serving, services or deployment code, even
+  transitively; the engine package takes from the rest of specmesh only the leaves and
+  the model loading; the (Triton) kernels import only torch, triton and themselves;
+  nothing imports a folder by its bare name.
 """
 
 from __future__ import annotations
@@ -36,13 +38,12 @@ BARE = ("router", "drafter_service", "verifier_service", "kernels")
 # The layers, lowest first (docs/design.md, "Layering rules"); a module belongs to the
 # layer of its longest matching prefix and may import only from that layer or lower ones.
 LAYERS = [
-    ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.rowops", "specmesh.trees",
+    ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees",
                 "specmesh.errors", "specmesh.workloads", "specmesh.results", "specmesh.threads",
                 "specmesh.kernels", "specmesh.v1"]),
-    ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.keylist_attention", "specmesh.int4_matmul",
-                  "specmesh.layer_stack", "specmesh.bf16_matmul",
-                  "specmesh.cudagraph", "specmesh.device",
-                  "specmesh.models"]),
+    # the engine package: its forward, the CUDA-graph engine, the device choice, the CPU
+    # kernels and rowops (specmesh/engine/__init__.py)
+    ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.models"]),
     ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive",
                    "specmesh.ahead"]),
     ("above the loop", ["specmesh.blockdraft", "specmesh.strategies", "specmesh.uno"]),
@@ -64,7 +65,7 @@ ROOT_PACKAGE_LAYER = "gRPC layer"  # ``specmesh`` itself: it re-exports the SDK 
 ALLOWED_UPWARD = {
     ("specmesh.blockdraft.accel", "specmesh.blockdraft.cli"),  # accel.main, `python -m specmesh.blockdraft.accel`
 }
-CORE = ("specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees", "specmesh.rowops",
+CORE = ("specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees",
         "specmesh.acceptance",
         "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters", "specmesh.contrastive",
         "specmesh.ahead")
@@ -313,6 +314,22 @@ def test_core_reaches_no_grpc_protos_serving_services_or_deployment():
                 target = _resolve(name) or name
                 if _under(target, CORE_MUST_NOT_REACH):
                     bad.append(f"{start}: {v} imports {target} ({MODULES[v].relative_to(ROOT)}:{line})")
+    assert bad == []
+
+
+def test_engine_package_takes_only_leaves_and_model_loading():
+    """``specmesh.engine`` (the forward, the CUDA-graph engine, the device choice, the CPU
+    kernels) sits under acceptance and the verifier: of the rest of specmesh it imports
+    only the leaves (types, trees ...) and ``specmesh.models``."""
+    leaves = _layer("specmesh.types")
+    bad = []
+    for m, imps in IMPORTS.items():
+        if _under(m, ["specmesh.engine"]):
+            for name, lazy, line in imps:
+                t = _resolve(name)
+                if t and not _under(t, ["specmesh.engine", "specmesh.models"]) and _layer(t) != leaves:
+                    bad.append(f"{MODULES[m].relative_to(ROOT)}:{line}: {t}")
+    assert [m for m in MODULES if _under(m, ["specmesh.engine"])], "no specmesh.engine package"
     assert bad == []
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specmesh.rowops import argmax_rows, topk_rows
+from specmesh.engine.rowops import argmax_rows, topk_rows
 
 
 @pytest.mark.parametrize("V", [49152, 8192, 5000, 4096])

@@ -28,7 +28,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from .types import InvalidArgument
+from ..types import InvalidArgument
 
 DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: CUDA when torch.cuda.is_available(), else cpu)"
 

@@ -85,11 +85,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..trees import ancestor_mask
 from .device import to_device
-from .engine import LlamaEngine, ScoreOutput, rms_norm, rope
-from .trees import ancestor_mask
+from .llama import LlamaEngine, ScoreOutput, rms_norm, rope
 
-log = logging.getLogger("specmesh.cudagraph")
+log = logging.getLogger("specmesh.engine.cudagraph")
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # 32 / 64: trees, and uno rounds with their mask blocks

@@ -2,8 +2,8 @@
 
 The engine holds the target's weights (fp32, bf16, or int8 / int4 weight-only with
 bf16 activations: torch's CPU kernel ``_weight_int8pack_mm``; for int4
-``specmesh.int4_matmul`` where the CPU has AVX-512 BF16 or AVX2, else torch's
-``_weight_int4pack_mm_for_cpu``; bf16 on ``specmesh.bf16_matmul`` where it builds) and a KV
+``specmesh.engine.int4_matmul`` where the CPU has AVX-512 BF16 or AVX2, else torch's
+``_weight_int4pack_mm_for_cpu``; bf16 on ``specmesh.engine.bf16_matmul`` where it builds) and a KV
 cache of ``n_slots`` rows of ``max_seq_len`` positions. A slot holds one
 sequence's committed tokens; callers (the verifier's session pool) decide which
 sequence lives in which slot.
@@ -41,7 +41,7 @@ bits with 320 padded keys than with 256). A query always meets the same kernels 
 its keys at the same indices. A tree is attended one root-to-leaf path at a time, the
 path's keys written in chain order after the committed ones (the tree layout is restored for
 ``commit``). That is the ``attention="sdpa"`` forward. The default where its C kernel
-builds, ``attention="keylist"`` (``specmesh.keylist_attention``), needs none of it: each
+builds, ``attention="keylist"`` (``specmesh.engine.keylist_attention``), needs none of it: each
 row names its keys (a chain's token at depth e its slot's [0, base + e]; a tree node
 [0, base), then its ancestors root first and itself, read where the tree layout wrote
 them), the kernel computes a row from its own query and key sequence alone, and one
@@ -74,10 +74,11 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from . import bf16_matmul, int4_matmul, trees
+from .. import trees
+from ..types import InvalidArgument, ResourceExhausted
+from . import bf16_matmul, int4_matmul
 from .device import host_int, to_device
 from .rowops import topk_rows
-from .types import InvalidArgument, ResourceExhausted
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
           "bfloat16": torch.bfloat16, "int8": torch.bfloat16, "int4": torch.bfloat16}
@@ -177,7 +178,7 @@ def probe_tiles(engine, row_default: tuple[int, int]) -> tuple[int, int]:
 class Linear:
     """y = x @ W.T (+ b). int8 mode: per-output-channel symmetric weight-only quantisation
     run by ``aten._weight_int8pack_mm`` with bf16 activations. int4 mode: group-wise
-    asymmetric 4-bit weights (``quantize_int4``) run by ``specmesh.int4_matmul`` (AVX-512
+    asymmetric 4-bit weights (``quantize_int4``) run by ``specmesh.engine.int4_matmul`` (AVX-512
     BF16, AMX or AVX2) or ``aten._weight_int4pack_mm_for_cpu`` with bf16 activations, scales and
     zeros; a weight torch's pack cannot take (out
     features not a multiple of 16, in features not of the group) falls back to int8.
@@ -194,8 +195,8 @@ class Linear:
         self.out_features, self.in_features = w.shape
         self.group = group
         self.q4 = None
-        self._k4 = None  # the int4 kernel (specmesh.int4_matmul) where it runs
-        self._kb = None  # the bf16 kernel (specmesh.bf16_matmul) where it runs
+        self._k4 = None  # the int4 kernel (specmesh.engine.int4_matmul) where it runs
+        self._kb = None  # the bf16 kernel (specmesh.engine.bf16_matmul) where it runs
         self.plain = None  # bf16 on that kernel, keep_rows: the weight as [out, in] for rows_fp32
         if mode == "int8":
             w = w.float()
@@ -206,7 +207,7 @@ class Linear:
             q, scale, lo = quantize_int4(w, group)
             # both kernels compute (q - 8) * scale + zero: zero = minimum + 8 * scale
             self._k4 = kernel if kernel is not None else int4_matmul.load()
-            if self._k4 is not None:  # ours: cost grows slowly with the rows (specmesh.int4_matmul)
+            if self._k4 is not None:  # ours: cost grows slowly with the rows (specmesh.engine.int4_matmul)
                 self.w = self._k4.pack(q, scale, lo + 8 * scale, group)  # scales inside
             else:
                 self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
@@ -339,7 +340,7 @@ class LlamaEngine:
         head at 8 bits or more; int8 costs it 1% relative weight error); ``"int4"`` (its
         top logits refined from its own int4 rows: 9% error). ``attention`` (the
         batch-invariant forward's): ``"keylist"`` (each row attends to the keys it names,
-        ``specmesh.keylist_attention``; the default where its kernel builds) or ``"sdpa"``
+        ``specmesh.engine.keylist_attention``; the default where its kernel builds) or ``"sdpa"``
         (torch's SDPA on fixed query tiles, a tree one path at a time)."""
         if dtype not in DTYPE_NAMES:
             raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
@@ -383,7 +384,7 @@ class LlamaEngine:
         if self.key_block < 1:
             raise InvalidArgument("key_block", "must be positive")
         self._keylist = None  # the key-list kernel, when the invariant forward attends with it
-        # int4 / bf16: the layer stack in one C call (``specmesh.layer_stack``) where it applies;
+        # int4 / bf16: the layer stack in one C call (``specmesh.engine.layer_stack``) where it applies;
         # False keeps the per-call path (same bits: tested)
         self.fused_stack = True
         self._stack = None  # ((cache address, kernel id), Stack or None), built on first use
@@ -453,7 +454,7 @@ class LlamaEngine:
         self.set_attention(self._attention_asked)
 
     def set_attention(self, attention: Optional[str]) -> None:
-        """The batch-invariant forward's attention: ``"keylist"`` (``specmesh.keylist_attention``:
+        """The batch-invariant forward's attention: ``"keylist"`` (``specmesh.engine.keylist_attention``:
         each row attends to the keys it names), ``"sdpa"`` (torch's SDPA on fixed query tiles,
         a tree one root-to-leaf path at a time) or None (keylist where its kernel builds and
         the head dimension suits it, else sdpa). ``self.attention`` says which runs. Both are
@@ -480,7 +481,7 @@ class LlamaEngine:
                         max_seq_len: int = 2048, quiet: bool = False, device: str = "cpu",
                         **kw) -> "LlamaEngine":
         """``kw``: further constructor options (``batch_invariant=``, tiling)."""
-        from .models.loading import LazyStateDict, freed_memory_returned, load_config, resolve_model
+        from ..models.loading import LazyStateDict, freed_memory_returned, load_config, resolve_model
 
         d = resolve_model(name, quiet=quiet)
         with freed_memory_returned():

@@ -6,8 +6,8 @@ two residual-add + RMSNorms, four matmuls, the key-list attention layer and the
 SwiGLU product), each with its argument checks, a fresh output tensor and a ctypes
 crossing of a few microseconds. ``Stack.run`` makes one call for a range of layers; a
 small C driver calls the very functions the per-call path calls (their addresses
-are taken from the loaded ``specmesh.int4_matmul`` or ``specmesh.bf16_matmul`` and
-``specmesh.keylist_attention`` libraries), in the same order on the same inputs, into
+are taken from the loaded ``specmesh.engine.int4_matmul`` or ``specmesh.engine.bf16_matmul`` and
+``specmesh.engine.keylist_attention`` libraries), in the same order on the same inputs, into
 one workspace. So every row's bits equal the per-call path's (tested), and no kernel
 is compiled twice.
 
