@@ -83,6 +83,17 @@ class DrafterHost:
             raise SessionLost(f"drafter holds {len(held)} tokens < keep_len {keep_len}; resend with keep_len=0")
         return held[:keep_len] + list(append)
 
+    def _synced(self, session_id: str, keep_len: int, append: Sequence[int], prompt_len: int):
+        """(the session or None, its tokens after the delta), validated; changes nothing
+        (the caller holds ``_lock``)."""
+        s = self._sessions.get(session_id)
+        tokens = self._tokens(s.tokens if s else [], keep_len, append)
+        if not tokens:
+            raise InvalidArgument("sync.append_tokens", "the session holds no tokens")
+        if not 0 <= prompt_len <= len(tokens):
+            raise InvalidArgument("prompt_len", f"must be in [0, {len(tokens)}], got {prompt_len}")
+        return s, tokens
+
     def needs_features(self, name: str) -> bool:
         return name in self.factories and registry.needs_features(name, "external")
 
@@ -127,12 +138,7 @@ class DrafterHost:
         if features is not None and fd is None:
             raise InvalidArgument("features", f"drafter {drafter!r} takes no features")
         with self._lock:
-            s = self._sessions.get(session_id)
-            tokens = self._tokens(s.tokens if s else [], keep_len, append)
-            if not tokens:
-                raise InvalidArgument("sync.append_tokens", "the session holds no tokens")
-            if not 0 <= prompt_len <= len(tokens):
-                raise InvalidArgument("prompt_len", f"must be in [0, {len(tokens)}], got {prompt_len}")
+            s, tokens = self._synced(session_id, keep_len, append, prompt_len)
             if fd is not None:
                 with self._locks[drafter]:
                     fd.check_features(session_id, features, keep_len, len(tokens))
@@ -183,12 +189,7 @@ class DrafterHost:
                 raise InvalidArgument("tree.parents", f"node {i} has parent {p}: must be in [-1, {i})")
         d = self._drafter(drafter)
         with self._lock:
-            s = self._sessions.get(session_id)
-            tokens = self._tokens(s.tokens if s else [], keep_len, append)
-            if not tokens:
-                raise InvalidArgument("sync.append_tokens", "the session holds no tokens")
-            if not 0 <= prompt_len <= len(tokens):
-                raise InvalidArgument("prompt_len", f"must be in [0, {len(tokens)}], got {prompt_len}")
+            s, tokens = self._synced(session_id, keep_len, append, prompt_len)
             if s is not None and s.drafter != drafter:
                 raise InvalidArgument("drafter", f"session {session_id!r} drafts with {s.drafter!r}")
             # ---- valid: change state

@@ -156,6 +156,20 @@ def _free_port() -> int:
         return sk.getsockname()[1]
 
 
+def services_env(extra: Optional[dict] = None) -> dict:
+    """The environment of the ``specmesh serve`` this process starts: its own plus ``extra``,
+    without the OpenMP wait policy specmesh set for this process (not the user's: passed on,
+    the services read PASSIVE as the user's choice and slept, plain decoding 0.55x); a policy
+    the user chose (here or in ``extra``) is passed on."""
+    import specmesh
+
+    child = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
+    if not specmesh._OMP_CHOSEN_BY_USER and not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(extra or {})):
+        child.pop("OMP_WAIT_POLICY", None)
+        child.pop("GOMP_SPINCOUNT", None)
+    return child
+
+
 class Services:
     """``specmesh serve`` (all three) as a child process on free loopback ports."""
 
@@ -175,16 +189,8 @@ class Services:
                *(["--http-port", str(http_port)] if http_port else ["--http", "false"]), *extra]
         cmd += [a for k, p in ports.items() for a in (f"--{k}-port", str(p))]
         self.log = open(log_path, "w", encoding="utf-8")
-        import specmesh
-
-        child = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        if not specmesh._OMP_CHOSEN_BY_USER and not (env and {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(env)):
-            # the wait policy this process set for itself is not the user's: `specmesh serve` picks its own
-            # (spinning; passed on, PASSIVE read as the user's choice and the services slept: 0.55x)
-            child.pop("OMP_WAIT_POLICY", None)
-            child.pop("GOMP_SPINCOUNT", None)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                     env=child)
+                                     env=services_env(env))
         ready = threading.Event()
 
         def pump():

@@ -119,3 +119,16 @@ def test_the_model_thread_runs_jobs_in_order_inline_when_nested_and_returns_erro
         mt.stop()
     with pytest.raises(RuntimeError, match="stopped"):
         mt.submit(print)
+
+
+def test_services_a_benchmark_starts_choose_their_own_wait_policy(monkeypatch):
+    import specmesh
+    from specmesh.bench.sweep import services_env
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what specmesh sets for itself by default
+    monkeypatch.setattr(specmesh, "_OMP_CHOSEN_BY_USER", False)
+    env = services_env()
+    assert "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env and env["PYTHONUNBUFFERED"] == "1"
+    assert services_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.setattr(specmesh, "_OMP_CHOSEN_BY_USER", True)  # the user's choice is passed on
+    assert services_env()["OMP_WAIT_POLICY"] == "PASSIVE"
