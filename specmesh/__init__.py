@@ -38,6 +38,15 @@ def spin_threads() -> bool:
     return True
 
 
+def user_omp_env() -> dict:
+    """The OpenMP wait settings the user chose (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``), to
+    pass on to processes this one starts; empty where the ones in ``os.environ`` are
+    specmesh's own (a child decides its own policy, ``spin_threads``)."""
+    if not _OMP_CHOSEN_BY_USER:
+        return {}
+    return {k: _os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in _os.environ}
+
+
 def _source_checkout_fallback() -> None:
     """Not installed, run from a source checkout (a bare GPU machine: ``scripts/device-check``
     there, the repository root on ``sys.path``): map the ``package-dir`` folders of

@@ -163,11 +163,8 @@ def services_env(extra: Optional[dict] = None) -> dict:
     the user chose (here or in ``extra``) is passed on."""
     import specmesh
 
-    child = dict(os.environ, PYTHONUNBUFFERED="1", **(extra or {}))
-    if not specmesh._OMP_CHOSEN_BY_USER and not ({"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(extra or {})):
-        child.pop("OMP_WAIT_POLICY", None)
-        child.pop("GOMP_SPINCOUNT", None)
-    return child
+    child = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    return dict(child, PYTHONUNBUFFERED="1", **specmesh.user_omp_env(), **(extra or {}))
 
 
 class Services:

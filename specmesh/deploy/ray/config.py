@@ -212,10 +212,6 @@ def load_serve_config(path: Optional[str | Path]) -> dict:
 def _spin_env() -> dict[str, str]:
     """The OpenMP wait settings for the replicas' workers (which may run on other nodes,
     with an environment of their own): the user's where they chose one, else a brief spin."""
-    import os
-
     import specmesh
 
-    if specmesh._OMP_CHOSEN_BY_USER:
-        return {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
-    return {"GOMP_SPINCOUNT": specmesh.SPINCOUNT}
+    return specmesh.user_omp_env() or {"GOMP_SPINCOUNT": specmesh.SPINCOUNT}
