@@ -267,7 +267,7 @@ def render(result: dict) -> str:
          "(RPC wall time minus the server's handler time).", "",
          "| system | served as | workload | " + " | ".join(f"{p} tok/s" for p in paths) + " | "
          + " | ".join(f"{p} / in process" for p in paths[1:]) + " | identical (serve) | hop µs/round |",
-         "|" + "---|" * (4 + 2 * len(paths) + 1)]
+         "|" + "---|" * (4 + 2 * len(paths))]
     f = lambda v: "–" if v is None else f"{v}"  # noqa: E731
     for r in recs:
         L.append(f"| {r['system']} | {r['served_as']} | {r['workload']} | "
