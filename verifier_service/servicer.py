@@ -2,7 +2,7 @@
 
 Thin: it converts protos to domain requests, sends Verify calls through the
 dynamic batcher (one forward for concurrent sessions) and every other piece of
-model work to the batcher's model thread (``VerifyBatcher.call``) and converts the results
+model work to the batcher's model thread (``VerifyBatcher.call``), and converts the results
 back. Sessions, KV slots (LRU eviction, RESOURCE_EXHAUSTED when none can be
 evicted), validation and acceptance all live in ``specmesh.verifier``; errors
 become status codes in the interceptors. The self-draft method "layerskip" is

@@ -259,20 +259,22 @@ def verdicts(result: dict) -> list[str]:
 def render(result: dict) -> str:
     meta, recs = result["meta"], result["records"]
     paths = meta["paths"]
+    serve_args = " " + " ".join(meta["serve_args"]) if meta["serve_args"] else ""
     L = ["# The services against the engine in process", "",
          f"{meta['model']} {meta['dtype']}, greedy, {meta['max_new_tokens']} new tokens, {meta['prompts']} prompts "
          f"per workload, fastest of {meta['repeats']} pass(es); `specmesh serve` placement: "
-         f"{meta['cpus'] or 'default (every CPU shared)'}{' ' + ' '.join(meta['serve_args']) if meta['serve_args'] else ''}."
+         f"{meta['cpus'] or 'default (every CPU shared)'}{serve_args}."
          " Tokens/s: the caller's wall clock, request to last token. Hop: the router's wire time per round "
          "(RPC wall time minus the server's handler time).", "",
          "| system | served as | workload | " + " | ".join(f"{p} tok/s" for p in paths) + " | "
          + " | ".join(f"{p} / in process" for p in paths[1:]) + " | identical (serve) | hop µs/round |",
          "|" + "---|" * (4 + 2 * len(paths))]
     f = lambda v: "–" if v is None else f"{v}"  # noqa: E731
+    x = lambda v: "–" if v is None else f"{v:.2f}x"  # noqa: E731
     for r in recs:
         L.append(f"| {r['system']} | {r['served_as']} | {r['workload']} | "
                  + " | ".join(f(r[f'{p}_tokens_per_s']) for p in paths) + " | "
-                 + " | ".join(f"{r[f'{p}_vs_in_process']:.2f}x" if r[f'{p}_vs_in_process'] else "–" for p in paths[1:])
+                 + " | ".join(x(r[f'{p}_vs_in_process']) for p in paths[1:])
                  + f" | {r['identical']}/{r['prompts']} | {f(r['hop_us_per_round'])} |")
     L += ["", *[f"- {v}" for v in verdicts(result)]]
     return "\n".join(L) + "\n"

@@ -7,7 +7,8 @@ limit, error mapping),
 message-size options and TLS (server certificate, optional client CA for mutual
 TLS), binds ``host:port`` (loopback by default; port 0 picks a free one) and
 starts it; its handler threads never run OpenMP teams of their own (model work
-belongs on the process's model thread, ``specmesh.threads``). ``serve_until_signal`` blocks until SIGTERM/SIGINT, then drains:
+belongs on the process's model thread, ``specmesh.threads``). ``serve_until_signal``
+blocks until SIGTERM/SIGINT, then drains:
 health turns NOT_SERVING, new calls are refused, in-flight calls get
 ``drain_s`` to finish.
 
