@@ -45,9 +45,67 @@ class BudgetPolicy:
                verify_s: float = 0.0) -> None:
         pass
 
-    def observe_load(self, batch: int, drafted_inside: bool = False) -> None:
+    def observe_load(self, batch: int, drafted_inside: bool = False, rows: int = 0,
+                     forward_s: float = 0.0) -> None:
         """The sessions that shared the round's verify forward (the verifier's dynamic batch);
-        ``drafted_inside``: the draft ran inside that forward's work (a self drafter)."""
+        ``drafted_inside``: the draft ran inside that forward's work (a self drafter);
+        ``rows``: the rows that forward scored for all its sessions (``VerifyResult.batch_rows``,
+        0: unknown) and ``forward_s`` its seconds (``VerifyResult.verify_ms``)."""
+
+
+class ForwardCosts:
+    """The verifier's batched forward as a line in the rows it scores for all its
+    sessions: t = a + b * rows, from (``VerifyResult.batch_rows``, the forward's seconds)
+    of every round that reports them (each session of a batch reports its forward once).
+    A least-squares fit over EMAs (weight ``ema``) of rows, t, rows^2 and rows * t; where
+    the rows hardly varied (variance below ``MIN_VAR``: e.g. every session plain) the line
+    cannot be told from a flat one, so the last good fit is kept (None before one, or
+    before ``MIN_OBS`` observations: the caller falls back to ``VerifyCosts.beta``).
+    One per verifier (``VerifyCosts.forward``). Why: alone a forward is bound by reading
+    the weights (beta ~ 0.017), but a batch of several sessions' rows on 2 CPU cores is
+    compute-bound, so under load a scored draft row costs nearly what another session's
+    plain token does, which the per-session beta cannot see (issue 48)."""
+
+    MIN_OBS = 8
+    MIN_VAR = 1.0  # rows^2: below it (rows within ~1 of their mean) the slope is not identifiable
+
+    def __init__(self, ema: float = 0.05):
+        self.ema = ema
+        self._m: Optional[tuple[float, float, float, float]] = None  # EMAs of rows, t, rows^2, rows t
+        self._n = 0
+        self._ab: Optional[tuple[float, float]] = None  # the last good fit
+        self._lock = threading.Lock()
+
+    def observe(self, rows: int, forward_s: float) -> None:
+        if rows <= 0 or forward_s <= 0:
+            return
+        x, t, w = float(rows), float(forward_s), self.ema
+        with self._lock:
+            new = (x, t, x * x, x * t)
+            self._m = new if self._m is None else tuple((1 - w) * o + w * v for o, v in zip(self._m, new))
+            self._n += 1
+            mx, mt, mxx, mxt = self._m
+            var = mxx - mx * mx
+            if self._n >= self.MIN_OBS and var >= self.MIN_VAR:
+                b = max(0.0, (mxt - mx * mt) / var)
+                self._ab = (max(0.0, mt - b * mx), b)
+
+    def fit(self) -> Optional[tuple[float, float]]:
+        """(a, b) in seconds and seconds per row, or None before a fit."""
+        with self._lock:
+            return self._ab
+
+    def beta_load(self, sessions: float) -> Optional[float]:
+        """The system's price of one scored draft row with ``sessions`` in the batch, in
+        a session's share of a plain forward: b * B / (a + b * B) (a plain step costs each
+        session (a + b B) / B, k draft rows cost b k; B = 1: b / (a + b), beta's meaning).
+        None before a fit."""
+        ab = self.fit()
+        if ab is None:
+            return None
+        a, b = ab
+        den = a + b * sessions
+        return b * sessions / den if den > 0 else None
 
 
 class VerifyCosts:
@@ -63,7 +121,8 @@ class VerifyCosts:
     too high and a scored token too low — on an AVX2 CPU in bf16, 0.16 for a measured
     0.24 — so drafting that loses would look as if it paid.) On CPUs with bf16 matrix
     units scoring 8 tokens costs little more than 1 (beta ~ 0.01-0.02); in fp32 about
-    0.12."""
+    0.12. ``forward``: the same verifier's batched forward as a line in its scored rows
+    (``ForwardCosts``), which prices a draft row under load (``AdaptiveBudget.beta``)."""
 
     STALE = 32  # long rounds after the last short one: the unit is measured afresh (``needs_unit``)
 
@@ -72,6 +131,7 @@ class VerifyCosts:
         self._groups: dict[int, tuple[float, float]] = {}  # 0 short / 1 long: EMA (seconds, k)
         self._since_short = 0  # long rounds observed since the last short one
         self._lock = threading.Lock()
+        self.forward = ForwardCosts()  # t = a + b * rows of the batched forwards (shared like this object)
 
     def observe(self, drafted: int, verify_s: float) -> None:
         group = 0 if drafted <= 2 else 1 if drafted >= 4 else None
@@ -232,7 +292,12 @@ class AdaptiveBudget(BudgetPolicy):
     adds to all of them, and so does a self drafter's draft pass (it runs in the
     verifier's turn): drafting shrinks, then stops, as the batches grow (a concurrency
     sweep through the services: speculation must not cost the other streams more than it
-    buys this one).
+    buys this one). From a load of ``LOAD_PRICED`` on, a scored row is priced at least
+    at what it costs the whole batch (``ForwardCosts.beta_load``, fitted from the batched
+    forwards' rows and times): beta measured alone (a memory-bound forward, ~0.017) times
+    the load priced 4 streams of ``self:block_tree`` at break-even on 2 CPU cores, where
+    the batched forward is compute-bound and the streams ran at 0.70-0.74x plain decoding
+    (issue 48). A lone stream (load ~1) is priced as before.
     ``for_drafter`` picks these settings by drafter name."""
 
     TREE_CHEAP = 0.5  # bf16 on CPU matrix units: 8 x 0.01-0.03; fp32 on a CPU: 8 x 0.12
@@ -285,18 +350,30 @@ class AdaptiveBudget(BudgetPolicy):
         return cls(max_budget, costs=costs, **kw)
 
     LOAD_EMA = 0.3  # the verify forwards' batch size (~3 rounds)
+    LOAD_PRICED = 1.2  # from this load on a scored row costs at least its share of the batched forward
 
     @property
     def beta(self) -> float:
         """The cost of one more scored token, in one-token forwards of this session, times
         the sessions sharing its forwards (``load``): a batched forward made longer by my
         drafts delays every session in it, so under load a draft must buy that many times
-        more to raise the verifier's total tokens/s (alone: the cost model as it was)."""
-        return (self.costs.beta if self.per_round_draft else self._beta) * self.load
+        more to raise the verifier's total tokens/s (alone: the cost model as it was).
+        Above ``LOAD_PRICED``, once the verifier's batched forwards were fitted
+        (``costs.forward``), at least b B / (a + b B) with B = ``load``: a compute-bound
+        batch (a small) prices a row near a whole plain step, so drafting stops."""
+        own = (self.costs.beta if self.per_round_draft else self._beta) * self.load
+        if self.load > self.LOAD_PRICED:
+            shared = self.costs.forward.beta_load(self.load)
+            if shared is not None:
+                return max(own, shared)
+        return own
 
-    def observe_load(self, batch: int, drafted_inside: bool = False) -> None:
+    def observe_load(self, batch: int, drafted_inside: bool = False, rows: int = 0,
+                     forward_s: float = 0.0) -> None:
         self.load = (1 - self.LOAD_EMA) * self.load + self.LOAD_EMA * max(1, batch)
         self.draft_load = self.load if drafted_inside else 1.0
+        if rows > 0 and forward_s > 0:
+            self.costs.forward.observe(rows, forward_s)
 
     @property
     def uses_entropy(self) -> bool:
@@ -604,7 +681,8 @@ class _Generation:
             st.draft_s += rnd.draft_s + self_draft_s
             depth = max(rnd.tree.depths()) + 1 if len(rnd.tree) else res.drafted
             st.record_round(res.drafted, len(res.accepted), depth)
-            self.policy.observe_load(res.batch_size, self.o.self_draft is not None)
+            self.policy.observe_load(res.batch_size, self.o.self_draft is not None, res.batch_rows,
+                                     res.verify_ms / 1e3)
             self.policy.update(res.drafted, len(res.accepted), res.entropy, rnd.draft_s + self_draft_s,
                                max(rnd.wall_s - self_draft_s, 1e-6))
             if self.o.draft_ahead is not None and self.drafter_ok and self.o.self_draft is None:

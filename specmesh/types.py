@@ -335,6 +335,10 @@ class VerifyResult:
     cache_len: int = 0
     batch_size: int = 1
     features: Optional[FeatureRows] = None  # asked for by VerifyRequest.feature_layers
+    # rows the batched forward scored for all its requests (appended tokens + tree nodes
+    # of each): with verify_ms, a point of the forward's cost line (loop.ForwardCosts);
+    # 0: unknown
+    batch_rows: int = 0
 
 
 @dataclass

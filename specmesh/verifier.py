@@ -315,6 +315,7 @@ class EngineVerifier:
                         [m[1].round_seed for m in meta], batched=self.batched_acceptance, amateurs=amateurs,
                         specialists=specialists, also=ent_t)
                     ents = dict(zip(want_ent, ent_v))
+                    n_rows = sum(len(it[1]) for it in items)  # the forward's scored rows, all requests
                     for k, ((i, r, slot, a, tree, rows, draft_ms), so, res, blocks) in enumerate(
                             zip(meta, scored, decided, fused)):
                         start = self.engine.length(slot)
@@ -330,7 +331,7 @@ class EngineVerifier:
                             accepted=[tree.tokens[j] for j in res.path], next_token=res.next_token,
                             drafted=len(tree), tree_size=len(tree), accepted_nodes=res.path, entropy=ent,
                             draft_ms=draft_ms, verify_ms=fwd_ms, cache_len=self.engine.length(slot),
-                            batch_size=len(items),
+                            batch_size=len(items), batch_rows=n_rows,
                             features=self._feature_rows(slot, r.keep_len, r.feature_layers)
                             if r.feature_layers else None)
             finally:

@@ -154,7 +154,7 @@ def verify_result_to_proto(r: VerifyResult, server_ms: float = 0.0) -> verifier_
     m = verifier_pb2.VerifyResponse(
         accepted=r.accepted, next_token=r.next_token, drafted=r.drafted, tree_size=r.tree_size,
         accepted_nodes=r.accepted_nodes, entropy=r.entropy, draft_ms=r.draft_ms, verify_ms=r.verify_ms,
-        cache_len=r.cache_len, batch_size=r.batch_size, server_ms=server_ms)
+        cache_len=r.cache_len, batch_size=r.batch_size, server_ms=server_ms, batch_rows=r.batch_rows)
     if r.features is not None:
         m.features.CopyFrom(features_to_proto(r.features))
     return m
@@ -163,7 +163,8 @@ def verify_result_to_proto(r: VerifyResult, server_ms: float = 0.0) -> verifier_
 def verify_result_from_proto(m: verifier_pb2.VerifyResponse) -> VerifyResult:
     return VerifyResult(list(m.accepted), m.next_token, m.drafted, m.tree_size, list(m.accepted_nodes), m.entropy,
                         m.draft_ms, m.verify_ms, m.cache_len, m.batch_size,
-                        features_from_proto(m.features) if m.HasField("features") else None)
+                        features_from_proto(m.features) if m.HasField("features") else None,
+                        batch_rows=m.batch_rows)
 
 
 # ---------------------------------------------------------------- stats

@@ -54,7 +54,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round_seed: _Optional[int] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., want_entropy: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features")
+    __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features", "batch_rows")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class VerifyResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     SERVER_MS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
     drafted: int
@@ -79,7 +80,8 @@ class VerifyResponse(_message.Message):
     batch_size: int
     server_ms: float
     features: _common_pb2.HiddenFeatures
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., drafted: _Optional[int] = ..., tree_size: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., entropy: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., cache_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.HiddenFeatures, _Mapping]] = ...) -> None: ...
+    batch_rows: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., drafted: _Optional[int] = ..., tree_size: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., entropy: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., cache_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.HiddenFeatures, _Mapping]] = ..., batch_rows: _Optional[int] = ...) -> None: ...
 
 class VerifierReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

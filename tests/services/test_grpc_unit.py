@@ -75,8 +75,10 @@ def test_convert_roundtrips():
     assert convert.verify_request_from_proto(convert.verify_request_to_proto(req)) == req
     req2 = VerifyRequest("s", 0, [5], TokenTree(), SamplingParams(), 1, SelfDraft("layerskip", 4))
     assert convert.verify_request_from_proto(convert.verify_request_to_proto(req2)) == req2
-    res = VerifyResult([1, 2], 3, 4, 5, [0, 1], 0.5, 1.5, 2.5, 10, 2)
+    res = VerifyResult([1, 2], 3, 4, 5, [0, 1], 0.5, 1.5, 2.5, 10, 2, batch_rows=13)
+    assert convert.verify_result_to_proto(res).batch_rows == 13
     assert convert.verify_result_from_proto(convert.verify_result_to_proto(res, 3.0)) == res
+    assert convert.verify_result_from_proto(verifier_pb2.VerifyResponse()).batch_rows == 0  # an older verifier
     st = convert.RouterStats(strategy="external", drafter="suffix", network_s=0.25, verifier="a:1", reprefills=1)
     st.record_round(4, 2, 4)
     st.record_round(4, 4, 4)

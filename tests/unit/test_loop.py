@@ -210,3 +210,5 @@ def test_batch_equals_single(ver):
     single = [ver.verify(r) for r in reqs]
     assert [(b.accepted, b.next_token) for b in batched] == [(s.accepted, s.next_token) for s in single]
     assert batched[0].batch_size == 3
+    # the rows the one forward scored for all three (appended + tree nodes: 4 + 6 + 8)
+    assert [b.batch_rows for b in batched] == [18] * 3 and [s.batch_rows for s in single] == [4, 6, 8]
