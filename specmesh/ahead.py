@@ -18,7 +18,10 @@ cache when an ahead round assumed exactly those committed tokens (the key is
 (session, committed length, last token); the hit check compares every committed
 token and the sampling); otherwise it drafts from the real outcome as before
 (a miss, with its reason). An ahead round still being drafted for the real outcome
-is waited for; the rest of the fan-out is cancelled.
+is waited for; the rest of the fan-out is cancelled, and a drafter that can stop
+between tokens (``preemptible``: the draft LM) drops the round it is drafting at
+once, so a miss costs the real round at most one draft step more than drafting
+without overlap.
 
 The cache is bounded: at most ``max_outcomes`` entries per session (each ahead
 call replaces the last one's), ``max_sessions`` sessions (least recently used
@@ -152,6 +155,7 @@ class _Entry:
     kind: str
     tree: Optional[TokenTree] = None
     done: threading.Event = field(default_factory=threading.Event)
+    wanted: bool = False  # the real outcome: drafted to the end even though the job is cancelled
 
 
 class _Job:
@@ -223,10 +227,12 @@ class AheadDrafter:
             if st is not None and st.asked:
                 info.result = "miss"
                 job_left = st.job is not None and st.job.drafted < self.max_outcomes
-                st.gen += 1  # cancel the rest of the fan-out
+                entry = self._find(st, ctx)
+                if entry is not None:
+                    entry.wanted = True
+                st.gen += 1  # cancel the rest of the fan-out (a preemptible drafter stops within a token)
                 st.job = None
                 st.idle.set()
-                entry = self._find(st, ctx)
         if entry is not None:
             entry.done.wait()  # the ahead round of this very outcome is being drafted: it is ours
         with self._mu:
@@ -347,6 +353,18 @@ class AheadDrafter:
         c = job.ctx
         return DraftContext(c.session_id, list(tokens), c.prompt_len, c.sampling, c.cache_id)
 
+    def _stopper(self, st: _Session, job: "_Job", entry: _Entry) -> Callable[[], bool]:
+        """Whether an ahead round being drafted is no longer needed: its job was cancelled
+        (the real outcome arrived, the session was released or asked ahead again) and
+        it is not the real outcome's round. Read without ``_mu`` (a stale read costs a
+        token at most)."""
+        return lambda: (job.gen != st.gen and not entry.wanted) or st.released or self._closed
+
+    def _propose_ahead_round(self, ctx: DraftContext, budget: int, stop: Callable[[], bool]) -> TokenTree:
+        if getattr(self.drafter, "preemptible", False):
+            return self.drafter.propose(ctx, budget, stop=stop)
+        return self.drafter.propose(ctx, budget)
+
     def _drop(self, st: _Session) -> None:
         st.released = True
         st.gen += 1
@@ -404,7 +422,8 @@ class AheadDrafter:
                             return
                         st.entries[(len(toks), toks[-1])] = entry
                     # draws keyed by len(toks), the committed length it assumes (seeding.py)
-                    entry.tree = self.run(self.drafter.propose, self._ahead_context(job, toks), job.budget)
+                    entry.tree = self.run(self._propose_ahead_round, self._ahead_context(job, toks), job.budget,
+                                          self._stopper(st, job, entry))
             except Exception:  # noqa: BLE001 - a failed ahead round is a miss, never an error of the request
                 with self._mu:
                     st.error = True

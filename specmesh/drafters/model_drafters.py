@@ -6,8 +6,9 @@ drafts (argmax). Under sampling they draw each token from their own top-k
 renormalised distribution (temperature applied) and send exactly that sparse q,
 so rejection sampling at the verifier stays lossless.
 
-``DraftLMDrafter`` keeps, per session, the tokens its KV holds and syncs to the
-context by longest common prefix (rollback costs nothing). ``LayerSkipDrafter``
+``DraftLMDrafter`` keeps, per session, the tokens its KV holds (the committed ones
+and the drafted ones it fed) and syncs to the context by longest common prefix
+(rollback costs nothing). ``LayerSkipDrafter``
 reads and writes the *target's* KV of the session's slot inside the verifier:
 the first E layers' KV of committed tokens is the same for the draft, and its
 scratch writes past the committed length are overwritten by the next verify.
@@ -76,7 +77,14 @@ class DraftLMDrafter(DrafterBase):
         self.lru.append(sid)
         return self.sessions[sid]
 
-    def propose(self, ctx: DraftContext, budget: int) -> TokenTree:
+    preemptible = True  # ``propose(..., stop=)``: draft-ahead cancels a round it no longer needs
+
+    def propose(self, ctx: DraftContext, budget: int, stop=None) -> TokenTree:
+        """``budget`` tokens after ``ctx.tokens`` (synced to its KV by common prefix). The
+        KV keeps the drafted tokens it fed (all but the last), so the next round, which
+        shares them up to the first rejection, feeds only what differs; a draft-ahead
+        round of the "all accepted" outcome continues where this one stopped. ``stop()``
+        true between two tokens: return the tokens drafted so far (a cancelled ahead round)."""
         budget = min(budget, self.engine.max_seq_len - len(ctx.tokens) - 1)
         if budget <= 0 or not ctx.tokens:
             return TokenTree()
@@ -95,9 +103,10 @@ class DraftLMDrafter(DrafterBase):
             qids.append(qi)
             qps.append(qp)
             if i + 1 < budget:
+                if stop is not None and stop():
+                    break
                 logits = self.engine.prefill(slot, [t])
-        self.engine.truncate(slot, len(ctx.tokens))
-        self.sessions[ctx.session_id] = (slot, list(ctx.tokens))
+        self.sessions[ctx.session_id] = (slot, list(ctx.tokens) + toks[:-1])
         return _assemble(toks, qids, qps)
 
     def guess(self, ctx: DraftContext, n: int) -> list[int]:

@@ -23,6 +23,7 @@ from tests.support import SMALL_DRAFT, SMALL_TARGET, SMALL_V
 
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 4, 5, 0, 1, 2]
 N_NEW = 24
+GREEDY_SP = SamplingParams(temperature=0.0)
 
 
 def target() -> EngineVerifier:
@@ -138,6 +139,71 @@ def test_an_ahead_round_is_the_draft_drafting_afresh_would_draw():
 
 
 # ---------------------------------------------------------------- failures and races
+
+class Endless:
+    """A preemptible drafter whose ahead rounds (worker thread, budget above 1) draft until
+    ``stop()`` says so (at most ``cap`` tokens), recording whether they were stopped; its
+    other calls delegate to prompt lookup."""
+
+    preemptible = True
+    name = "endless"
+
+    def __init__(self, cap: int = 100_000):
+        self.inner, self.cap = PromptLookupDrafter(), cap
+        self.main = threading.get_ident()
+        self.entered, self.stopped, self.go = threading.Event(), [], threading.Event()
+
+    def propose(self, ctx, budget, stop=None):
+        if threading.get_ident() != self.main and budget > 1:
+            self.entered.set()
+            n = 0
+            while n < self.cap and not (stop is not None and stop()):
+                if self.go.is_set():
+                    break
+                n += 1
+                self.go.wait(0.001)
+            self.stopped.append(n < self.cap and not self.go.is_set())
+            return TokenTree.chain([7] * budget)
+        return self.inner.propose(ctx, budget)
+
+    def release(self, sid):
+        self.inner.release(sid)
+
+
+def test_a_miss_stops_the_ahead_round_being_drafted():
+    """The real outcome is not the ahead round being drafted: a preemptible drafter is told
+    to stop between tokens, so the real round does not wait for the wrong one to finish."""
+    d = Endless()
+    a = AheadDrafter(d)
+    ctx = DraftContext("s", list(PROMPT), len(PROMPT), SamplingParams())
+    first = TokenTree.chain([1, 2])
+    assert a.propose_ahead(ctx, first, 4)
+    d.entered.wait()  # the worker drafts an ahead round ("all": PROMPT + first + a guess)
+    tree, info = a.propose_info(DraftContext("s", PROMPT + [9], len(PROMPT), SamplingParams()), 4)
+    assert info.result == "miss"
+    assert d.stopped == [True]  # stopped by the cancel, not by running to its cap
+    assert tree.tokens == PromptLookupDrafter().propose(
+        DraftContext("x", PROMPT + [9], len(PROMPT), SamplingParams()), 4).tokens
+
+
+def test_the_real_outcomes_ahead_round_is_drafted_to_its_end():
+    """The ahead round being drafted is the real outcome's: it is not stopped, and it is the hit."""
+    d = Endless()
+    a = AheadDrafter(d)
+    ctx = DraftContext("s", list(PROMPT), len(PROMPT), SamplingParams())
+    first = TokenTree.chain([1, 2])
+    assert a.propose_ahead(ctx, first, 4)
+    d.entered.wait()
+    guess = PromptLookupDrafter().propose(DraftContext("g", PROMPT + [1, 2], len(PROMPT), GREEDY_SP), 1).tokens
+    real = PROMPT + [1, 2] + guess[:1]
+    # let the round go from another thread, before or after propose_info marks it wanted:
+    # either order must end in the hit
+    threading.Thread(target=d.go.set).start()
+    tree, info = a.propose_info(DraftContext("s", real, len(PROMPT), SamplingParams()), 4)
+    assert info.result == "hit", info
+    assert tree.tokens == [7, 7, 7, 7]
+    assert d.stopped == [False]  # ran until let go, never told to stop
+
 
 def test_the_drafter_dying_in_an_ahead_round_changes_no_token():
     ver = target()
