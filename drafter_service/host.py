@@ -67,6 +67,9 @@ class DrafterHost:
         return sorted(self.factories)
 
     def _drafter(self, name: str) -> Drafter:
+        d = self._drafters.get(name)  # built: no lock (its lock may be held by a draft-ahead round, which
+        if d is not None:  # the call asking for it may have come to cancel)
+            return d
         with self._locks[name]:
             d = self._drafters.get(name)
             if d is None:

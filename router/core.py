@@ -128,6 +128,7 @@ class Plan:
     resume: tuple[int, ...] = ()  # output tokens delivered before (a resumed request)
     resume_chars: int = 0  # ... and the characters of their text the caller has
     draft_ahead: str = ""  # the request's draft-ahead mode ("": the router's setting)
+    budget_pinned: bool = False  # the request set draft_budget: every round drafts ``budget``
 
 
 class TextStream:
@@ -340,7 +341,7 @@ class Router:
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
                     reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
-                    draft_ahead=spec.draft_ahead)
+                    draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None)
 
     def _resume(self, spec: GenerateSpec, n: int) -> Optional[Resume]:
         """Validate ``spec.resume`` against the request it continues (INVALID_ARGUMENT naming the field)."""

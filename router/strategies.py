@@ -489,7 +489,11 @@ class Strategies:
                 features = FeatureLog(*spec)
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features)
         drafter, loop_v, meter, resumed = None, verifier, None, None
-        adaptive = plan.strategy in ("proactive", "ssr") or plan.reason.startswith("auto")
+        # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
+        # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed
+        # budget keeps a seeded sampled run's draws reproducible: docs/design.md "Seeds")
+        adaptive = plan.strategy in ("proactive", "ssr") or plan.reason.startswith("auto") or (
+            not plan.budget_pinned and plan.sampling.greedy)
         key = self.session_key(plan.conversation_id, plan.client)
         alpha0 = self.book.initial_alpha(key, auto.label(plan.strategy, plan.drafter or plan.self_draft or ""))
 

@@ -280,8 +280,13 @@ class AdaptiveBudget(BudgetPolicy):
     the draft's seconds over a short round's verify seconds (``VerifyCosts``: about a
     one-token forward, the cost model's unit), not over the drafted round's.
     Where the shared ``costs`` have long rounds but no short round's time (none yet, or
-    none for ``VerifyCosts.STALE`` long rounds), a one-pass drafter's policy first asks
-    for one plain round (``VerifyCosts.needs_unit``): a tree drafting full blocks would
+    none for ``VerifyCosts.STALE`` long rounds), the policy first asks for one plain
+    round (``VerifyCosts.needs_unit``), and c is over that one-token forward for every
+    drafter (until 2026-12-06 per-token drafters had neither: a draft LM that drafts
+    every round never measured a plain round, so ``measured_pays`` could not switch it
+    off, and its c over the drafted round's verify priced a draft token ~3x too low:
+    through the services with the Qwen pair on open writing, one core each, it drafted
+    6 a round at tau 2.35 and ran at 0.47x plain decoding). A tree drafting full blocks would
     otherwise price a scored token at the prior beta and measure its rounds against no
     plain round (int4 on 2 Xeon cores: a first request drafted all 69 rounds at 0.60x
     plain decoding; in a same-process A/B over four workloads the block tree went
@@ -398,8 +403,8 @@ class AdaptiveBudget(BudgetPolicy):
         return tokens / (1 + k * (self.cost * self.draft_load + self.beta))
 
     def next(self) -> int:
-        if self.per_round_draft and self.costs.needs_unit:  # no plain round's time, or a stale
-            return 0  # one: this round measures it (class docstring; at most one in STALE + 1)
+        if self.costs.needs_unit:  # no plain round's time, or a stale one: this round measures
+            return 0  # it (class docstring; at most one in STALE + 1)
         cap = self.max_budget
         if self.entropy > 0 and not self.per_round_draft:  # entropy-guided: at high entropy draft shorter
             # (not for one-pass block drafters: their draft costs the same at any length)
@@ -505,7 +510,7 @@ class AdaptiveBudget(BudgetPolicy):
                 (1 - w) * self.full_accepted + w * accepted
         if verify_s > 0:
             per = draft_s if self.per_round_draft else draft_s / drafted
-            unit = (self.costs.short_seconds or verify_s) if self.per_round_draft else verify_s
+            unit = self.costs.short_seconds or verify_s  # a one-token forward, once measured
             self.cost = (1 - w) * self.cost + w * per / unit
 
 

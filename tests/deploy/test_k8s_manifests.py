@@ -308,10 +308,17 @@ def test_plain_grpc_wiring(name, tmp_path):
     prov = yaml.safe_load(cms["specmesh-grafana-provisioning"]["data"]["dashboards.yaml"])
     assert prov["apiVersion"] == 1 and prov["providers"][0]["type"] == "file"
     assert env["SPECMESH_CONFIG"].startswith("/etc/specmesh/")
-    # the gpu overlay asks for a GPU for verifiers only
+    # the gpu overlay gives verifiers and drafters a GPU each (never shared: draft-ahead overlaps
+    # them), on the CUDA device, and the router drafts ahead where it measures that it pays
     gpus = {n: any("nvidia.com/gpu" in c["resources"].get("limits", {}) for c in _containers(d))
             for n, d in deps.items()}
-    assert gpus == {n: (name == "overlays/gpu" and n == "specmesh-verifier") for n in deps}
+    on_gpu = {"specmesh-verifier", "specmesh-drafter"} if name == "overlays/gpu" else set()
+    assert gpus == {n: n in on_gpu for n in deps}
+    for n in on_gpu:
+        (c,) = _containers(deps[n])
+        assert {"name": "SPECMESH_DEVICE", "value": "cuda"} in c["env"]
+    (rc,) = _containers(deps["specmesh-router"])
+    assert ({"name": "SPECMESH_DRAFT_AHEAD", "value": "auto"} in rc.get("env", [])) == (name == "overlays/gpu")
 
 
 def test_rayservice_wiring():
@@ -394,6 +401,11 @@ def test_ray_app_config_files(tmp_path):
                                                      "num_gpus": 1}}).verifier.options("Verifier")
     assert "num_replicas" not in auto and auto["autoscaling_config"]["max_replicas"] == 3
     assert auto["ray_actor_options"]["num_gpus"] == 1
+    # a drafter with a GPU of its own runs its draft LM there (device auto follows num_gpus)
+    own = RayAppConfig.model_validate({"drafter": {"num_gpus": 1}, "settings": {"draft_ahead": "auto"}})
+    assert own.drafter.options("Drafter")["ray_actor_options"]["num_gpus"] == 1
+    assert own.device("Drafter") == "auto" and own.serve_settings("Drafter").draft_ahead == "auto"
+    assert RayAppConfig.model_validate({}).device("Drafter") == "cpu"
     assert load_serve_config(None)["applications"][0]["args"] == {}
     for text in ("settings: {no_such_setting: 1}\n", "drafter: {num_replicas: -1}\n", "routr: {}\n",
                  "settings: {dtype: fp64}\n"):

@@ -14,6 +14,7 @@ from specmesh.loop import AdaptiveBudget, ForwardCosts, VerifyCosts
 
 def _trained(load: int, **kw) -> AdaptiveBudget:
     p = AdaptiveBudget(8, beta=0.05, **kw)
+    p.update(0, 0, 0.0, verify_s=0.009)  # a plain round: the cost model's unit (``needs_unit``)
     for _ in range(30):  # steady acceptance of ~0.7 per drafted token, cheap drafts
         p.observe_load(load)
         p.update(4, 3, 0.0, draft_s=0.0004, verify_s=0.01)
@@ -22,6 +23,7 @@ def _trained(load: int, **kw) -> AdaptiveBudget:
 
 def test_a_lone_session_drafts_as_before():
     alone, unloaded = _trained(1), AdaptiveBudget(8, beta=0.05)
+    unloaded.update(0, 0, 0.0, verify_s=0.009)
     for _ in range(30):
         unloaded.update(4, 3, 0.0, draft_s=0.0004, verify_s=0.01)
     assert alone.load == 1.0 and alone.beta == unloaded.beta
@@ -113,6 +115,8 @@ def test_a_lone_stream_is_priced_as_before_whatever_the_batches_cost():
     # and a lone stream that reports rows feeds the model but drafts the same
     p = AdaptiveBudget(8, beta=0.05)
     q = AdaptiveBudget(8, beta=0.05)
+    for x in (p, q):
+        x.update(0, 0, 0.0, verify_s=0.009)
     for _ in range(30):
         p.observe_load(1)
         q.observe_load(1, rows=9, forward_s=0.012)

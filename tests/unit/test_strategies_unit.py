@@ -312,9 +312,30 @@ def test_block_policy_measures_a_plain_round_when_the_unit_is_missing_or_stale()
     assert costs.needs_unit and pol.next() == 0  # STALE long rounds since the last short one
     pol.update(0, 0, verify_s=0.005)  # the machine got faster: the new round replaces the old EMA
     assert not costs.needs_unit and costs.short_seconds == pytest.approx(0.005)
-    tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=VerifyCosts())
+    tok = AdaptiveBudget.for_drafter("draft_lm", 8, costs=VerifyCosts())
     tok.costs.observe(8, 0.012)
-    assert tok.next() > 0  # per-token drafters do not use the shared unit
+    assert tok.next() == 0  # per-token drafters too (since 2026-12-06: measured_pays needs the unit)
+    tok.update(0, 0, verify_s=0.010)
+    assert tok.next() > 0
+
+
+def test_a_draft_lm_that_costs_more_than_it_buys_is_switched_off():
+    """Per-token drafters measure a plain round, price a draft token over it, and are held
+    to what their rounds measured: a draft LM accepting ~1.3 of 6 at 23 ms a draft token,
+    against a 55 ms plain round and a 158 ms six-token verify (the Qwen pair on one core
+    each, open writing), drafts nothing after a few rounds."""
+    pol = AdaptiveBudget.for_drafter("draft_lm", 6, costs=VerifyCosts())
+    sizes = []
+    for i in range(40):
+        k = pol.next()
+        sizes.append(k)
+        if k == 0:
+            pol.update(0, 0, verify_s=0.055)
+        else:
+            acc = min(k, 1 + (i % 2))  # ~1.5 accepted a round
+            pol.update(k, acc, draft_s=0.023 * k, verify_s=0.055 + 0.017 * k)
+    assert sizes[0] > 0 and sizes[1] == 0, sizes  # a drafted round, then the unit
+    assert sum(1 for k in sizes[20:] if k > 0) <= 3, sizes  # off, bar re-probes of 1
 
 
 def test_cache_meter_counts_accepted_cache_drafts(ver):
