@@ -227,6 +227,47 @@ def test_a_session_released_while_its_ahead_round_runs_leaves_nothing_held():
     assert [e for e in d.log if e[1] == "s"][-1] == ("release", "s")  # nothing of it after the release
 
 
+class Stoppable(PromptLookupDrafter):
+    """Prompt lookup whose ahead rounds (worker thread, budget above 1) draft until
+    ``stop()`` (a preemptible drafter, like the draft LM), at most ``cap`` polls."""
+
+    preemptible = True
+
+    def __init__(self, cap: int = 20_000):
+        super().__init__()
+        self.cap, self.main = cap, threading.get_ident()
+        self.entered, self.stopped = threading.Event(), []
+
+    def propose(self, ctx, budget, stop=None):
+        if threading.get_ident() != self.main and budget > 1 and stop is not None:
+            self.entered.set()
+            n = 0
+            while n < self.cap and not stop():
+                n += 1
+                threading.Event().wait(0.001)
+            self.stopped.append(n < self.cap)
+        return super().propose(ctx, budget)
+
+
+def test_a_propose_for_another_outcome_stops_the_ahead_round_at_once():
+    """On the drafter service's host: the Propose of the real outcome arrives while the worker
+    drafts an ahead round of another; the host reaches the cancel without waiting for the
+    drafter's lock (which the ahead round holds), so the round stops between tokens and the
+    Propose is a miss drafted afresh (before 2026-12-06 it waited for the wrong round)."""
+    from specmesh.drafter_service.host import DrafterHost
+
+    d = Stoppable()
+    host = DrafterHost({"prompt_lookup": lambda: d}, V)
+    toks = [3, 4, 5, 3, 4, 5, 3, 4]
+    tree, _, _ = host.propose("s", "prompt_lookup", 0, toks, 4, SamplingParams(), 2)
+    assert host.propose_ahead("s", "prompt_lookup", len(toks), [], 4, SamplingParams(), tree, 3) == len(toks)
+    assert d.entered.wait(20)
+    other = [t for t in range(V) if t not in tree.tokens[:1]][0]  # round r rejected at 0, another token
+    _, held, _, info = host.propose_info("s", "prompt_lookup", len(toks), [other], 4, SamplingParams(), 3)
+    assert held == len(toks) + 1 and info.result == "miss"
+    assert d.stopped and d.stopped[0] is True  # stopped by the cancel, not by its cap
+
+
 def test_a_request_turns_draft_ahead_off_or_on_and_a_bad_mode_is_refused(stack):
     """GenerateRequest.draft_ahead overrides the router's setting for one request (how one
     ``specmesh serve`` compares overlap on and off side by side); other values are
