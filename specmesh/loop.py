@@ -122,7 +122,9 @@ class VerifyCosts:
     0.24 — so drafting that loses would look as if it paid.) On CPUs with bf16 matrix
     units scoring 8 tokens costs little more than 1 (beta ~ 0.01-0.02); in fp32 about
     0.12. ``forward``: the same verifier's batched forward as a line in its scored rows
-    (``ForwardCosts``), which prices a draft row under load (``AdaptiveBudget.beta``)."""
+    (``ForwardCosts``), which prices a draft row under load (``AdaptiveBudget.beta``);
+    ``load``: the sessions its recent forwards held (an EMA over every session's rounds),
+    where a new generation's ``AdaptiveBudget.load`` starts."""
 
     STALE = 32  # long rounds after the last short one: the unit is measured afresh (``needs_unit``)
 
@@ -132,6 +134,8 @@ class VerifyCosts:
         self._since_short = 0  # long rounds observed since the last short one
         self._lock = threading.Lock()
         self.forward = ForwardCosts()  # t = a + b * rows of the batched forwards (shared like this object)
+        self.load = 1.0  # EMA of the sessions in this verifier's forwards, every session's rounds: a new
+        # generation's policy starts from it (under load its first rounds would otherwise draft as if alone)
 
     def observe(self, drafted: int, verify_s: float) -> None:
         group = 0 if drafted <= 2 else 1 if drafted >= 4 else None
@@ -338,7 +342,11 @@ class AdaptiveBudget(BudgetPolicy):
         self._spd = (0.0, 0.0, 0)  # one-pass drafters' drafted rounds: EMAs of seconds and of tokens, count
         self._updates = 0
         self._pending: Optional[float] = None  # the table's τ - 1 for the round in flight
-        self.load = 1.0  # EMA of the sessions in this session's verify forwards (``observe_load``)
+        # EMA of the sessions in this session's verify forwards (``observe_load``), from the verifier's
+        # recent load: a request arriving under load prices its first rounds' drafts as loaded (in a
+        # concurrency sweep of 64-token requests, a fresh policy at load 1 drafted full trees for its
+        # first rounds at every stream count)
+        self.load = max(1.0, self.costs.load)
         self.draft_load = 1.0  # the same where the draft runs in the verifier's turn (self drafters), else 1
 
     @classmethod
@@ -376,6 +384,7 @@ class AdaptiveBudget(BudgetPolicy):
     def observe_load(self, batch: int, drafted_inside: bool = False, rows: int = 0,
                      forward_s: float = 0.0) -> None:
         self.load = (1 - self.LOAD_EMA) * self.load + self.LOAD_EMA * max(1, batch)
+        self.costs.load = (1 - self.LOAD_EMA) * self.costs.load + self.LOAD_EMA * max(1, batch)
         self.draft_load = self.load if drafted_inside else 1.0
         if rows > 0 and forward_s > 0:
             self.costs.forward.observe(rows, forward_s)

@@ -194,3 +194,20 @@ def test_the_loop_feeds_the_batched_forwards_rows_and_time():
     generate_tokens(Drafter(), Verifier(), [1, 2, 3], max_new_tokens=6, budget=pol)
     assert len(seen) == 5 and pol.load > 3  # every round after the prefill
     assert all(t == pytest.approx((2.0 + rows - 4) / 1e3) for rows, t in seen) and seen[0][0] == 8
+
+
+def test_a_new_request_under_load_starts_priced_as_loaded():
+    """The verifier's recent load is shared (``VerifyCosts.load``): a generation that starts
+    while others keep the batches full prices its first drafts as loaded, and one that starts
+    on an idle verifier as alone."""
+    costs = VerifyCosts(prior=0.05)
+    assert AdaptiveBudget(8, costs=costs).load == 1.0
+    busy = AdaptiveBudget(8, costs=costs)
+    for _ in range(10):
+        busy.observe_load(8)
+    late = AdaptiveBudget(8, costs=costs)
+    assert late.load == pytest.approx(costs.load) and late.load > 7
+    assert late.beta > 7 * AdaptiveBudget(8, costs=VerifyCosts(prior=0.05)).beta
+    for _ in range(20):
+        busy.observe_load(1)
+    assert AdaptiveBudget(8, costs=costs).load < 1.01
