@@ -206,6 +206,17 @@ class DrafterHost:
         ahead.propose_ahead(DraftContext(session_id, tokens, prompt_len, sampling, cache_id), tree, budget)
         return len(tokens)
 
+    def first_round(self, session_id: str, drafter: str, held: int, timeout: float):
+        """After ``propose_ahead``: the session's first ahead round ("all accepted"), as
+        (the tokens it assumes after the ``held`` ones, its draft, its ``AheadInfo``), once
+        drafted (waits up to ``timeout`` s); None where it was not."""
+        ahead = self._ahead.get(drafter)
+        got = ahead.first_round(session_id, timeout) if ahead is not None else None
+        if got is None:
+            return None
+        tokens, tree, info = got
+        return tokens[held:], tree, info
+
     @staticmethod
     def _propose_in(d: Drafter, fd, features, keep_len: int, ctx: DraftContext, budget: int) -> TokenTree:
         if fd is not None:

@@ -10,7 +10,9 @@ adaptive_lookup with the target's embedding table and draft_lm, on
 target's hidden features sent with each Propose. ``Seed`` adds
 texts to a draft cache. ``ProposeAhead`` drafts the next round of a token-only
 drafter's session while the router verifies this one (``host.propose_ahead``,
-``specmesh.ahead``); the next ``Propose`` answers from it on a hit and says so.
+``specmesh.ahead``); the next ``Propose`` answers from it on a hit and says so. With
+``return_first`` it answers once the first ahead round ("all accepted") is drafted and
+carries it, so the router uses it without a Propose when that outcome happens.
 
 It knows nothing about the verifier, strategies or tokenizers.
 """
@@ -27,6 +29,8 @@ from specmesh.serving.settings import ServeSettings
 from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
 from .host import DrafterHost
+
+FIRST_WAIT_S = 10.0  # ProposeAhead(return_first): the longest a handler waits for the first ahead round
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -50,7 +54,18 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             check_session_id(request.session_id), request.drafter, request.sync.keep_len,
             list(request.sync.append_tokens), request.prompt_len, convert.sampling_from_proto(request.sampling),
             convert.tree_from_proto(request.tree), request.budget, request.cache_id)
-        return drafter_pb2.ProposeAheadResponse(held_len=held, server_ms=(time.perf_counter() - t0) * 1e3)
+        resp = drafter_pb2.ProposeAheadResponse(held_len=held)
+        if request.return_first:  # wait for the "all accepted" round (bounded by the call's deadline)
+            left = context.time_remaining()
+            first = self.host.first_round(request.session_id, request.drafter, held,
+                                          FIRST_WAIT_S if left is None else max(0.0, min(FIRST_WAIT_S, left - 0.05)))
+            if first is not None:
+                assumed, tree, info = first
+                resp.first_assumed.extend(assumed)
+                resp.first_tree.CopyFrom(convert.tree_to_proto(tree))
+                resp.first.CopyFrom(convert.ahead_to_proto(info))
+        resp.server_ms = (time.perf_counter() - t0) * 1e3
+        return resp
 
     def Release(self, request, context):
         released = self.host.release(check_session_id(request.session_id), request.finished,

@@ -10,9 +10,12 @@
   (empty draft, no RPC) until the backoff has passed; then the next round
   probes the drafter again. With draft-ahead (``propose_ahead``, token-only
   drafters) it sends ``ProposeAhead`` without waiting before each Verify and
-  collects the answer at the next ``propose``, whose response says whether the
-  draft came from a drafted-ahead round (``propose_info``: ``ahead.AheadInfo``,
-  its span placed on this process's clock).
+  collects the answer at the next ``propose``. The answer carries the first ahead
+  round ("all accepted" with the drafter's guess of the bonus token): when the
+  verify ended in exactly that outcome the round is used as it is, with no Propose;
+  otherwise the Propose's response says whether the draft came from another
+  drafted-ahead round (``propose_info``: ``ahead.AheadInfo``, its span placed on
+  this process's clock).
 - ``RemoteVerifier`` implements the ``Verifier`` protocol over one of several
   Verifier replicas (``replicas.ReplicaSet``): the session is pinned to a
   replica (least-loaded or rendezvous hash). FAILED_PRECONDITION becomes
@@ -48,7 +51,7 @@ from typing import Optional, Sequence
 
 import grpc
 
-from specmesh.ahead import AheadInfo
+from specmesh.ahead import AheadInfo, main_path, truncate
 from specmesh.seqs import common_prefix_len
 from specmesh.serving import convert
 from specmesh.types import FEATURE_DTYPE, DraftContext, FeatureRows, SessionLost, TokenTree, VerifyRequest, \
@@ -174,11 +177,40 @@ class RemoteDrafter:
         req = drafter_pb2.ProposeAheadRequest(
             session_id=sid, drafter=self.name, sync=convert.sync_to_proto(keep, tokens[keep:]),
             prompt_len=ctx.prompt_len, sampling=convert.sampling_to_proto(ctx.sampling), budget=budget,
-            cache_id=ctx.cache_id or self.cache_id, tree=convert.tree_to_proto(tree))
+            cache_id=ctx.cache_id or self.cache_id, tree=convert.tree_to_proto(tree), return_first=True)
         fut = self.peer.stub.ProposeAhead.future(req, timeout=self.calls.timeout(self.timeout_s),
                                                  metadata=self.calls.metadata)
-        self._ahead[sid] = (fut, list(tokens), time.perf_counter())
+        self._ahead[sid] = (fut, list(tokens), time.perf_counter(), main_path(tree))
         return True
+
+    def _first_round(self, ctx: DraftContext, budget: int) -> Optional[tuple[TokenTree, AheadInfo]]:
+        """The round after an ahead call, when it ended in the outcome the service drafts
+        first ("all accepted": round r's main path accepted, then a bonus token): wait for
+        the ProposeAhead answer, which carries that round, and use it when the bonus token is
+        the one it guessed — no Propose, a hop less (a "hit", reason "first"). None: ask
+        the service with a Propose as before (which finds any other drafted-ahead round)."""
+        pending = self._ahead.get(ctx.session_id)
+        if pending is None:
+            return None
+        fut, sent_tokens, sent, path = pending
+        n = len(sent_tokens) + len(path)
+        if len(ctx.tokens) != n + 1 or ctx.tokens[:n] != sent_tokens + path:
+            return None
+        self._ahead.pop(ctx.session_id)
+        try:
+            resp = fut.result()
+        except grpc.RpcError as e:
+            if e.code() in DOWN:
+                self.peer.health.failed()
+            log.info("ProposeAhead failed (%s); the next round drafts afresh", e.code())
+            return None
+        self._held[ctx.session_id] = sent_tokens  # what the service holds (the ahead call's sync)
+        if list(resp.first_assumed) != ctx.tokens[len(sent_tokens):] or not resp.first_tree.tokens:
+            return None
+        tree = convert.tree_from_proto(resp.first_tree)
+        info = convert.ahead_from_proto(resp.first, sent)
+        info.reason = "first"
+        return truncate(tree, budget), info
 
     def _collect_ahead(self, sid: str) -> Optional[float]:
         """Wait for the session's ProposeAhead answer (sent a verify ago: answered long
@@ -187,7 +219,7 @@ class RemoteDrafter:
         pending = self._ahead.pop(sid, None)
         if pending is None:
             return None
-        fut, tokens, sent = pending
+        fut, tokens, sent, _ = pending
         try:
             fut.result()
         except grpc.RpcError as e:
@@ -201,6 +233,10 @@ class RemoteDrafter:
     def propose_info(self, ctx: DraftContext, budget: int) -> tuple[TokenTree, Optional[AheadInfo]]:
         """``propose``, and how the service obtained the draft (``ahead.AheadInfo``: from
         a drafted-ahead round or not; None when no call was made)."""
+        if self.peer.health.available():
+            first = self._first_round(ctx, budget)
+            if first is not None:
+                return first
         asked = self._collect_ahead(ctx.session_id)
         if not self.peer.health.available():
             self.skipped += 1

@@ -162,6 +162,8 @@ class _Job:
     def __init__(self, gen: int, it: Iterator, ctx: DraftContext, budget: int):
         self.gen, self.it, self.ctx, self.budget = gen, it, ctx, budget
         self.drafted = 0
+        self.first: Optional[_Entry] = None  # its first ahead round, once drafted whole (``first_round``)
+        self.first_done = threading.Event()  # set when that round is drafted, or will not be
 
 
 class _Session:
@@ -169,6 +171,7 @@ class _Session:
         self.entries: dict[tuple[int, int], _Entry] = {}
         self.gen = 0
         self.job: Optional[_Job] = None
+        self.last: Optional[_Job] = None  # the latest ahead call's job, for ``first_round``
         self.queued = False
         self.released = False
         self.asked = False  # an ahead call since the last propose
@@ -230,6 +233,8 @@ class AheadDrafter:
                 entry = self._find(st, ctx)
                 if entry is not None:
                     entry.wanted = True
+                if st.job is not None:
+                    st.job.first_done.set()
                 st.gen += 1  # cancel the rest of the fan-out (a preemptible drafter stops within a token)
                 st.job = None
                 st.idle.set()
@@ -291,7 +296,9 @@ class AheadDrafter:
             st.entries.clear()
             st.asked, st.used, st.error, st.asked_at = True, now, False, time.perf_counter()
             st.ahead_s, st.span = 0.0, None
-            st.job = _Job(st.gen, assumed_outcomes(base.tokens, tree, guess, self.width), base, budget)
+            if st.job is not None:
+                st.job.first_done.set()
+            st.job = st.last = _Job(st.gen, assumed_outcomes(base.tokens, tree, guess, self.width), base, budget)
             st.idle.clear()
             if not st.queued:
                 st.queued = True
@@ -299,6 +306,26 @@ class AheadDrafter:
             self._start()
             self._wake.notify()
         return True
+
+    def first_round(self, session_id: str, timeout: Optional[float] = None) -> Optional[tuple[list[int], TokenTree,
+                                                                                               "AheadInfo"]]:
+        """Wait (up to ``timeout``) for the first ahead round of the session's latest
+        ``propose_ahead`` — the "all accepted" outcome — and return (the committed tokens it
+        assumes, its draft, its timing), or None where it was not drafted whole (no guess,
+        cancelled, failed, released, timed out). The drafter service sends it back with the
+        ProposeAhead answer, so a router whose round ended in that outcome needs no Propose."""
+        with self._mu:
+            st = self._sessions.get(session_id)
+            job = st.last if st is not None else None
+        if job is None or not job.first_done.wait(timeout):
+            return None
+        with self._mu:
+            e = job.first
+            if e is None or e.tree is None:
+                return None
+            span = tuple(st.span) if st.span else None
+            return list(e.tokens), e.tree, AheadInfo("hit", "", (span[1] - span[0]) if span else 0.0, 0, 1, span,
+                                                     st.asked_at)
 
     def release(self, session_id: str) -> None:
         self.forget(session_id)
@@ -368,6 +395,9 @@ class AheadDrafter:
     def _drop(self, st: _Session) -> None:
         st.released = True
         st.gen += 1
+        for job in (st.job, st.last):
+            if job is not None:
+                job.first_done.set()
         st.job = None
         st.idle.set()
         for e in st.entries.values():
@@ -395,6 +425,8 @@ class AheadDrafter:
             self._step(sid, st)
 
     def _end_job(self, st: _Session, job: Optional[_Job]) -> None:
+        if job is not None:
+            job.first_done.set()
         if job is not None and st.job is job:
             st.job = None
         if st.job is None:
@@ -436,6 +468,10 @@ class AheadDrafter:
                     st.span = [t0, t1] if st.span is None else [st.span[0], t1]
                     if entry is not None:
                         entry.done.set()
+                    if job.drafted == 0:  # the first outcome: drafted whole unless its job was cancelled
+                        if entry is not None and entry.tree is not None and (job.gen == st.gen or entry.wanted):
+                            job.first = entry
+                        job.first_done.set()
             with self._mu:
                 if nxt is None:
                     self._end_job(st, job)

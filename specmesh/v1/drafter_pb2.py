@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xf1\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12&\n\x04sync\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.SessionSync\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\x12\x10\n\x08\x63\x61\x63he_id\x18\x07 \x01(\t\x12-\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x1b.specmesh.v1.HiddenFeatures\"\xa7\x01\n\x0fProposeResponse\x12$\n\x04tree\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x10\n\x08held_len\x18\x02 \x01(\x03\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x11\n\tserver_ms\x18\x04 \x01(\x01\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\'\n\x05\x61head\x18\x06 \x01(\x0b\x32\x18.specmesh.v1.AheadResult\"\x8a\x01\n\x0b\x41headResult\x12\x0e\n\x06result\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x61head_ms\x18\x03 \x01(\x01\x12\x15\n\rwasted_tokens\x18\x04 \x01(\x05\x12\x10\n\x08outcomes\x18\x05 \x01(\x05\x12\x10\n\x08start_ms\x18\x06 \x01(\x01\x12\x0e\n\x06\x65nd_ms\x18\x07 \x01(\x01\"\xed\x01\n\x13ProposeAheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12&\n\x04sync\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.SessionSync\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\x12\x10\n\x08\x63\x61\x63he_id\x18\x07 \x01(\t\x12$\n\x04tree\x18\x08 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\";\n\x14ProposeAheadResponse\x12\x10\n\x08held_len\x18\x01 \x01(\x03\x12\x11\n\tserver_ms\x18\x02 \x01(\x01\"\x1b\n\tTokenList\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"f\n\x0bSeedRequest\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12%\n\x05texts\x18\x02 \x03(\x0b\x32\x16.specmesh.v1.TokenList\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x0f\n\x07replace\x18\x04 \x01(\x08\"-\n\x0cSeedResponse\x12\r\n\x05texts\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\"y\n\x15\x44rafterReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12&\n\x04sync\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.SessionSync\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\"\x14\n\x12\x44rafterInfoRequest\"\xd2\x01\n\x0b\x44rafterInfo\x12\x10\n\x08\x64rafters\x18\x01 \x03(\t\x12\x10\n\x08sessions\x18\x02 \x01(\x05\x12\x13\n\x0bsession_ids\x18\x03 \x03(\t\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\x05\x12\x11\n\tproposals\x18\x05 \x01(\x03\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\x05\x12\x35\n\x10\x66\x65\x61ture_drafters\x18\x08 \x03(\x0b\x32\x1b.specmesh.v1.FeatureDrafter\"V\n\x0e\x46\x65\x61tureDrafter\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_window\x18\x04 \x01(\x05\x32\xf1\x02\n\x07\x44rafter\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12K\n\x07Release\x12\".specmesh.v1.DrafterReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12\x41\n\x04Info\x12\x1f.specmesh.v1.DrafterInfoRequest\x1a\x18.specmesh.v1.DrafterInfo\x12;\n\x04Seed\x12\x18.specmesh.v1.SeedRequest\x1a\x19.specmesh.v1.SeedResponse\x12S\n\x0cProposeAhead\x12 .specmesh.v1.ProposeAheadRequest\x1a!.specmesh.v1.ProposeAheadResponseBO\n\x0f\x64\x65v.specmesh.v1P\x01Z:github.com/specmesh/specmesh/gen/go/specmesh/v1;specmeshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specmesh/v1/drafter.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xf1\x01\n\x0eProposeRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12&\n\x04sync\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.SessionSync\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\x12\x10\n\x08\x63\x61\x63he_id\x18\x07 \x01(\t\x12-\n\x08\x66\x65\x61tures\x18\x08 \x01(\x0b\x32\x1b.specmesh.v1.HiddenFeatures\"\xa7\x01\n\x0fProposeResponse\x12$\n\x04tree\x18\x01 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x10\n\x08held_len\x18\x02 \x01(\x03\x12\x10\n\x08\x64raft_ms\x18\x03 \x01(\x01\x12\x11\n\tserver_ms\x18\x04 \x01(\x01\x12\x0e\n\x06source\x18\x05 \x01(\t\x12\'\n\x05\x61head\x18\x06 \x01(\x0b\x32\x18.specmesh.v1.AheadResult\"\x8a\x01\n\x0b\x41headResult\x12\x0e\n\x06result\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x10\n\x08\x61head_ms\x18\x03 \x01(\x01\x12\x15\n\rwasted_tokens\x18\x04 \x01(\x05\x12\x10\n\x08outcomes\x18\x05 \x01(\x05\x12\x10\n\x08start_ms\x18\x06 \x01(\x01\x12\x0e\n\x06\x65nd_ms\x18\x07 \x01(\x01\"\x83\x02\n\x13ProposeAheadRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12&\n\x04sync\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.SessionSync\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x0e\n\x06\x62udget\x18\x06 \x01(\x05\x12\x10\n\x08\x63\x61\x63he_id\x18\x07 \x01(\t\x12$\n\x04tree\x18\x08 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\x14\n\x0creturn_first\x18\t \x01(\x08\"\xa7\x01\n\x14ProposeAheadResponse\x12\x10\n\x08held_len\x18\x01 \x01(\x03\x12\x11\n\tserver_ms\x18\x02 \x01(\x01\x12\x15\n\rfirst_assumed\x18\x03 \x03(\x05\x12*\n\nfirst_tree\x18\x04 \x01(\x0b\x32\x16.specmesh.v1.TokenTree\x12\'\n\x05\x66irst\x18\x05 \x01(\x0b\x32\x18.specmesh.v1.AheadResult\"\x1b\n\tTokenList\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"f\n\x0bSeedRequest\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12%\n\x05texts\x18\x02 \x03(\x0b\x32\x16.specmesh.v1.TokenList\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\x12\x0f\n\x07replace\x18\x04 \x01(\x08\"-\n\x0cSeedResponse\x12\r\n\x05texts\x18\x01 \x01(\x05\x12\x0e\n\x06tokens\x18\x02 \x01(\x03\"y\n\x15\x44rafterReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12&\n\x04sync\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.SessionSync\x12\x12\n\nprompt_len\x18\x04 \x01(\x05\"\x14\n\x12\x44rafterInfoRequest\"\xd2\x01\n\x0b\x44rafterInfo\x12\x10\n\x08\x64rafters\x18\x01 \x03(\t\x12\x10\n\x08sessions\x18\x02 \x01(\x05\x12\x13\n\x0bsession_ids\x18\x03 \x03(\t\x12\x14\n\x0cmax_sessions\x18\x04 \x01(\x05\x12\x11\n\tproposals\x18\x05 \x01(\x03\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x16\n\x0emax_tree_nodes\x18\x07 \x01(\x05\x12\x35\n\x10\x66\x65\x61ture_drafters\x18\x08 \x03(\x0b\x32\x1b.specmesh.v1.FeatureDrafter\"V\n\x0e\x46\x65\x61tureDrafter\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x0e\n\x06layers\x18\x02 \x03(\x05\x12\x0b\n\x03\x64im\x18\x03 \x01(\x05\x12\x16\n\x0e\x63ontext_window\x18\x04 \x01(\x05\x32\xf1\x02\n\x07\x44rafter\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12K\n\x07Release\x12\".specmesh.v1.DrafterReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponse\x12\x41\n\x04Info\x12\x1f.specmesh.v1.DrafterInfoRequest\x1a\x18.specmesh.v1.DrafterInfo\x12;\n\x04Seed\x12\x18.specmesh.v1.SeedRequest\x1a\x19.specmesh.v1.SeedResponse\x12S\n\x0cProposeAhead\x12 .specmesh.v1.ProposeAheadRequest\x1a!.specmesh.v1.ProposeAheadResponseBO\n\x0f\x64\x65v.specmesh.v1P\x01Z:github.com/specmesh/specmesh/gen/go/specmesh/v1;specmeshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,23 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AHEADRESULT']._serialized_start=483
   _globals['_AHEADRESULT']._serialized_end=621
   _globals['_PROPOSEAHEADREQUEST']._serialized_start=624
-  _globals['_PROPOSEAHEADREQUEST']._serialized_end=861
-  _globals['_PROPOSEAHEADRESPONSE']._serialized_start=863
-  _globals['_PROPOSEAHEADRESPONSE']._serialized_end=922
-  _globals['_TOKENLIST']._serialized_start=924
-  _globals['_TOKENLIST']._serialized_end=951
-  _globals['_SEEDREQUEST']._serialized_start=953
-  _globals['_SEEDREQUEST']._serialized_end=1055
-  _globals['_SEEDRESPONSE']._serialized_start=1057
-  _globals['_SEEDRESPONSE']._serialized_end=1102
-  _globals['_DRAFTERRELEASEREQUEST']._serialized_start=1104
-  _globals['_DRAFTERRELEASEREQUEST']._serialized_end=1225
-  _globals['_DRAFTERINFOREQUEST']._serialized_start=1227
-  _globals['_DRAFTERINFOREQUEST']._serialized_end=1247
-  _globals['_DRAFTERINFO']._serialized_start=1250
-  _globals['_DRAFTERINFO']._serialized_end=1460
-  _globals['_FEATUREDRAFTER']._serialized_start=1462
-  _globals['_FEATUREDRAFTER']._serialized_end=1548
-  _globals['_DRAFTER']._serialized_start=1551
-  _globals['_DRAFTER']._serialized_end=1920
+  _globals['_PROPOSEAHEADREQUEST']._serialized_end=883
+  _globals['_PROPOSEAHEADRESPONSE']._serialized_start=886
+  _globals['_PROPOSEAHEADRESPONSE']._serialized_end=1053
+  _globals['_TOKENLIST']._serialized_start=1055
+  _globals['_TOKENLIST']._serialized_end=1082
+  _globals['_SEEDREQUEST']._serialized_start=1084
+  _globals['_SEEDREQUEST']._serialized_end=1186
+  _globals['_SEEDRESPONSE']._serialized_start=1188
+  _globals['_SEEDRESPONSE']._serialized_end=1233
+  _globals['_DRAFTERRELEASEREQUEST']._serialized_start=1235
+  _globals['_DRAFTERRELEASEREQUEST']._serialized_end=1356
+  _globals['_DRAFTERINFOREQUEST']._serialized_start=1358
+  _globals['_DRAFTERINFOREQUEST']._serialized_end=1378
+  _globals['_DRAFTERINFO']._serialized_start=1381
+  _globals['_DRAFTERINFO']._serialized_end=1591
+  _globals['_FEATUREDRAFTER']._serialized_start=1593
+  _globals['_FEATUREDRAFTER']._serialized_end=1679
+  _globals['_DRAFTER']._serialized_start=1682
+  _globals['_DRAFTER']._serialized_end=2051
 # @@protoc_insertion_point(module_scope)

@@ -62,7 +62,7 @@ class AheadResult(_message.Message):
     def __init__(self, result: _Optional[str] = ..., reason: _Optional[str] = ..., ahead_ms: _Optional[float] = ..., wasted_tokens: _Optional[int] = ..., outcomes: _Optional[int] = ..., start_ms: _Optional[float] = ..., end_ms: _Optional[float] = ...) -> None: ...
 
 class ProposeAheadRequest(_message.Message):
-    __slots__ = ("session_id", "drafter", "sync", "prompt_len", "sampling", "budget", "cache_id", "tree")
+    __slots__ = ("session_id", "drafter", "sync", "prompt_len", "sampling", "budget", "cache_id", "tree", "return_first")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +71,7 @@ class ProposeAheadRequest(_message.Message):
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FIRST_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     drafter: str
     sync: _common_pb2.SessionSync
@@ -79,15 +80,22 @@ class ProposeAheadRequest(_message.Message):
     budget: int
     cache_id: str
     tree: _common_pb2.TokenTree
-    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., cache_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ...) -> None: ...
+    return_first: bool
+    def __init__(self, session_id: _Optional[str] = ..., drafter: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., budget: _Optional[int] = ..., cache_id: _Optional[str] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., return_first: _Optional[bool] = ...) -> None: ...
 
 class ProposeAheadResponse(_message.Message):
-    __slots__ = ("held_len", "server_ms")
+    __slots__ = ("held_len", "server_ms", "first_assumed", "first_tree", "first")
     HELD_LEN_FIELD_NUMBER: _ClassVar[int]
     SERVER_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ASSUMED_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TREE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
     held_len: int
     server_ms: float
-    def __init__(self, held_len: _Optional[int] = ..., server_ms: _Optional[float] = ...) -> None: ...
+    first_assumed: _containers.RepeatedScalarFieldContainer[int]
+    first_tree: _common_pb2.TokenTree
+    first: AheadResult
+    def __init__(self, held_len: _Optional[int] = ..., server_ms: _Optional[float] = ..., first_assumed: _Optional[_Iterable[int]] = ..., first_tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., first: _Optional[_Union[AheadResult, _Mapping]] = ...) -> None: ...
 
 class TokenList(_message.Message):
     __slots__ = ("tokens",)

@@ -290,3 +290,48 @@ def test_bench_services_names_overlapped_systems():
     assert s["draft_lm_overlap"]["ours"] == "ours_draft_lm_overlap" and s["draft_lm_overlap"]["draft_ahead"] == "on"
     assert s["draft_lm_serial"]["draft_ahead"] == "off" and s["draft_lm_serial"]["drafter"] == "draft_lm"
     assert s["suffix"]["draft_ahead"] == "" and s["ar"]["strategy"] == "autoregressive"
+
+
+class Oracle(PromptLookupDrafter):
+    """Drafts plain decoding's own continuation (``ref``: prompt and output ids), so every
+    round is accepted whole and the drafter's guess of the bonus token is the target's."""
+
+    ref: list = []
+
+    def propose(self, ctx, budget):
+        n = len(ctx.tokens)
+        if ctx.tokens != self.ref[:n]:
+            return TokenTree()
+        return TokenTree.chain(self.ref[n:n + budget])
+
+
+def test_a_round_drafted_ahead_for_all_accepted_needs_no_propose(tmp_path):
+    """The ProposeAhead answer carries the "all accepted" ahead round; when the verify ends
+    in exactly that outcome the router uses it with no Propose (a hop less). With a drafter
+    whose rounds are all accepted, every drafted round is such a hit, the drafter
+    service answers no Propose, and the output is plain decoding's."""
+    oracle = Oracle()
+
+    class OStack(Stack):
+        def __init__(self, path):
+            TracedStack.__init__(self, path, [GatedVerifier], FakeCodec(), V,
+                                 settings=functools.partial(settings, TRACED_SETTINGS),
+                                 drafters={"prompt_lookup": lambda: oracle}, router_settings={"draft_ahead": "on"})
+
+    st = OStack(tmp_path / "spans.jsonl")
+    try:
+        ref, _ = st.generate("autoregressive", "")
+        oracle.ref = FakeCodec().encode(PROMPT) + ref
+        before = st.host.proposals
+        out, final = st.generate("external", "prompt_lookup")
+        assert out == ref
+        proposes = st.host.proposals - before
+        assert final.stats.rounds >= 4 and final.stats.ahead_misses == 0
+        # every drafted round (the first too: the prefill round drafts ahead) came with a ProposeAhead answer
+        assert final.stats.ahead_hits == final.stats.rounds
+        assert proposes == 0, proposes
+        st.mem.clear()
+        out, _ = st.generate("external", "prompt_lookup", draft_ahead="off")
+        assert out == ref and st.host.proposals - before - proposes == final.stats.rounds  # without: one a round
+    finally:
+        st.close()

@@ -348,3 +348,32 @@ def test_every_drafter_call_runs_where_run_puts_it():
         assert seen == {"test-drafter-thread"}
     finally:
         mt.stop()
+
+
+def test_the_first_ahead_round_is_handed_out_once_drafted_and_not_when_cancelled():
+    """``first_round``: the "all accepted" round of the latest ahead call (what the drafter
+    service returns with ProposeAhead), exactly the round a Propose would be answered with;
+    None once the real outcome cancelled it before it was drafted whole."""
+    d = Gate(draft_lm())
+    a = AheadDrafter(d)
+    ctx = DraftContext("s", list(PROMPT), len(PROMPT), SamplingParams())
+    first = a.propose(ctx, 3)
+    assert a.propose_ahead(ctx, first, 3)
+    toks, tree, info = a.first_round("s", timeout=60)
+    guess = draft_lm().guess(DraftContext("g", PROMPT + first.tokens, len(PROMPT)), 1)[0]
+    assert toks == PROMPT + first.tokens + [guess] and len(tree) == 3 and info.result == "hit"
+    same, got = a.propose_info(DraftContext("s", toks, len(PROMPT), SamplingParams()), 3)
+    assert got.result == "hit" and same.tokens == tree.tokens
+    d.hold.set()  # the next ahead round blocks inside the drafter ...
+    assert a.propose_ahead(DraftContext("s", toks, len(PROMPT), SamplingParams()), same, 3)
+    d.entered.wait()
+    miss = threading.Thread(target=a.propose_info,  # ... the real outcome is another: a miss cancels it
+                            args=(DraftContext("s", toks + [(same.tokens[0] + 1) % SMALL_V], len(PROMPT),
+                                               SamplingParams()), 3))
+    miss.start()
+    while a._sessions["s"].job is not None:  # until the miss has cancelled the job (then it waits for the lock)
+        miss.join(0.01)
+    d.hold.clear()
+    d.go.set()
+    miss.join(60)
+    assert a.first_round("s", timeout=60) is None
