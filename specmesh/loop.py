@@ -644,6 +644,8 @@ class _Generation:
             return
         budget = rnd.want if rnd.want else (self.policy.budget if self.first else 0)
         budget = min(budget, self.o.max_new_tokens - self.n_new - 2)
+        if rnd.want and not len(rnd.tree):  # asked and found nothing (a lookup without a match): drafting
+            return  # after the outcome costs no more than drafting ahead, and the ahead call is not free
         if budget <= 0 or not pol.on():
             return
         try:

@@ -108,7 +108,9 @@ def test_greedy_output_with_draft_ahead_equals_plain_decoding(stack, drafter):
     after = samples(scrape(stack.ports["router"]))
     counted = {r: total(after, "specmesh_draft_ahead_total", drafter=drafter, result=r)
                - total(before, "specmesh_draft_ahead_total", drafter=drafter, result=r) for r in ("hit", "miss", "off")}
-    assert counted["hit"] + counted["miss"] >= 1 and counted["off"] == 0
+    # a round after one whose drafter found nothing is not drafted ahead (nothing to hide); every other is
+    empty = final.stats.rounds - (final.stats.position_drafted[0] if final.stats.position_drafted else 0)
+    assert counted["hit"] + counted["miss"] >= 1 and counted["off"] <= empty
     assert (final.stats.ahead_hits, final.stats.ahead_misses) == (counted["hit"], counted["miss"])
     assert sum(counted.values()) <= final.stats.rounds
     assert stack.host._ahead[drafter].held() == {"sessions": 0, "entries": 0}  # released with the generation
