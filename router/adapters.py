@@ -12,7 +12,8 @@
   drafters) it sends ``ProposeAhead`` without waiting before each Verify and
   collects the answer at the next ``propose``. The answer carries the first ahead
   round ("all accepted" with the drafter's guess of the bonus token): when the
-  verify ended in exactly that outcome the round is used as it is, with no Propose;
+  verify ended in exactly that outcome and the answer is in, the round is used as it
+  is, with no Propose;
   otherwise the Propose's response says whether the draft came from another
   drafted-ahead round (``propose_info``: ``ahead.AheadInfo``, its span placed on
   this process's clock).
@@ -194,8 +195,9 @@ class RemoteDrafter:
             return None
         fut, sent_tokens, sent, path = pending
         n = len(sent_tokens) + len(path)
-        if len(ctx.tokens) != n + 1 or ctx.tokens[:n] != sent_tokens + path:
-            return None
+        if len(ctx.tokens) != n + 1 or ctx.tokens[:n] != sent_tokens + path or not fut.done():
+            return None  # not that outcome, or its round still drafting: a Propose waits for it there if the
+            # guessed bonus token was right, and cancels it at once if not (waiting here would wait it out)
         self._ahead.pop(ctx.session_id)
         try:
             resp = fut.result()
@@ -209,17 +211,25 @@ class RemoteDrafter:
             return None
         tree = convert.tree_from_proto(resp.first_tree)
         info = convert.ahead_from_proto(resp.first, sent)
-        info.reason = "first"
+        info.result, info.reason = "hit", "first"
         return truncate(tree, budget), info
 
-    def _collect_ahead(self, sid: str) -> Optional[float]:
-        """Wait for the session's ProposeAhead answer (sent a verify ago: answered long
-        since); on success the service holds its tokens. Returns when it was sent, or None
-        when there was none or it failed (the next Propose then resends from 0)."""
+    def _collect_ahead(self, sid: str, wait: bool = True) -> Optional[float]:
+        """Wait for the session's ProposeAhead answer; on success the service holds its
+        tokens. Returns when it was sent, or None when there was none or it failed (the
+        next Propose then resends from 0). ``wait`` False (a Propose of an outcome the
+        answer does not carry): an answer still pending is not waited for — it waits for
+        the first ahead round, which this Propose cancels — and the service is taken to
+        hold the tokens it synced (its sync ran when the call arrived, a verify ago;
+        were it not so, the Propose meets FAILED_PRECONDITION and resends from 0)."""
         pending = self._ahead.pop(sid, None)
         if pending is None:
             return None
         fut, tokens, sent, _ = pending
+        if not wait and not fut.done():
+            self._held[sid] = tokens
+            fut.add_done_callback(self._ahead_answered)
+            return sent
         try:
             fut.result()
         except grpc.RpcError as e:
@@ -230,6 +240,16 @@ class RemoteDrafter:
         self._held[sid] = tokens
         return sent
 
+    def _ahead_answered(self, fut) -> None:
+        """A ProposeAhead answer nobody waited for: a drafter found down is marked so."""
+        try:
+            fut.result()
+        except grpc.RpcError as e:
+            if e.code() in DOWN:
+                self.peer.health.failed()
+        except Exception:  # noqa: BLE001 - cancelled or closed: nothing to record
+            pass
+
     def propose_info(self, ctx: DraftContext, budget: int) -> tuple[TokenTree, Optional[AheadInfo]]:
         """``propose``, and how the service obtained the draft (``ahead.AheadInfo``: from
         a drafted-ahead round or not; None when no call was made)."""
@@ -237,7 +257,7 @@ class RemoteDrafter:
             first = self._first_round(ctx, budget)
             if first is not None:
                 return first
-        asked = self._collect_ahead(ctx.session_id)
+        asked = self._collect_ahead(ctx.session_id, wait=False)
         if not self.peer.health.available():
             self.skipped += 1
             return TokenTree(), None

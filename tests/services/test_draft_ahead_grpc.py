@@ -307,11 +307,13 @@ class Oracle(PromptLookupDrafter):
         return TokenTree.chain(self.ref[n:n + budget])
 
 
-def test_a_round_drafted_ahead_for_all_accepted_needs_no_propose(tmp_path):
-    """The ProposeAhead answer carries the "all accepted" ahead round; when the verify ends
-    in exactly that outcome the router uses it with no Propose (a hop less). With a drafter
-    whose rounds are all accepted, every drafted round is such a hit, the drafter
-    service answers no Propose, and the output is plain decoding's."""
+def test_rounds_drafted_ahead_for_all_accepted_are_hits_through_the_services(tmp_path):
+    """The ProposeAhead answer carries the "all accepted" ahead round; when the verify ends in
+    exactly that outcome the router uses it with no Propose once the answer is in (a hop
+    less), else asks the service, which waits for that round (the mechanism, without
+    timing: tests/router/test_remote_drafter_ahead.py). With a drafter whose rounds are all
+    accepted every drafted round is a hit either way, the output is plain decoding's, and
+    no round costs more Proposes than without draft-ahead."""
     oracle = Oracle()
 
     class OStack(Stack):
@@ -329,9 +331,9 @@ def test_a_round_drafted_ahead_for_all_accepted_needs_no_propose(tmp_path):
         assert out == ref
         proposes = st.host.proposals - before
         assert final.stats.rounds >= 4 and final.stats.ahead_misses == 0
-        # every drafted round (the first too: the prefill round drafts ahead) came with a ProposeAhead answer
+        # every drafted round (the first too: the prefill round drafts ahead) was drafted ahead
         assert final.stats.ahead_hits == final.stats.rounds
-        assert proposes == 0, proposes
+        assert proposes <= final.stats.rounds
         st.mem.clear()
         out, _ = st.generate("external", "prompt_lookup", draft_ahead="off")
         assert out == ref and st.host.proposals - before - proposes == final.stats.rounds  # without: one a round
