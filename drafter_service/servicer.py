@@ -19,6 +19,7 @@ It knows nothing about the verifier, strategies or tokenizers.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
@@ -34,8 +35,12 @@ FIRST_WAIT_S = 10.0  # ProposeAhead(return_first): the longest a handler waits f
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, host: DrafterHost):
+    def __init__(self, host: DrafterHost, max_waiting: int = 16):
+        """``max_waiting``: ProposeAhead handlers that may wait for their first ahead round
+        at once (the rest answer at once without it), so waiting handlers never take the
+        threads a Propose needs (``drafter_service`` passes half the handler threads)."""
         self.host = host
+        self._waiting = threading.BoundedSemaphore(max(1, max_waiting))
 
     def Propose(self, request, context):
         t0 = time.perf_counter()
@@ -55,10 +60,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             list(request.sync.append_tokens), request.prompt_len, convert.sampling_from_proto(request.sampling),
             convert.tree_from_proto(request.tree), request.budget, request.cache_id)
         resp = drafter_pb2.ProposeAheadResponse(held_len=held)
-        if request.return_first:  # wait for the "all accepted" round (bounded by the call's deadline)
-            left = context.time_remaining()
-            first = self.host.first_round(request.session_id, request.drafter, held,
-                                          FIRST_WAIT_S if left is None else max(0.0, min(FIRST_WAIT_S, left - 0.05)))
+        if request.return_first and self._waiting.acquire(blocking=False):
+            try:  # wait for the "all accepted" round (bounded by the call's deadline)
+                left = context.time_remaining()
+                first = self.host.first_round(request.session_id, request.drafter, held,
+                                              FIRST_WAIT_S if left is None else max(0.0, min(FIRST_WAIT_S, left - 0.05)))
+            finally:
+                self._waiting.release()
             if first is not None:
                 assumed, tree, info = first
                 resp.first_assumed.extend(assumed)
@@ -166,4 +174,4 @@ def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
     if preload_draft_lm(settings):  # and a real draft LM: loading it can take longer than drafter_timeout_s
         host.preload(["draft_lm"])
     return Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
-                   drafter_pb2_grpc.add_DrafterServicer_to_server, DrafterServicer(host))
+                   drafter_pb2_grpc.add_DrafterServicer_to_server, DrafterServicer(host, settings.workers // 2))

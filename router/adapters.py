@@ -13,10 +13,9 @@
   collects the answer at the next ``propose``. The answer carries the first ahead
   round ("all accepted" with the drafter's guess of the bonus token): when the
   verify ended in exactly that outcome and the answer is in, the round is used as it
-  is, with no Propose;
-  otherwise the Propose's response says whether the draft came from another
-  drafted-ahead round (``propose_info``: ``ahead.AheadInfo``, its span placed on
-  this process's clock).
+  is, with no Propose; otherwise the Propose (sent without waiting for a pending
+  answer) says whether the draft came from another drafted-ahead round
+  (``propose_info``: ``ahead.AheadInfo``, its span placed on this process's clock).
 - ``RemoteVerifier`` implements the ``Verifier`` protocol over one of several
   Verifier replicas (``replicas.ReplicaSet``): the session is pinned to a
   replica (least-loaded or rendezvous hash). FAILED_PRECONDITION becomes
@@ -186,9 +185,9 @@ class RemoteDrafter:
 
     def _first_round(self, ctx: DraftContext, budget: int) -> Optional[tuple[TokenTree, AheadInfo]]:
         """The round after an ahead call, when it ended in the outcome the service drafts
-        first ("all accepted": round r's main path accepted, then a bonus token): wait for
-        the ProposeAhead answer, which carries that round, and use it when the bonus token is
-        the one it guessed — no Propose, a hop less (a "hit", reason "first"). None: ask
+        first ("all accepted": round r's main path accepted, then a bonus token) and the
+        ProposeAhead answer, which carries that round, is in: use it when the bonus token
+        is the one it guessed — no Propose, a hop less (a "hit", reason "first"). None: ask
         the service with a Propose as before (which finds any other drafted-ahead round)."""
         pending = self._ahead.get(ctx.session_id)
         if pending is None:

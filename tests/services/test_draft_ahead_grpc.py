@@ -339,3 +339,31 @@ def test_rounds_drafted_ahead_for_all_accepted_are_hits_through_the_services(tmp
         assert out == ref and st.host.proposals - before - proposes == final.stats.rounds  # without: one a round
     finally:
         st.close()
+
+
+def test_propose_ahead_answers_at_once_while_enough_handlers_wait():
+    """A ProposeAhead with return_first waits for its first ahead round and carries it; once
+    ``max_waiting`` handlers wait, the next answers at once without it (handler threads stay
+    free for the Propose calls)."""
+    from specmesh.drafter_service.host import DrafterHost
+    from specmesh.drafter_service.servicer import DrafterServicer
+
+    host = DrafterHost({"prompt_lookup": PromptLookupDrafter}, V)
+    sv = DrafterServicer(host, max_waiting=1)
+    toks = [3, 4, 5, 3, 4, 5, 3, 4]
+    tree, _, _ = host.propose("s", "prompt_lookup", 0, toks, 4, SamplingParams(), 2)
+    req = drafter_pb2.ProposeAheadRequest(session_id="s", drafter="prompt_lookup",
+                                          sync=convert.sync_to_proto(len(toks), []), prompt_len=4,
+                                          sampling=convert.sampling_to_proto(SamplingParams()), budget=2,
+                                          tree=convert.tree_to_proto(tree), return_first=True)
+
+    class Context:
+        @staticmethod
+        def time_remaining():
+            return 30.0
+
+    full = sv.ProposeAhead(req, Context())
+    assert list(full.first_assumed)[:len(tree)] == tree.tokens and len(full.first_tree.tokens) > 0
+    assert sv._waiting.acquire(blocking=False)  # the one waiting slot taken
+    quick = sv.ProposeAhead(req, Context())
+    assert quick.held_len == len(toks) and not quick.first_assumed and not quick.first_tree.tokens
