@@ -32,6 +32,7 @@ from typing import Optional
 from ..drafters import registry
 from ..types import InvalidArgument
 from .harness import faster, rotated
+from .systems import OVERLAP_SUFFIXES
 from .sweep import Services, _free_port
 
 PATHS = ("in_process", "serve", "http")
@@ -46,7 +47,7 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--systems", default=DEFAULT_SYSTEMS,
                    help="comma list: ar, a self drafter (block_tree, layerskip, ...) or an external one (suffix, "
-                        "prompt_lookup, ...); a token-only external one with _overlap / _serial (draft_lm_overlap): "
+                        "prompt_lookup, ...); a token-only external one with _overlap / _serial / _auto (draft_lm_overlap): "
                         "draft-ahead on / off in process and per request through the services")
     p.add_argument("--workloads", default="open_writing,chat_multiturn,code_edit")
     p.add_argument("--workloads-dir", default=None)
@@ -67,8 +68,8 @@ def systems_of(text: str) -> list[dict]:
     for name in (x.strip() for x in str(text).split(",")):
         if not name:
             continue
-        ahead, base = "", name  # <drafter>_overlap / _serial: draft-ahead forced on / off on both paths
-        for suffix, mode in (("_overlap", "on"), ("_serial", "off")):
+        ahead, base = "", name  # <drafter>_overlap / _serial / _auto: draft-ahead on / off / auto on both paths
+        for suffix, mode in OVERLAP_SUFFIXES.items():
             if name.endswith(suffix) and name[: -len(suffix)] in registry.CONTEXT_ONLY:
                 ahead, name = mode, name[: -len(suffix)]
         if name == "ar":

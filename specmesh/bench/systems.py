@@ -18,8 +18,10 @@ draft–verify loop (``specmesh.loop``) over an in-process ``Runtime``:
 A token-only drafter's system (prompt_lookup, suffix, draft_lm) drafts ahead as
 ``specmesh.ahead.AHEAD_DEFAULT`` says; ``ours_<drafter>_overlap`` always drafts the next
 round on the drafter's own thread while the verifier verifies this one
-(``ahead.AheadDrafter``, overlap "on"), ``ours_<drafter>_serial`` never does: name both
-to compare them side by side (e.g. ``ours_draft_lm_overlap,ours_draft_lm_serial``).
+(``ahead.AheadDrafter``, overlap "on"), ``ours_<drafter>_serial`` never does, and
+``ours_<drafter>_auto`` leaves it to the overlap policy (``ahead.OverlapPolicy("auto")``,
+learning across the system's generations): name them to compare them side by side
+(e.g. ``ours_draft_lm_overlap,ours_draft_lm_serial``).
 
 The ``uno`` systems are in no default group (``uno`` names them; ``specmesh uno-study``
 measures them in detail).
@@ -49,7 +51,8 @@ HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
 HF_EXTRA_SYSTEMS = ("hf_static_compile",)  # known, but in no group: it compiles (minutes on a CPU)
 LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld")
 DTYPES = ("fp32", "bf16", "int8", "int4")
-OVERLAP_SUFFIXES = {"_overlap": "on", "_serial": "off"}  # ours_<drafter><suffix>: draft-ahead forced on / off
+OVERLAP_SUFFIXES = {"_overlap": "on", "_serial": "off", "_auto": "auto"}  # ours_<drafter><suffix>: draft-ahead
+# forced on / off, or the policy's choice (``ahead.OverlapPolicy("auto")``, learning across the system's runs)
 OVERLAP_STRATEGIES = tuple(s for s in OURS_STRATEGIES if s in registry.CONTEXT_ONLY)  # token-only drafters
 DEFAULT_SYSTEMS = tuple(f"ours_{s}" for s in OURS_STRATEGIES) + HF_SYSTEMS + LLAMACPP_SYSTEMS
 GROUPS = {
@@ -127,7 +130,7 @@ def expand(names: Sequence[str]) -> list[str]:
 
 
 def overlap_mode(name: str) -> str:
-    """The draft-ahead mode of an ``ours_*`` system: its ``_overlap`` / ``_serial`` suffix,
+    """The draft-ahead mode of an ``ours_*`` system: its ``_overlap`` / ``_serial`` / ``_auto`` suffix,
     else ``ahead.AHEAD_DEFAULT``."""
     from ..ahead import AHEAD_DEFAULT
 

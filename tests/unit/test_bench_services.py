@@ -15,6 +15,12 @@ def test_systems_are_named_once_for_every_path():
     assert (tree["strategy"], tree["drafter"]) == ("self", "block_tree")
     assert (suffix["strategy"], suffix["drafter"]) == ("external", "suffix")
     assert (over["drafter"], over["draft_ahead"]) == ("prompt_lookup", "on")
+    auto, serial = systems_of("draft_lm_auto,draft_lm_serial")
+    assert (auto["ours"], auto["drafter"], auto["draft_ahead"]) == ("ours_draft_lm_auto", "draft_lm", "auto")
+    assert serial["draft_ahead"] == "off"
+    from specmesh.bench.systems import overlap_mode
+
+    assert [overlap_mode(f"ours_draft_lm{s}") for s in ("_auto", "_overlap", "_serial")] == ["auto", "on", "off"]
     with pytest.raises(InvalidArgument, match="systems"):
         systems_of("nope")
     with pytest.raises(InvalidArgument, match="empty"):
