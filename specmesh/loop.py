@@ -290,7 +290,7 @@ class AdaptiveBudget(BudgetPolicy):
     every round never measured a plain round, so ``measured_pays`` could not switch it
     off, and its c over the drafted round's verify priced a draft token ~3x too low:
     through the services with the Qwen pair on open writing, one core each, it drafted
-    6 a round at tau 2.35 and ran at 0.47x plain decoding). A tree drafting full blocks would
+    6 a round at tau 2.35 and ran at 0.47-0.52x plain decoding). A tree drafting full blocks would
     otherwise price a scored token at the prior beta and measure its rounds against no
     plain round (int4 on 2 Xeon cores: a first request drafted all 69 rounds at 0.60x
     plain decoding; in a same-process A/B over four workloads the block tree went
