@@ -448,6 +448,17 @@ class GraphedEngine(LlamaEngine):
             out[i] = ScoreOutput(lg, {li: torch.cat(hs) for li, hs in hid.items()})
         return out
 
+    def _run(self, st) -> None:
+        """The bucket's forward into its static outputs: the captured graph's replay, or
+        the forward itself where capture failed (counted apart: ``calls``)."""
+        if st.graph is not None:
+            st.graph.replay()
+            self.calls["replayed"] += 1
+        else:
+            st.out = self._forward(st)
+            self.calls["uncaptured"] += 1
+        self.calls["graphed"] += 1
+
     @torch.inference_mode()
     def score_token(self, slot: int, token: torch.Tensor, n_layers: Optional[int] = None,
                     extra: int = 0) -> torch.Tensor:
@@ -462,13 +473,7 @@ class GraphedEngine(LlamaEngine):
         st = self._step(B, T, nl, self._hidden_for(nl, ()), S, adapted)
         st.inp.copy_(self._pack(B, T, segs), non_blocking=True)
         st.ids.view(-1)[:1].copy_(token.reshape(-1)[:1])  # the token, device to device
-        if st.graph is not None:
-            st.graph.replay()
-            self.calls["replayed"] += 1
-        else:
-            st.out = self._forward(st)
-            self.calls["uncaptured"] += 1
-        self.calls["graphed"] += 1
+        self._run(st)
         return st.out[0][0].clone()  # row (0, 0): the static output is overwritten by the next replay
 
     @torch.inference_mode()
@@ -490,15 +495,9 @@ class GraphedEngine(LlamaEngine):
         want = set(int(i) for i in hidden_layers if 0 <= int(i) < nl)
         st = self._step(B, T, nl, self._hidden_for(nl, want), S, adapted)
         st.inp.copy_(self._pack(B, T, segs), non_blocking=True)  # one host-to-device copy, no wait for the queue
-        if st.graph is not None:
-            st.graph.replay()
-            self.calls["replayed"] += 1
-        else:
-            st.out = self._forward(st)
-            self.calls["uncaptured"] += 1
+        self._run(st)
         logits, hidden = st.out
         hidden = {li: h for li, h in hidden.items() if li in want}
-        self.calls["graphed"] += 1
         # copy the requested rows out of the static outputs (the next replay overwrites them)
         flat = [b * T + i for b, seg in enumerate(segs) for i in seg[4]]
         picked = logits.index_select(0, to_device(torch.tensor(flat, dtype=torch.long), self.device))

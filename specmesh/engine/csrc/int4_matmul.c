@@ -383,6 +383,22 @@ int int4_mm_amx(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64
 #include "avx2_common.h"
 int int4_avx2(void) { return 1; }
 
+/* half h's 8 scales and 8 zeros of a group (bf16, after its group * 8 bytes) as fp32 */
+static inline void scale_zero8(const uint8_t* gb, int64_t group, int h, __m256* s, __m256* z) {
+    *s = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 16 * h))), 16));
+    *z = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 32 + 16 * h))), 16));
+}
+
+/* the mc rows x nbk blocks of 2 x 8 accumulators to bf16 outputs */
+static inline __attribute__((always_inline)) void store_rows8(const int mc, const int nbk, const __m256* acc,
+        uint16_t* y, int64_t N) {
+    for (int b = 0; b < nbk; b++)
+        for (int r = 0; r < mc; r++)
+            for (int h = 0; h < 2; h++) store8_bf16(y + r * N + 16 * b + 8 * h, acc[2 * (b * mc + r) + h]);
+}
+
 /* mc rows times nbk blocks of 16 outputs: 2 * nbk * mc accumulators of 8 outputs */
 static inline __attribute__((always_inline)) void rows_avx2(const int mc, const int nbk, const float* xf,
         int64_t K, const float* xs, int64_t G, const uint8_t* blk, int64_t bstride, int64_t gstride,
@@ -414,10 +430,8 @@ static inline __attribute__((always_inline)) void rows_avx2(const int mc, const 
         for (int b = 0; b < nbk; b++) {
             const uint8_t* gb = blk + b * bstride + g * gstride;
             for (int h = 0; h < 2; h++) {
-                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 16 * h))), 16));
-                const __m256 z = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 32 + 16 * h))), 16));
+                __m256 sc, z;
+                scale_zero8(gb, group, h, &sc, &z);
                 const __m256 lo = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), sc, z);  /* z - 8 s, exact */
                 for (int r = 0; r < mc; r++) {
                     const int j = 2 * (b * mc + r) + h;
@@ -426,9 +440,7 @@ static inline __attribute__((always_inline)) void rows_avx2(const int mc, const 
             }
         }
     }
-    for (int b = 0; b < nbk; b++)
-        for (int r = 0; r < mc; r++)
-            for (int h = 0; h < 2; h++) store8_bf16(y + r * N + 16 * b + 8 * h, acc[2 * (b * mc + r) + h]);
+    store_rows8(mc, nbk, acc, y, N);
 }
 
 int int4_mm_avx2(const uint16_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t N, int64_t group,
@@ -504,19 +516,15 @@ static inline __attribute__((always_inline)) void rows_avx2q8(const int mc, cons
                         t[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(T), _mm256_load_ps((const float*)(sd + 16 * (r * S + a) + 8)), t[r]);
                     }
                 }
-                const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 16 * h))), 16));
-                const __m256 z = _mm256_castsi256_ps(_mm256_slli_epi32(
-                    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)(gb + group * 8 + 32 + 16 * h))), 16));
+                __m256 sc, z;
+                scale_zero8(gb, group, h, &sc, &z);
                 for (int r = 0; r < mc; r++) {
                     const int j = 2 * (b * mc + r) + h;
                     acc[j] = _mm256_fmadd_ps(z, _mm256_set1_ps(xs[r * G + g]), _mm256_fmadd_ps(t[r], sc, acc[j]));
                 }
             }
         }
-    for (int b = 0; b < nbk; b++)
-        for (int r = 0; r < mc; r++)
-            for (int h = 0; h < 2; h++) store8_bf16(y + r * N + 16 * b + 8 * h, acc[2 * (b * mc + r) + h]);
+    store_rows8(mc, nbk, acc, y, N);
 }
 
 /* The same sums on AVX-512 VNNI, 16 outputs a vector: vpdpbusd adds four u8 x s8 products
