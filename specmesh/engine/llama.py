@@ -270,6 +270,18 @@ class Linear:
         return n + (self.scale.numel() * 2 if self.mode in ("int8", "int4") else 0)
 
 
+def rope_tables(config: dict, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables of a Llama config, fp64 [max_len, head_dim]: cos, and sin with its
+    first half negated (``rope``'s ``sin_signed``: rotate-half's sign folded in)."""
+    params = config.get("rope_parameters") or {}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    ang = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None]
+    emb = torch.cat((ang, ang), -1)
+    half = head_dim // 2
+    return emb.cos(), torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), -1)
+
+
 @dataclass
 class Layer:
     ln1: torch.Tensor
@@ -397,14 +409,9 @@ class LlamaEngine:
         g = self.n_heads // self.n_kv  # query heads per KV head: tokens per attention tile
         lo = -(-self.attn_rows[0] // g)
         self.attn_tiles = (lo, max(lo, self.attn_rows[1] // g))
-        rope = config.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        inv = 1.0 / (theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        ang = torch.arange(max_seq_len, dtype=torch.float64)[:, None] * inv[None]
-        emb = torch.cat((ang, ang), -1)
-        half = self.head_dim // 2
-        self.cos = emb.cos().to(self.act_dtype).to(self.device)  # [T, hd]
-        self.sin = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), -1).to(self.act_dtype).to(self.device)
+        cos, sin = rope_tables(config, self.head_dim, max_seq_len)
+        self.cos = cos.to(self.act_dtype).to(self.device)  # [T, hd]
+        self.sin = sin.to(self.act_dtype).to(self.device)
         # the invariant forward reads keys up to a multiple of key_block: the buffers hold
         # that many positions, k_cache / v_cache are their first max_seq_len (views)
         self._k_buf = self._v_buf = None

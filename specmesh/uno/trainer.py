@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..blockdraft.losses import IGNORE, LOSS_KWARGS, LOSSES
+from ..engine.llama import rope_tables
 from .adapter import GatedAdapter
 
 
@@ -76,14 +77,9 @@ class FrozenTarget:
             })
         self.norm = g("norm.weight").float()
         self.head = sd.get("lm_head.weight", sd["embed_tokens.weight"]).to(self.device).to(dtype)
-        rope = config.get("rope_parameters") or {}
-        theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
-        inv = 1.0 / (theta ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd))
-        ang = torch.arange(max_len, dtype=torch.float64)[:, None] * inv[None]
-        emb = torch.cat((ang, ang), -1)
-        half = self.hd // 2
-        self.cos = emb.cos().float().to(self.device)
-        self.sin = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), -1).float().to(self.device)
+        cos, sin = rope_tables(config, self.hd, max_len)
+        self.cos = cos.float().to(self.device)
+        self.sin = sin.float().to(self.device)
 
     # ------------------------------------------------------------------ pieces
     def _norm(self, x, w):
