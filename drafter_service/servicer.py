@@ -25,7 +25,7 @@ from typing import Optional
 
 from specmesh.serving import convert
 from specmesh.serving.convert import check_session_id
-from specmesh.serving.server import Service
+from specmesh.serving.server import Service, time_left
 from specmesh.serving.settings import ServeSettings
 from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 
@@ -62,7 +62,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         resp = drafter_pb2.ProposeAheadResponse(held_len=held)
         if request.return_first and self._waiting.acquire(blocking=False):
             try:  # wait for the "all accepted" round (bounded by the call's deadline)
-                left = context.time_remaining()
+                left = time_left(context)
                 first = self.host.first_round(request.session_id, request.drafter, held,
                                               FIRST_WAIT_S if left is None else max(0.0, min(FIRST_WAIT_S, left - 0.05)))
             finally:

@@ -198,12 +198,8 @@ class RemoteDrafter:
             return None  # not that outcome, or its round still drafting: a Propose waits for it there if the
             # guessed bonus token was right, and cancels it at once if not (waiting here would wait it out)
         self._ahead.pop(ctx.session_id)
-        try:
-            resp = fut.result()
-        except grpc.RpcError as e:
-            if e.code() in DOWN:
-                self.peer.health.failed()
-            log.info("ProposeAhead failed (%s); the next round drafts afresh", e.code())
+        resp = self._ahead_answer(fut)
+        if resp is None:
             return None
         self._held[ctx.session_id] = sent_tokens  # what the service holds (the ahead call's sync)
         if list(resp.first_assumed) != ctx.tokens[len(sent_tokens):] or not resp.first_tree.tokens:
@@ -229,23 +225,26 @@ class RemoteDrafter:
             self._held[sid] = tokens
             fut.add_done_callback(self._ahead_answered)
             return sent
+        if self._ahead_answer(fut) is None:
+            return None
+        self._held[sid] = tokens
+        return sent
+
+    def _ahead_answer(self, fut):
+        """A ProposeAhead call's answer (waited for), or None where it failed: a drafter
+        found down is marked so, and the next round drafts afresh."""
         try:
-            fut.result()
+            return fut.result()
         except grpc.RpcError as e:
             if e.code() in DOWN:
                 self.peer.health.failed()
             log.info("ProposeAhead failed (%s); the next round drafts afresh", e.code())
             return None
-        self._held[sid] = tokens
-        return sent
 
     def _ahead_answered(self, fut) -> None:
-        """A ProposeAhead answer nobody waited for: a drafter found down is marked so."""
+        """The done-callback of an answer nobody waits for."""
         try:
-            fut.result()
-        except grpc.RpcError as e:
-            if e.code() in DOWN:
-                self.peer.health.failed()
+            self._ahead_answer(fut)
         except Exception:  # noqa: BLE001 - cancelled or closed: nothing to record
             pass
 
