@@ -23,7 +23,10 @@
   marks the replica down, re-pins the session (to another replica when there
   is one) and raises ``SessionLost`` too, and a re-prefill that meets
   UNAVAILABLE is retried with a short backoff for up to ``retry_s`` (a
-  restarting replica).
+  restarting replica). A plain generation (``decode_ahead``) reads its rounds
+  without a draft from one ``Verifier/Decode`` stream: the verifier decodes the
+  next token while the router handles this one; a stream that fails or ends
+  hands the round back to a Verify call.
 - ``FeatureLog`` (one per generation whose external drafter needs the target's
   hidden features): the router's copy of the committed positions' features. The
   ``RemoteVerifier`` asks for them with every Verify (``feature_layers``) and
@@ -320,7 +323,11 @@ class RemoteVerifier:
     """The Verifier protocol over a ``ReplicaSet`` (one instance per generation)."""
 
     def __init__(self, replicas: ReplicaSet, vocab_size: int, calls: Calls, retry_s: float = 15.0,
-                 features: Optional[FeatureLog] = None):
+                 features: Optional[FeatureLog] = None, decode_ahead: int = 0, stop_ids: Sequence[int] = ()):
+        """``decode_ahead`` > 0: a plain generation of at most that many tokens, whose
+        rounds without a draft are read from a ``Verifier/Decode`` stream (the verifier
+        decodes ahead of this loop, the hop is off the critical path); ``stop_ids`` end
+        that stream. 0: every round is a Verify call."""
         self.replicas, self.vocab_size, self.calls, self.retry_s = replicas, vocab_size, calls, retry_s
         self.features = features  # ask for hidden features with every verify and keep them here
         self.peer: Optional[Peer] = None
@@ -329,6 +336,10 @@ class RemoteVerifier:
         self.address = ""  # replica of the last successful verify
         self._calls = 0
         self._touched: list[Peer] = []
+        self.decode_left = decode_ahead  # plain rounds the generation may still need
+        self.stop_ids = list(stop_ids)
+        self.streamed = 0  # rounds answered from a Decode stream
+        self._stream = None  # (Decode call, (keep_len, append_tokens) its next step answers)
 
     def _pin(self, session_id: str, avoid: Sequence[Peer] = ()) -> Peer:
         self.peer = self.replicas.pin(session_id, self.peer, avoid)
@@ -351,6 +362,13 @@ class RemoteVerifier:
         return False
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
+        if self.decode_left > 0 and self._plain(req):
+            self.decode_left -= 1
+            res = self._decoded(req)
+            if res is not None:
+                return res
+        else:
+            self._end_stream()
         peer = self.peer or self._pin(req.session_id)
         if req.keep_len == 0 and self._calls:
             self.reprefills += 1
@@ -385,9 +403,56 @@ class RemoteVerifier:
             self.features.put(res.features, res.cache_len)
         return res
 
+    def _plain(self, req: VerifyRequest) -> bool:
+        """A round a Decode step answers: no draft, nothing else asked for, and not the
+        first round of the session on its replica (that one pins it and prefills)."""
+        return (self.peer is not None and req.keep_len > 0 and not len(req.tree) and req.self_draft is None
+                and not req.want_entropy and not req.feature_layers and self.features is None)
+
+    def _decoded(self, req: VerifyRequest) -> Optional[VerifyResult]:
+        """This plain round's result from the session's Decode stream (opened here when
+        there is none, or when the stream's next step is not this round); None where the
+        stream failed or ended: the round goes as a Verify call, which handles a lost
+        session or replica as it always does."""
+        key = (req.keep_len, tuple(req.append_tokens))
+        if self._stream is None or self._stream[1] != key:
+            self._end_stream()
+            msg = verifier_pb2.DecodeRequest(
+                session_id=req.session_id, sync=convert.sync_to_proto(req.keep_len, req.append_tokens),
+                sampling=convert.sampling_to_proto(req.sampling), max_steps=self.decode_left + 1,
+                stop_ids=self.stop_ids)
+            call = self.peer.stub.Decode(msg, timeout=self.calls.timeout(), metadata=self.calls.metadata)
+            self._stream = (call, key)
+        call = self._stream[0]
+        t0 = time.perf_counter()
+        try:
+            resp = next(call)
+        except (grpc.RpcError, StopIteration) as e:
+            self._end_stream()  # the Verify call of this round answers with authority (or the error)
+            if isinstance(e, grpc.RpcError):
+                self.decode_left = 0  # and every later round: no stream re-opened per round
+                log.info("Decode stream failed (%s); plain rounds go as Verify calls", e.code())
+            return None
+        # the wait for a step decided while this loop was busy is ~0: count only what exceeds the step
+        self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
+        self._stream = (call, (req.keep_len + len(req.append_tokens), (resp.next_token,)))
+        self.peer.health.ok()
+        self.address = self.peer.address
+        self.streamed += 1
+        self._calls += 1
+        res = convert.verify_result_from_proto(resp)
+        res.source = "decode_stream"
+        return res
+
+    def _end_stream(self) -> None:
+        if self._stream is not None:
+            self._stream[0].cancel()
+            self._stream = None
+
     def release(self, session_id: str) -> None:
         """Free the session on every replica it touched (best effort: a dead
         replica holds nothing worth freeing)."""
+        self._end_stream()
         if self.peer is not None:
             self.replicas.unpin(self.peer)
             self.peer = None

@@ -487,7 +487,11 @@ class Strategies:
             spec = (self.feature_drafters() or {}).get(plan.drafter)
             if spec is not None:  # else the service never answered: its Propose fails, the rounds decode plainly
                 features = FeatureLog(*spec)
-        verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features)
+        # plain decoding: the verifier decodes ahead on a Decode stream (adapters.RemoteVerifier)
+        plain = plan.strategy == "autoregressive" and not plan.drafter and not plan.self_draft and not plan.reasoning
+        verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features,
+                                  decode_ahead=plan.max_new_tokens if plain and r.s.decode_stream else 0,
+                                  stop_ids=r.codec.stop_ids)
         drafter, loop_v, meter, resumed = None, verifier, None, None
         # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
         # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed

@@ -721,7 +721,7 @@ class _Generation:
             facts.update(prefill=self.first, drafted=res.drafted, accepted=len(res.accepted), depth=depth,
                          tree_size=res.tree_size, draft_ms=rnd.draft_s * 1e3 + res.draft_ms,
                          verify_ms=res.verify_ms, wall_ms=(rnd.draft_s + rnd.wall_s) * 1e3,
-                         batch_size=res.batch_size)
+                         batch_size=res.batch_size, verify_source=res.source)
 
     def commit(self, rnd: _Round) -> tuple[list[int], bool]:
         """Commit the accepted tokens and the target's own; return (tokens to emit, done)."""

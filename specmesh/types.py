@@ -339,6 +339,9 @@ class VerifyResult:
     # of each): with verify_ms, a point of the forward's cost line (loop.ForwardCosts);
     # 0: unknown
     batch_rows: int = 0
+    # where the round's answer came from: "verify" (a Verify call, or in process) or
+    # "decode_stream" (a step the verifier decoded ahead on a Decode stream: plain decoding)
+    source: str = "verify"
 
 
 @dataclass

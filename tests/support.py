@@ -494,7 +494,7 @@ def check_request_tree(spans: list[dict], result, n: int, model: str = "") -> di
     assert [r["attributes"]["specmesh.round.index"] for r in rounds] == list(range(len(rounds)))
     assert rounds[0]["attributes"]["specmesh.round.prefill"], "the first round prefills"
     assert sum(not r["attributes"]["specmesh.round.prefill"] for r in rounds) == stats.rounds
-    drafted = accepted = proposes = 0
+    drafted = accepted = proposes = streams = decoded_rounds = 0
     for r in rounds:
         ra = r["attributes"]
         for key in ("drafted", "accepted", "tree_size", "draft_ms", "verify_ms", "network_ms", "wall_ms", "depth",
@@ -505,7 +505,10 @@ def check_request_tree(spans: list[dict], result, n: int, model: str = "") -> di
             drafted += ra["specmesh.round.drafted"]
             accepted += ra["specmesh.round.accepted"]
         clients = [c for c in kids[r["span_id"]] if c["kind"] == "CLIENT"]
-        assert any(c["name"] == "specmesh.v1.Verifier/Verify" for c in clients), "each round verifies"
+        decoded = ra["specmesh.round.verify_source"] == "decode_stream"  # read from the Decode stream
+        assert decoded or any(c["name"] == "specmesh.v1.Verifier/Verify" for c in clients), "each round verifies"
+        streams += any(c["name"] == "specmesh.v1.Verifier/Decode" for c in clients)
+        decoded_rounds += decoded
         for c in clients:
             assert c["trace_id"] == req["trace_id"] and c["attributes"]["rpc.system"] == "grpc"
             servers = [x for x in kids[c["span_id"]] if x["kind"] == "SERVER"]
@@ -516,6 +519,11 @@ def check_request_tree(spans: list[dict], result, n: int, model: str = "") -> di
         assert proposes > 0, "external rounds call the drafter"
     elif stats.strategy in ("autoregressive", "self"):
         assert proposes == 0
+    if stats.strategy == "autoregressive" and stats.rounds > 1:
+        # plain decoding reads its rounds from a Decode stream opened in a round of the request
+        assert streams >= 1 and decoded_rounds >= 1, (streams, decoded_rounds)
+    else:
+        assert decoded_rounds == 0
     return req
 
 

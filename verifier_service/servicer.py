@@ -1,6 +1,7 @@
-"""Verifier servicer: Prefill / Verify / Release / Info over an ``EngineVerifier``.
+"""Verifier servicer: Prefill / Verify / Decode / Release / Info over an ``EngineVerifier``.
 
-Thin: it converts protos to domain requests, sends Verify calls through the
+Thin: it converts protos to domain requests, sends Verify calls (and each step
+of a Decode stream: plain decoding ahead of the router) through the
 dynamic batcher (one forward for concurrent sessions) and every other piece of
 model work to the batcher's model thread (``VerifyBatcher.call``), and converts the results
 back. Sessions, KV slots (LRU eviction, RESOURCE_EXHAUSTED when none can be
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from specmesh.seeding import round_seed
 from specmesh.serving import convert
 from specmesh.serving.convert import check_session_id
 from specmesh.serving.server import Service, time_left
@@ -28,6 +30,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, verifier, batcher: VerifyBatcher):
         self.verifier = verifier
         self.batcher = batcher
+        self.decode_steps = 0  # steps answered on Decode streams (Info)
 
     def Prefill(self, request, context):
         sid = check_session_id(request.session_id)
@@ -46,6 +49,32 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                  alive=context.is_active)
         return convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
 
+    def Decode(self, request, context):
+        """Plain decoding ahead of the router (``Verifier/Decode``): each step is the
+        Verify the router would send next, through the same batcher, so its token is
+        that round's; streamed as it is decided. Ends after ``max_steps``, after a stop
+        token, or when the caller cancels (checked before every step)."""
+        check_session_id(request.session_id)
+        if request.max_steps < 1:
+            raise InvalidArgument("max_steps", f"must be >= 1, got {request.max_steps}")
+        stops = set(request.stop_ids)
+        keep, append = request.sync.keep_len, list(request.sync.append_tokens)
+        for _ in range(request.max_steps):
+            if not context.is_active():
+                return
+            t0 = time.perf_counter()
+            n = keep + len(append)  # the committed length, the pending token included
+            step = verifier_pb2.VerifyRequest(session_id=request.session_id, sampling=request.sampling,
+                                              round_seed=round_seed(request.sampling.seed, n))
+            step.sync.keep_len, step.sync.append_tokens[:] = keep, append
+            res = self.batcher.verify(convert.verify_request_from_proto(step), timeout=time_left(context),
+                                      alive=context.is_active)
+            self.decode_steps += 1
+            yield convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
+            if res.next_token in stops:
+                return
+            keep, append = n, [res.next_token]
+
     def Release(self, request, context):
         sid = check_session_id(request.session_id)
         held = self.verifier.slot_of(sid) is not None
@@ -60,6 +89,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         m.max_tree_nodes = self.verifier.max_tree_nodes
         b = self.batcher.info()
         m.batches, m.batched_requests, m.max_batch_seen = b["batches"], b["batched_requests"], b["max_batch_seen"]
+        m.decode_steps = self.decode_steps
         return m
 
 

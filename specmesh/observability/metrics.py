@@ -93,6 +93,9 @@ class ServiceMetrics:
     def on_response(self, method: str, strategy: str, request, response) -> None:
         pass
 
+    def on_item(self, method: str, strategy: str, request, item) -> None:
+        """One message a server stream sent (before the call's ``on_call``)."""
+
     # ------------------------------------------------------------ HTTP
     def serve(self, port: int = 0, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host:port`` (0 = a free port); returns the port."""
@@ -289,7 +292,8 @@ class VerifierMetrics(ServiceMetrics):
     def __init__(self, verifier=None, registry: Optional[CollectorRegistry] = None):
         super().__init__(registry)
         r = self.registry
-        self.batch = Histogram("specmesh_verify_batch_size", "Sessions in the forward that served a Verify call",
+        self.batch = Histogram("specmesh_verify_batch_size", "Sessions in the forward that served a Verify call "
+                               "(or a Decode step)",
                                ["strategy"], buckets=BATCH_BUCKETS, registry=r)
         self.queue = Histogram("specmesh_verify_queue_seconds", "Verify handler time outside the batch forward "
                                "and self-drafting: waiting for a batch, acceptance, conversion", ["strategy"],
@@ -310,6 +314,10 @@ class VerifierMetrics(ServiceMetrics):
                 ("specmesh_cuda_graph_captures", "CUDA graphs captured while serving (buckets the warm-up "
                  "missed; each capture stalls the forward that needed it)", "counter", "cuda_graph_captures"),
             ]))
+
+    def on_item(self, method: str, strategy: str, request, item) -> None:
+        if method == "Decode":  # each step of a Decode stream is a plain Verify round
+            self.on_response("Verify", strategy, request, item)
 
     def on_response(self, method: str, strategy: str, request, response) -> None:
         if method != "Verify":

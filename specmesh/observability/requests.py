@@ -269,7 +269,8 @@ class RoundScope:
                     "specmesh.round.network_ms": (net - self.net0[0]) * 1e3,
                     "specmesh.round.drafter_network_ms": (dnet - self.net0[1]) * 1e3,
                     "specmesh.round.wall_ms": float(f.get("wall_ms", wall_s * 1e3)),
-                    "specmesh.round.batch_size": int(f.get("batch_size", 1))})
+                    "specmesh.round.batch_size": int(f.get("batch_size", 1)),
+                    "specmesh.round.verify_source": str(f.get("verify_source", "verify"))})
                 if "ahead" in f:
                     span.set_attributes({"specmesh.round.ahead": str(f["ahead"]),
                                          "specmesh.round.ahead_wasted": int(f.get("wasted", 0))})

@@ -172,6 +172,8 @@ class ServerInterceptor(grpc.ServerInterceptor):
                             if token is not None:
                                 otel_context.detach(token)
                         last = item
+                        if obs is not None:
+                            obs.on_item(method.rpartition("/")[2], strategy, request, item)
                         yield item
                 except BaseException as e:
                     err = e

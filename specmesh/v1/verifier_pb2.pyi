@@ -53,6 +53,20 @@ class VerifyRequest(_message.Message):
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round_seed: _Optional[int] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., want_entropy: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "sync", "sampling", "max_steps", "stop_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    sync: _common_pb2.SessionSync
+    sampling: _common_pb2.SamplingParams
+    max_steps: int
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features", "batch_rows")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -94,7 +108,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "dtype", "vocab_size", "slots_total", "slots_used", "max_seq_len", "kv_bytes_per_slot", "weight_bytes", "sessions", "evictions", "self_drafters", "forwards", "max_tree_nodes", "batches", "batched_requests", "max_batch_seen")
+    __slots__ = ("model", "dtype", "vocab_size", "slots_total", "slots_used", "max_seq_len", "kv_bytes_per_slot", "weight_bytes", "sessions", "evictions", "self_drafters", "forwards", "max_tree_nodes", "batches", "batched_requests", "max_batch_seen", "decode_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +125,7 @@ class VerifierInfo(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SEEN_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     vocab_size: int
@@ -127,4 +142,5 @@ class VerifierInfo(_message.Message):
     batches: int
     batched_requests: int
     max_batch_seen: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[str]] = ..., evictions: _Optional[int] = ..., self_drafters: _Optional[_Iterable[str]] = ..., forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., max_batch_seen: _Optional[int] = ...) -> None: ...
+    decode_steps: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[str]] = ..., evictions: _Optional[int] = ..., self_drafters: _Optional[_Iterable[str]] = ..., forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...

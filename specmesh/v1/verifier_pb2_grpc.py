@@ -45,6 +45,11 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specmesh.v1.Verifier/Decode',
+                request_serializer=specmesh_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specmesh.v1.Verifier/Release',
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifierReleaseRequest.SerializeToString,
@@ -76,6 +81,22 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decode(self, request, context):
+        """Plain decoding ahead of the caller: up to max_steps rounds without a draft,
+        each answered as soon as it is decided. Step i is the Verify the router would
+        send next (keep_len = the committed length, append_tokens = the previous
+        step's next_token, round_seed derived from sampling.seed and the committed
+        length as in specmesh/seeding.py), so the tokens are those of Verify called
+        round by round; the router reads them while the next forward runs, so the
+        hop is off the decode's critical path. Ends after max_steps, after a token
+        in stop_ids, at an error (its status), or when the caller cancels; tokens
+        the verifier decoded past what the caller reads are dropped by its next
+        call's keep_len.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Free the session's KV slot.
         """
@@ -101,6 +122,11 @@ def add_VerifierServicer_to_server(servicer, server):
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specmesh_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -167,6 +193,33 @@ class Verifier:
             target,
             '/specmesh.v1.Verifier/Verify',
             specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
+            specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specmesh.v1.Verifier/Decode',
+            specmesh_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
             specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,

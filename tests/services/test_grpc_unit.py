@@ -367,6 +367,80 @@ def test_router_sampled_equals_in_process_loop(cluster):
         assert r2.token_ids != ref  # the seed matters
 
 
+def test_plain_decoding_reads_a_decode_stream(cluster):
+    """Plain decoding through the router: every round after the first comes from one
+    Verifier/Decode stream (the verifier decodes ahead of the router), with Verify's
+    tokens, greedy and seeded sampled; ``decode_stream`` false makes it a Verify a round."""
+    from specmesh.client import Client
+
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    ref, ref_sampled = reference(PROMPT, 40), reference(PROMPT, 32, sampling=sp)
+    with Client(cluster.address, timeout=30) as c:
+        before = cluster.verifier_info().decode_steps
+        r = c.generate(PROMPT, strategy="autoregressive", max_new_tokens=40)
+        assert r.token_ids == ref
+        steps = cluster.verifier_info().decode_steps - before
+        assert len(ref) - 2 <= steps <= len(ref), steps  # all rounds but the first; none decoded past the end
+        r = c.generate(PROMPT, strategy="autoregressive", max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
+        assert r.token_ids == ref_sampled
+    assert wait_for(lambda: len(cluster.verifier_info().sessions) == 0)
+    off = TinyStack(decode_stream=False)
+    try:
+        with Client(off.address, timeout=30) as c:
+            assert c.generate(PROMPT, strategy="autoregressive", max_new_tokens=40).token_ids == ref
+        assert off.verifier_info().decode_steps == 0
+    finally:
+        off.close()
+
+
+def test_decode_is_verify_round_by_round_and_checks_its_input(cluster):
+    """Verifier/Decode's steps are the Verify calls a router would send (same tokens, seeded
+    sampling included); a stop token ends it; bad input is INVALID_ARGUMENT and changes nothing."""
+    from specmesh.seeding import round_seed
+
+    prompt, seed = [5, 6, 7, 5, 6, 2], 11
+    sp = common_pb2.SamplingParams(temperature=0.9, seed=seed)
+
+    def first(sid):
+        return stub.Verify(verifier_pb2.VerifyRequest(
+            session_id=sid, sync=common_pb2.SessionSync(keep_len=0, append_tokens=prompt), sampling=sp,
+            round_seed=round_seed(seed, len(prompt))), timeout=10).next_token
+
+    def decode(sid, tok, **kw):
+        req = verifier_pb2.DecodeRequest(session_id=sid, sampling=sp, **kw,
+                                         sync=common_pb2.SessionSync(keep_len=len(prompt), append_tokens=[tok]))
+        return [m.next_token for m in stub.Decode(req, timeout=10)]
+
+    with grpc.insecure_channel(cluster.vservers[0].address) as ch:
+        stub = verifier_pb2_grpc.VerifierStub(ch)
+        by_verify, n = [first("d1")], len(prompt)
+        for _ in range(8):
+            by_verify.append(stub.Verify(verifier_pb2.VerifyRequest(
+                session_id="d1", sync=common_pb2.SessionSync(keep_len=n, append_tokens=[by_verify[-1]]), sampling=sp,
+                round_seed=round_seed(seed, n + 1)), timeout=10).next_token)
+            n += 1
+        assert by_verify[0] == first("d2")
+        assert [by_verify[0]] + decode("d2", by_verify[0], max_steps=8) == by_verify
+        # from the same point again (keep_len drops what the last stream decoded), ending at a stop token
+        stop = by_verify[3]
+        assert decode("d2", by_verify[0], max_steps=8, stop_ids=[stop]) == by_verify[1:by_verify.index(stop, 1) + 1]
+        before = stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=5)
+        cases = {"max_steps": dict(max_steps=0), "sampling.temperature": dict(
+            max_steps=2, sampling=common_pb2.SamplingParams(temperature=-1))}
+        for name, kw in cases.items():
+            req = verifier_pb2.DecodeRequest(session_id="d2", sampling=kw.pop("sampling", sp), **kw,
+                                             sync=common_pb2.SessionSync(keep_len=len(prompt), append_tokens=[1]))
+            c, d = code_of(lambda: list(stub.Decode(req, timeout=10)))
+            assert c == grpc.StatusCode.INVALID_ARGUMENT and d.startswith(name), (name, c, d)
+        c, _ = code_of(lambda: list(stub.Decode(verifier_pb2.DecodeRequest(
+            session_id="ghost", max_steps=2, sync=common_pb2.SessionSync(keep_len=3, append_tokens=[1])), timeout=10)))
+        assert c == grpc.StatusCode.FAILED_PRECONDITION  # an unknown session is not created
+        after = stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=5)
+        assert list(after.sessions) == list(before.sessions) and after.forwards == before.forwards
+        for sid in ("d1", "d2"):
+            stub.Release(verifier_pb2.VerifierReleaseRequest(session_id=sid), timeout=5)
+
+
 def test_router_bad_requests(cluster):
     def req(**kw):
         base = dict(prompt="hello", max_new_tokens=8)
