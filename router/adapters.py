@@ -23,10 +23,12 @@
   marks the replica down, re-pins the session (to another replica when there
   is one) and raises ``SessionLost`` too, and a re-prefill that meets
   UNAVAILABLE is retried with a short backoff for up to ``retry_s`` (a
-  restarting replica). A plain generation (``decode_ahead``) reads its rounds
-  without a draft from one ``Verifier/Decode`` stream: the verifier decodes the
-  next token while the router handles this one; a stream that fails or ends
-  hands the round back to a Verify call.
+  restarting replica). Rounds without a draft (plain decoding from its second
+  round; a drafting strategy's once drafting has stopped for a few rounds:
+  ``decode_ahead``) are read from one ``Verifier/Decode`` stream: the verifier
+  decodes the next token while the router handles this one; a round with a draft
+  ends the stream, and a stream that fails or ends hands the round back to a
+  Verify call.
 - ``FeatureLog`` (one per generation whose external drafter needs the target's
   hidden features): the router's copy of the committed positions' features. The
   ``RemoteVerifier`` asks for them with every Verify (``feature_layers``) and
@@ -323,11 +325,17 @@ class RemoteVerifier:
     """The Verifier protocol over a ``ReplicaSet`` (one instance per generation)."""
 
     def __init__(self, replicas: ReplicaSet, vocab_size: int, calls: Calls, retry_s: float = 15.0,
-                 features: Optional[FeatureLog] = None, decode_ahead: int = 0, stop_ids: Sequence[int] = ()):
-        """``decode_ahead`` > 0: a plain generation of at most that many tokens, whose
-        rounds without a draft are read from a ``Verifier/Decode`` stream (the verifier
-        decodes ahead of this loop, the hop is off the critical path); ``stop_ids`` end
-        that stream. 0: every round is a Verify call."""
+                 features: Optional[FeatureLog] = None, decode_ahead: int = 0, stop_ids: Sequence[int] = (),
+                 decode_after: int = 1, decode_chunk: int = 0):
+        """``decode_ahead`` > 0: a generation of at most that many tokens whose rounds
+        without a draft may be read from a ``Verifier/Decode`` stream (the verifier
+        decodes ahead of this loop, the hop is off the critical path), once
+        ``decode_after`` such rounds come in a row (1: plain decoding, from its second
+        round; more where drafting stops and starts: each switch back to drafting
+        drops the steps the verifier decoded ahead); ``stop_ids`` end that stream.
+        ``decode_chunk`` > 0: a stream decodes at most that many steps (then another
+        is opened), which bounds what a switch drops where the verifier outruns this
+        loop. 0: every round is a Verify call."""
         self.replicas, self.vocab_size, self.calls, self.retry_s = replicas, vocab_size, calls, retry_s
         self.features = features  # ask for hidden features with every verify and keep them here
         self.peer: Optional[Peer] = None
@@ -336,10 +344,14 @@ class RemoteVerifier:
         self.address = ""  # replica of the last successful verify
         self._calls = 0
         self._touched: list[Peer] = []
-        self.decode_left = decode_ahead  # plain rounds the generation may still need
+        self.decode_left = decode_ahead  # tokens the generation may still yield (a stream decodes no more)
+        self.decode_after = max(1, decode_after)
+        self.decode_chunk = max(0, decode_chunk)
+        self._plain_run = 0  # rounds without a draft in a row, this one included
         self.stop_ids = list(stop_ids)
         self.streamed = 0  # rounds answered from a Decode stream
-        self._stream = None  # (Decode call, (keep_len, append_tokens) its next step answers)
+        self._stream = None  # (Decode call, the (keep_len, append_tokens, want_entropy) its next step answers,
+        #                       its max_steps)
 
     def _pin(self, session_id: str, avoid: Sequence[Peer] = ()) -> Peer:
         self.peer = self.replicas.pin(session_id, self.peer, avoid)
@@ -362,13 +374,20 @@ class RemoteVerifier:
         return False
 
     def verify(self, req: VerifyRequest) -> VerifyResult:
-        if self.decode_left > 0 and self._plain(req):
-            self.decode_left -= 1
+        plain = self._plain(req)
+        self._plain_run = self._plain_run + 1 if plain else 0
+        if plain and self.decode_left > 0 and (self._stream is not None or self._plain_run >= self.decode_after):
             res = self._decoded(req)
             if res is not None:
+                self.decode_left -= 1
                 return res
         else:
             self._end_stream()
+        res = self._verify(req)
+        self.decode_left -= len(res.accepted) + 1  # the tokens this round yields
+        return res
+
+    def _verify(self, req: VerifyRequest) -> VerifyResult:
         peer = self.peer or self._pin(req.session_id)
         if req.keep_len == 0 and self._calls:
             self.reprefills += 1
@@ -407,35 +426,43 @@ class RemoteVerifier:
         """A round a Decode step answers: no draft, nothing else asked for, and not the
         first round of the session on its replica (that one pins it and prefills)."""
         return (self.peer is not None and req.keep_len > 0 and not len(req.tree) and req.self_draft is None
-                and not req.want_entropy and not req.feature_layers and self.features is None)
+                and not req.feature_layers and self.features is None)
 
     def _decoded(self, req: VerifyRequest) -> Optional[VerifyResult]:
         """This plain round's result from the session's Decode stream (opened here when
-        there is none, or when the stream's next step is not this round); None where the
-        stream failed or ended: the round goes as a Verify call, which handles a lost
-        session or replica as it always does."""
-        key = (req.keep_len, tuple(req.append_tokens))
-        if self._stream is None or self._stream[1] != key:
-            self._end_stream()
-            msg = verifier_pb2.DecodeRequest(
-                session_id=req.session_id, sync=convert.sync_to_proto(req.keep_len, req.append_tokens),
-                sampling=convert.sampling_to_proto(req.sampling), max_steps=self.decode_left + 1,
-                stop_ids=self.stop_ids)
-            call = self.peer.stub.Decode(msg, timeout=self.calls.timeout(), metadata=self.calls.metadata)
-            self._stream = (call, key)
-        call = self._stream[0]
-        t0 = time.perf_counter()
-        try:
-            resp = next(call)
-        except (grpc.RpcError, StopIteration) as e:
-            self._end_stream()  # the Verify call of this round answers with authority (or the error)
-            if isinstance(e, grpc.RpcError):
+        there is none, when the stream's next step is not this round, or when it ran its
+        ``max_steps``); None where the stream failed or ended early: the round goes as a
+        Verify call, which handles a lost session or replica as it always does."""
+        key = (req.keep_len, tuple(req.append_tokens), req.want_entropy)
+        for _ in range(2):  # a stream that ran all its steps is opened again once
+            if self._stream is None or self._stream[1] != key:
+                self._end_stream()
+                steps = min(self.decode_left, self.decode_chunk) if self.decode_chunk else self.decode_left
+                msg = verifier_pb2.DecodeRequest(
+                    session_id=req.session_id, sync=convert.sync_to_proto(req.keep_len, req.append_tokens),
+                    sampling=convert.sampling_to_proto(req.sampling), max_steps=steps,
+                    stop_ids=self.stop_ids, want_entropy=req.want_entropy)
+                call = self.peer.stub.Decode(msg, timeout=self.calls.timeout(), metadata=self.calls.metadata)
+                self._stream = (call, key, steps)
+            call, _, steps = self._stream
+            t0 = time.perf_counter()
+            try:
+                resp = next(call)
+                break
+            except StopIteration:  # ran its steps (else a stop token ended it: the loop ended there too)
+                self._end_stream()
+                if steps >= self.decode_left:
+                    return None
+            except grpc.RpcError as e:
+                self._end_stream()  # the Verify call of this round answers with authority (or the error)
                 self.decode_left = 0  # and every later round: no stream re-opened per round
                 log.info("Decode stream failed (%s); plain rounds go as Verify calls", e.code())
+                return None
+        else:
             return None
         # the wait for a step decided while this loop was busy is ~0: count only what exceeds the step
         self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
-        self._stream = (call, (req.keep_len + len(req.append_tokens), (resp.next_token,)))
+        self._stream = (call, (req.keep_len + len(req.append_tokens), (resp.next_token,), req.want_entropy), steps)
         self.peer.health.ok()
         self.address = self.peer.address
         self.streamed += 1

@@ -81,6 +81,14 @@ EXTERNAL_DRAFTERS = registry.EXTERNAL  # what an `external` request may name
 FEATURE_DRAFTERS = registry.EXTERNAL_FEATURES  # of those, the ones fed the target's hidden features
 CHEAP_DRAFTERS = registry.FREE  # drafts cost next to nothing: full length, capped by entropy
 SELF_DRAFTERS = registry.SELF  # block*: the trained block drafter, when the verifier has it
+FUSED = registry.FUSED  # self drafters whose draft comes out of the last verify forward
+# a drafting strategy's rounds go on a Decode stream from the 3rd without a draft in a row: drafting has
+# stopped (its budget policy turned it off), not paused for a round (a lookup that found nothing), so the
+# step decoded ahead that a switch back to drafting drops is rare
+DECODE_AFTER = 3
+# ... and a stream of theirs decodes at most this many steps before the next one is opened: where the
+# verifier outruns the router (it decodes ahead as fast as it can), a switch back to drafting drops no more
+DECODE_CHUNK = 8
 THINK_DRAFTER = "suffix"  # drafts the thinking of ssr requests (and their side branches)
 SSR_CACHE_TTL_S = 300.0
 SELF_INFO_TTL_S = 30.0  # how long the verifiers' self-drafter list is trusted
@@ -487,11 +495,14 @@ class Strategies:
             spec = (self.feature_drafters() or {}).get(plan.drafter)
             if spec is not None:  # else the service never answered: its Propose fails, the rounds decode plainly
                 features = FeatureLog(*spec)
-        # plain decoding: the verifier decodes ahead on a Decode stream (adapters.RemoteVerifier)
-        plain = plan.strategy == "autoregressive" and not plan.drafter and not plan.self_draft and not plan.reasoning
+        # rounds without a draft: the verifier decodes ahead on a Decode stream (adapters.RemoteVerifier), from
+        # plain decoding's second round, and once a drafting strategy's rounds stopped drafting for a few in a
+        # row (not for a fused self drafter, whose state is the last forward's, nor reasoning requests)
+        plain = plan.strategy == "autoregressive" and not plan.drafter and not plan.self_draft
+        streams = r.s.decode_stream and not plan.reasoning and features is None and plan.self_draft not in FUSED
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features,
-                                  decode_ahead=plan.max_new_tokens if plain and r.s.decode_stream else 0,
-                                  stop_ids=r.codec.stop_ids)
+                                  decode_ahead=plan.max_new_tokens if streams else 0, stop_ids=r.codec.stop_ids,
+                                  decode_after=1 if plain else DECODE_AFTER, decode_chunk=0 if plain else DECODE_CHUNK)
         drafter, loop_v, meter, resumed = None, verifier, None, None
         # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
         # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed

@@ -506,6 +506,7 @@ def check_request_tree(spans: list[dict], result, n: int, model: str = "") -> di
             accepted += ra["specmesh.round.accepted"]
         clients = [c for c in kids[r["span_id"]] if c["kind"] == "CLIENT"]
         decoded = ra["specmesh.round.verify_source"] == "decode_stream"  # read from the Decode stream
+        assert not decoded or ra["specmesh.round.drafted"] == 0, "only a round without a draft is decoded"
         assert decoded or any(c["name"] == "specmesh.v1.Verifier/Verify" for c in clients), "each round verifies"
         streams += any(c["name"] == "specmesh.v1.Verifier/Decode" for c in clients)
         decoded_rounds += decoded
@@ -519,11 +520,11 @@ def check_request_tree(spans: list[dict], result, n: int, model: str = "") -> di
         assert proposes > 0, "external rounds call the drafter"
     elif stats.strategy in ("autoregressive", "self"):
         assert proposes == 0
+    # rounds without a draft may come from a Decode stream opened in a round of the request
+    # (plain decoding's do, from its second round)
+    assert streams >= 1 if decoded_rounds else streams == 0, (streams, decoded_rounds)
     if stats.strategy == "autoregressive" and stats.rounds > 1:
-        # plain decoding reads its rounds from a Decode stream opened in a round of the request
-        assert streams >= 1 and decoded_rounds >= 1, (streams, decoded_rounds)
-    else:
-        assert decoded_rounds == 0
+        assert decoded_rounds >= 1
     return req
 
 

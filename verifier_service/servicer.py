@@ -14,6 +14,7 @@ It knows nothing about tokenizers, strategies or the router.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from specmesh.seeding import round_seed
@@ -31,6 +32,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.verifier = verifier
         self.batcher = batcher
         self.decode_steps = 0  # steps answered on Decode streams (Info)
+        self._decoding: dict[str, int] = {}  # session -> its Decode handlers still running
+        self._decode_cv = threading.Condition()
 
     def Prefill(self, request, context):
         sid = check_session_id(request.session_id)
@@ -57,26 +60,41 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         check_session_id(request.session_id)
         if request.max_steps < 1:
             raise InvalidArgument("max_steps", f"must be >= 1, got {request.max_steps}")
-        stops = set(request.stop_ids)
+        sid, stops = request.session_id, set(request.stop_ids)
         keep, append = request.sync.keep_len, list(request.sync.append_tokens)
-        for _ in range(request.max_steps):
-            if not context.is_active():
-                return
-            t0 = time.perf_counter()
-            n = keep + len(append)  # the committed length, the pending token included
-            step = verifier_pb2.VerifyRequest(session_id=request.session_id, sampling=request.sampling,
-                                              round_seed=round_seed(request.sampling.seed, n))
-            step.sync.keep_len, step.sync.append_tokens[:] = keep, append
-            res = self.batcher.verify(convert.verify_request_from_proto(step), timeout=time_left(context),
-                                      alive=context.is_active)
-            self.decode_steps += 1
-            yield convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
-            if res.next_token in stops:
-                return
-            keep, append = n, [res.next_token]
+        with self._decode_cv:
+            self._decoding[sid] = self._decoding.get(sid, 0) + 1
+        try:
+            for _ in range(request.max_steps):
+                if not context.is_active():
+                    return
+                t0 = time.perf_counter()
+                n = keep + len(append)  # the committed length, the pending token included
+                step = verifier_pb2.VerifyRequest(session_id=sid, sampling=request.sampling,
+                                                  round_seed=round_seed(request.sampling.seed, n),
+                                                  want_entropy=request.want_entropy)
+                step.sync.keep_len, step.sync.append_tokens[:] = keep, append
+                res = self.batcher.verify(convert.verify_request_from_proto(step), timeout=time_left(context),
+                                          alive=context.is_active)
+                self.decode_steps += 1
+                yield convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
+                if res.next_token in stops:
+                    return
+                keep, append = n, [res.next_token]
+        finally:
+            with self._decode_cv:
+                self._decoding[sid] -= 1
+                if not self._decoding[sid]:
+                    del self._decoding[sid]
+                self._decode_cv.notify_all()
 
     def Release(self, request, context):
         sid = check_session_id(request.session_id)
+        # a Decode stream the caller cancelled may still finish the step it decoded ahead: let it end
+        # first, so nothing of the session runs (or is counted) after its Release
+        t = time_left(context)
+        with self._decode_cv:
+            self._decode_cv.wait_for(lambda: sid not in self._decoding, timeout=5.0 if t is None else min(t, 5.0))
         held = self.verifier.slot_of(sid) is not None
         self.batcher.call(self.verifier.release, sid)
         self.batcher.forget(sid)

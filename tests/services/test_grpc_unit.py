@@ -383,6 +383,17 @@ def test_plain_decoding_reads_a_decode_stream(cluster):
         assert len(ref) - 2 <= steps <= len(ref), steps  # all rounds but the first; none decoded past the end
         r = c.generate(PROMPT, strategy="autoregressive", max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
         assert r.token_ids == ref_sampled
+        # a drafting strategy whose drafting stops and starts again (the tiny self drafter's drafts are
+        # mostly rejected; prompt lookup finds a match now and then): its runs of rounds without a draft
+        # come from streams, each switch back to drafting drops what the verifier decoded ahead
+        for kw, want in ((dict(strategy="self"), ref), (dict(strategy="external", drafter="prompt_lookup"), ref),
+                         (dict(strategy="external", drafter="prompt_lookup", temperature=0.8, top_p=0.95, seed=7),
+                          reference(PROMPT, 40, drafter=PromptLookupDrafter(), sampling=sp, budget=6))):
+            before = cluster.verifier_info().decode_steps
+            r = c.generate(PROMPT, max_new_tokens=40, **kw)
+            assert r.token_ids == want, kw
+            assert cluster.verifier_info().decode_steps > before, kw
+            assert r.stats.drafted_tokens > 0, kw
     assert wait_for(lambda: len(cluster.verifier_info().sessions) == 0)
     off = TinyStack(decode_stream=False)
     try:
