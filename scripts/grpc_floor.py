@@ -4,7 +4,8 @@
 Times, side by side in one run, a round trip of an empty ``Health/Check`` against a bare
 ``grpc.server`` over TCP loopback and over a Unix socket, the same against a server built
 by ``specmesh.serving.server.build_server`` (its interceptors), and 200-byte messages as
-unary calls and on one open bidirectional stream. Prints microseconds per call
+unary calls and on one open bidirectional stream, and the hop of a call whose handler
+first waits 0-12 ms (as a Verify waits for its forward). Prints microseconds per call
 (issue 48's hop target, docs/performance.md "The services against their own engine").
 
     .venv/bin/python scripts/grpc_floor.py [--calls 3000]
@@ -96,6 +97,37 @@ def main() -> None:
 
     print(f"200 bytes, on an open stream        {_per_call_us(one, n):7.1f} µs/message")
     q.put(None)
+    srv.stop(0)
+    _after_a_wait(max(50, n // 20))
+
+
+def _after_a_wait(n: int) -> None:
+    """The hop of a call whose handler sleeps first (as a verifier's forward keeps a
+    Verify waiting): wall time minus the handler's own, by how long it slept. Both
+    sides' threads sleep through the wait, and waking them costs more than the
+    back-to-back floor."""
+    import statistics
+
+    def handler(req, _context):
+        t0 = time.perf_counter()
+        time.sleep(float(req.decode()))
+        return str(time.perf_counter() - t0).encode()
+
+    ident = lambda b: b  # noqa: E731
+    srv = grpc.server(futures.ThreadPoolExecutor(4))
+    srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "floor.Wait", {"Call": grpc.unary_unary_rpc_method_handler(handler, ident, ident)}),))
+    port = srv.add_insecure_port("127.0.0.1:0")
+    srv.start()
+    call = grpc.insecure_channel(f"127.0.0.1:{port}").unary_unary("/floor.Wait/Call", ident, ident)
+    for wait_ms in (0, 1, 5, 12):
+        arg, hops = str(wait_ms / 1e3).encode(), []
+        for i in range(n + 10):
+            t0 = time.perf_counter()
+            served = float(call(arg))
+            if i >= 10:
+                hops.append(time.perf_counter() - t0 - served)
+        print(f"after a wait of {wait_ms:2d} ms, unary call   {statistics.median(hops) * 1e6:7.1f} µs/call (median)")
     srv.stop(0)
 
 
