@@ -82,7 +82,7 @@ FEATURE_DRAFTERS = registry.EXTERNAL_FEATURES  # of those, the ones fed the targ
 CHEAP_DRAFTERS = registry.FREE  # drafts cost next to nothing: full length, capped by entropy
 SELF_DRAFTERS = registry.SELF  # block*: the trained block drafter, when the verifier has it
 FUSED = registry.FUSED  # self drafters whose draft comes out of the last verify forward
-# a drafting strategy's rounds go on a Decode stream from the 3rd without a draft in a row: drafting has
+# an external drafter's rounds go on a Decode stream from the 3rd without a draft in a row: drafting has
 # stopped (its budget policy turned it off), not paused for a round (a lookup that found nothing), so the
 # step decoded ahead that a switch back to drafting drops is rare
 DECODE_AFTER = 3
@@ -496,13 +496,16 @@ class Strategies:
             if spec is not None:  # else the service never answered: its Propose fails, the rounds decode plainly
                 features = FeatureLog(*spec)
         # rounds without a draft: the verifier decodes ahead on a Decode stream (adapters.RemoteVerifier), from
-        # plain decoding's second round, and once a drafting strategy's rounds stopped drafting for a few in a
-        # row (not for a fused self drafter, whose state is the last forward's, nor reasoning requests)
+        # plain decoding's second round, from a self drafter's first round without a draft (its budget policy
+        # turned drafting off) and once an external drafter's rounds came without a draft a few in a row (a
+        # lookup that finds nothing for one round is no reason to open one); not for a fused self drafter, whose
+        # state is the last forward's, nor reasoning requests
         plain = plan.strategy == "autoregressive" and not plan.drafter and not plan.self_draft
         streams = r.s.decode_stream and not plan.reasoning and features is None and plan.self_draft not in FUSED
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features,
                                   decode_ahead=plan.max_new_tokens if streams else 0, stop_ids=r.codec.stop_ids,
-                                  decode_after=1 if plain else DECODE_AFTER, decode_chunk=0 if plain else DECODE_CHUNK)
+                                  decode_after=1 if plain or plan.self_draft else DECODE_AFTER,
+                                  decode_chunk=0 if plain else DECODE_CHUNK)
         drafter, loop_v, meter, resumed = None, verifier, None, None
         # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
         # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed
