@@ -644,9 +644,18 @@ def test_auth_token_on_every_service():
             assert type(e.value).__name__ == "UnauthenticatedError"
         with Client(cl.address, token=TOKEN) as c:
             assert c.generate(PROMPT, max_new_tokens=8, strategy="external").token_ids == reference(PROMPT, 8)
+            # plain decoding's Decode stream carries the token too
+            assert c.generate(PROMPT, max_new_tokens=8, strategy="autoregressive").token_ids == reference(PROMPT, 8)
         with grpc.insecure_channel(cl.vservers[0].address) as ch:
             c2, _ = code_of(lambda: verifier_pb2_grpc.VerifierStub(ch).Info(verifier_pb2.VerifierInfoRequest()))
             assert c2 == grpc.StatusCode.UNAUTHENTICATED
+            info = verifier_pb2_grpc.VerifierStub(ch).Info(verifier_pb2.VerifierInfoRequest(), timeout=5,
+                                                           metadata=(("authorization", f"Bearer {TOKEN}"),))
+            assert info.decode_steps > 0
+            decode = verifier_pb2.DecodeRequest(session_id="x", max_steps=1,
+                                                sync=common_pb2.SessionSync(keep_len=0, append_tokens=[1]))
+            c3, _ = code_of(lambda: list(verifier_pb2_grpc.VerifierStub(ch).Decode(decode)))
+            assert c3 == grpc.StatusCode.UNAUTHENTICATED
         assert healthy(cl.vservers[0].address)  # probes stay open
     finally:
         cl.close()
