@@ -33,7 +33,7 @@ class VerifyBatcher:
     """``thread``: the model thread the forwards run on (None: one of its own, stopped
     with the batcher)."""
 
-    def __init__(self, verifier, window_ms: float = 2.0, max_batch: int = 8, recent_s: float = 1.0,
+    def __init__(self, verifier, window_ms: float = 5.0, max_batch: int = 8, recent_s: float = 1.0,
                  thread: Optional[ModelThread] = None):
         self.verifier = verifier
         self.window = window_ms / 1e3

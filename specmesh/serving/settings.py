@@ -109,7 +109,8 @@ class ServeSettings(BaseSettings):
                                "SSR branches (each in (0, 1))")
 
     # ---- batching / threads
-    batch_window_ms: float = Field(2.0, ge=0)
+    batch_window_ms: float = Field(5.0, ge=0, description="verifier: how long a forward waits for the other "
+                                   "active sessions' requests (a lone session never waits)")
     max_batch: int = Field(8, ge=1)
     workers: int = Field(32, ge=1, description="gRPC handler threads per server")
     cpus: str = Field("", description="CPUs each service may use, and so its torch threads: a CPU list for every "
