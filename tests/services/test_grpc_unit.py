@@ -383,10 +383,11 @@ def test_plain_decoding_reads_a_decode_stream(cluster):
         assert len(ref) - 2 <= steps <= len(ref), steps  # all rounds but the first; none decoded past the end
         r = c.generate(PROMPT, strategy="autoregressive", max_new_tokens=32, temperature=0.8, top_p=0.95, seed=7)
         assert r.token_ids == ref_sampled
-        # a drafting strategy whose drafting stops and starts again (the tiny self drafter's drafts are
-        # mostly rejected; prompt lookup finds a match now and then): its runs of rounds without a draft
-        # come from streams, each switch back to drafting drops what the verifier decoded ahead
-        for kw, want in ((dict(strategy="self"), ref), (dict(strategy="external", drafter="prompt_lookup"), ref),
+        # a drafting strategy whose drafting stops and starts again: prompt lookup finds a match now and
+        # then (which rounds find none follows from the tokens alone, so the runs of rounds without a
+        # draft, and the switches, come whatever the timings); each switch back to drafting drops what
+        # the verifier decoded ahead
+        for kw, want in ((dict(strategy="external", drafter="prompt_lookup"), ref),
                          (dict(strategy="external", drafter="prompt_lookup", temperature=0.8, top_p=0.95, seed=7),
                           reference(PROMPT, 40, drafter=PromptLookupDrafter(), sampling=sp, budget=6))):
             before = cluster.verifier_info().decode_steps
@@ -394,6 +395,8 @@ def test_plain_decoding_reads_a_decode_stream(cluster):
             assert r.token_ids == want, kw
             assert cluster.verifier_info().decode_steps > before, kw
             assert r.stats.drafted_tokens > 0, kw
+        # the self drafter's budget policy turns drafting off on timings (then its rounds use streams)
+        assert c.generate(PROMPT, max_new_tokens=40, strategy="self").token_ids == ref
     assert wait_for(lambda: len(cluster.verifier_info().sessions) == 0)
     off = TinyStack(decode_stream=False)
     try:
@@ -492,13 +495,14 @@ def test_router_bad_requests(cluster):
     assert c == grpc.StatusCode.INVALID_ARGUMENT and d.startswith("messages"), (c, d)  # no conversation given
 
 
-def test_cancel_and_deadline_free_the_slot(cluster):
+@pytest.mark.parametrize("strategy", ["external", "autoregressive"])  # autoregressive: on a Decode stream
+def test_cancel_and_deadline_free_the_slot(cluster, strategy):
     from specmesh.client import Client
 
     v = cluster.verifiers[0]
     with Client(cluster.address, timeout=30) as c:
         v.arm(3)
-        s = c.stream(PROMPT, strategy="external", max_new_tokens=60)
+        s = c.stream(PROMPT, strategy=strategy, max_new_tokens=60)
         it = iter(s)
         next(it)
         assert v.reached.wait(10)
@@ -512,7 +516,7 @@ def test_cancel_and_deadline_free_the_slot(cluster):
         assert cluster.verifier_info().forwards - forwards <= 2  # stopped, not run to the end
         # an expired deadline frees it too
         v.arm(3)
-        s = c.stream(PROMPT, strategy="external", max_new_tokens=60, timeout=1.0)
+        s = c.stream(PROMPT, strategy=strategy, max_new_tokens=60, timeout=1.0)
         assert v.reached.wait(10)
         with pytest.raises(Exception) as e:
             list(s)
