@@ -349,7 +349,6 @@ class RemoteVerifier:
         self.decode_chunk = max(0, decode_chunk)
         self._plain_run = 0  # rounds without a draft in a row, this one included
         self.stop_ids = list(stop_ids)
-        self.streamed = 0  # rounds answered from a Decode stream
         self._stream = None  # (Decode call, the (keep_len, append_tokens, want_entropy) its next step answers,
         #                       its max_steps)
 
@@ -414,10 +413,7 @@ class RemoteVerifier:
                     raise
                 time.sleep(wait)
                 wait = min(2 * wait, 0.5)
-        peer.health.ok()
-        self.address = peer.address
-        self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
-        res = convert.verify_result_from_proto(resp)
+        res = self._answered(peer, t0, resp)
         if self.features is not None:
             self.features.put(res.features, res.cache_len)
         return res
@@ -460,16 +456,20 @@ class RemoteVerifier:
                 return None
         else:
             return None
-        # the wait for a step decided while this loop was busy is ~0: count only what exceeds the step
-        self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
         self._stream = (call, (req.keep_len + len(req.append_tokens), (resp.next_token,), req.want_entropy), steps)
-        self.peer.health.ok()
-        self.address = self.peer.address
-        self.streamed += 1
         self._calls += 1
-        res = convert.verify_result_from_proto(resp)
+        # the wait for a step decided while this loop was busy is ~0: only what exceeds the step counts
+        res = self._answered(self.peer, t0, resp)
         res.source = "decode_stream"
         return res
+
+    def _answered(self, peer: Peer, t0: float, resp) -> VerifyResult:
+        """A verify answer from ``peer`` (asked at ``t0``): the replica is healthy, the wire
+        time (the wait beyond the server's own time) is counted, the result converted."""
+        peer.health.ok()
+        self.address = peer.address
+        self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
+        return convert.verify_result_from_proto(resp)
 
     def _end_stream(self) -> None:
         if self._stream is not None:

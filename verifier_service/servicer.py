@@ -22,7 +22,7 @@ from specmesh.serving import convert
 from specmesh.serving.convert import check_session_id
 from specmesh.serving.server import Service, time_left
 from specmesh.serving.settings import ServeSettings
-from specmesh.types import InvalidArgument
+from specmesh.types import InvalidArgument, VerifyRequest
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 from .batcher import VerifyBatcher
@@ -62,6 +62,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise InvalidArgument("max_steps", f"must be >= 1, got {request.max_steps}")
         sid, stops = request.session_id, set(request.stop_ids)
         keep, append = request.sync.keep_len, list(request.sync.append_tokens)
+        sampling = convert.sampling_from_proto(request.sampling)  # checked once, every step's
         with self._decode_cv:
             self._decoding[sid] = self._decoding.get(sid, 0) + 1
         try:
@@ -70,13 +71,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     return
                 t0 = time.perf_counter()
                 n = keep + len(append)  # the committed length, the pending token included
-                step = verifier_pb2.VerifyRequest(session_id=sid, sampling=request.sampling,
-                                                  round_seed=round_seed(request.sampling.seed, n),
-                                                  want_entropy=request.want_entropy)
-                step.sync.keep_len, step.sync.append_tokens[:] = keep, append
-                res = self.batcher.verify(convert.verify_request_from_proto(step), timeout=time_left(context),
-                                          alive=context.is_active)
-                self.decode_steps += 1
+                step = VerifyRequest(sid, keep, append, sampling=sampling, round_seed=round_seed(sampling.seed, n),
+                                     want_entropy=request.want_entropy)
+                res = self.batcher.verify(step, timeout=time_left(context), alive=context.is_active)
+                with self._decode_cv:
+                    self.decode_steps += 1
                 yield convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
                 if res.next_token in stops:
                     return
