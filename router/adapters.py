@@ -26,9 +26,10 @@
   restarting replica). Rounds without a draft (plain decoding from its second
   round; a drafting strategy's once drafting has stopped for a few rounds:
   ``decode_ahead``) are read from one ``Verifier/Decode`` stream: the verifier
-  decodes the next token while the router handles this one; a round with a draft
-  ends the stream, and a stream that fails or ends hands the round back to a
-  Verify call.
+  decodes the next token while the router handles this one, granted steps as
+  they are read (``DecodeStream``: at most ``decode_lead`` ahead, where a switch
+  back to drafting drops them); a round with a draft ends the stream, and a stream
+  that fails or ends hands the round back to a Verify call.
 - ``FeatureLog`` (one per generation whose external drafter needs the target's
   hidden features): the router's copy of the committed positions' features. The
   ``RemoteVerifier`` asks for them with every Verify (``feature_layers``) and
@@ -50,6 +51,7 @@ This module knows nothing about tokenizers, strategies or how servers are built.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from typing import Optional, Sequence
@@ -321,21 +323,59 @@ class RemoteDrafter:
 
 # ---------------------------------------------------------------- verifier
 
+class DecodeStream:
+    """One ``Verifier/Decode`` call, read step by step. The first request grants
+    ``min(total, lead)`` steps; each read that leaves no more than ``lead // 2``
+    granted but unread grants up to ``lead`` again, so the verifier never decodes more
+    than ``lead`` steps past this reader and, while the reader keeps up, never waits
+    for a grant (``lead`` 0: all ``total`` at once). With every step granted the
+    request side is closed. ``key``: what the stream's next step answers (the caller's)."""
+
+    def __init__(self, stub, first, total: int, lead: int, key, timeout: Optional[float] = None, metadata=None):
+        self.total, self.lead, self.key = total, lead, key
+        self.granted = min(total, lead) if lead else total
+        self.read = 0
+        first.max_steps = self.granted
+        self._requests: "queue.SimpleQueue" = queue.SimpleQueue()  # drained by the channel's own thread
+        self._requests.put(first)
+        if self.granted >= total:
+            self._requests.put(None)
+        self.call = stub.Decode(iter(self._requests.get, None), timeout=timeout, metadata=metadata)
+
+    def __next__(self):
+        resp = next(self.call)
+        self.read += 1
+        unread = self.granted - self.read
+        if self.granted < self.total and unread <= self.lead // 2:
+            n = min(self.total - self.granted, self.lead - unread)
+            self.granted += n
+            self._requests.put(verifier_pb2.DecodeRequest(max_steps=n))
+            if self.granted >= self.total:
+                self._requests.put(None)
+        return resp
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self._requests.put(None)  # ends the request iterator the channel's thread waits on
+
+
 class RemoteVerifier:
     """The Verifier protocol over a ``ReplicaSet`` (one instance per generation)."""
 
     def __init__(self, replicas: ReplicaSet, vocab_size: int, calls: Calls, retry_s: float = 15.0,
                  features: Optional[FeatureLog] = None, decode_ahead: int = 0, stop_ids: Sequence[int] = (),
-                 decode_after: int = 1, decode_chunk: int = 0):
+                 decode_after: int = 1, decode_lead: int = 0):
         """``decode_ahead`` > 0: a generation of at most that many tokens whose rounds
         without a draft may be read from a ``Verifier/Decode`` stream (the verifier
         decodes ahead of this loop, the hop is off the critical path), once
         ``decode_after`` such rounds come in a row (1: plain decoding, from its second
         round; more where drafting stops and starts: each switch back to drafting
         drops the steps the verifier decoded ahead); ``stop_ids`` end that stream.
-        ``decode_chunk`` > 0: a stream decodes at most that many steps (then another
-        is opened), which bounds what a switch drops where the verifier outruns this
-        loop. 0: every round is a Verify call."""
+        ``decode_lead`` > 0: the verifier decodes at most that many steps past what
+        this loop read (``DecodeStream`` grants more as it reads), which bounds what a
+        switch drops where the verifier outruns this loop; 0: a stream is granted all
+        its steps at once (plain decoding: nothing to drop). ``decode_ahead`` 0: every
+        round is a Verify call."""
         self.replicas, self.vocab_size, self.calls, self.retry_s = replicas, vocab_size, calls, retry_s
         self.features = features  # ask for hidden features with every verify and keep them here
         self.peer: Optional[Peer] = None
@@ -346,11 +386,10 @@ class RemoteVerifier:
         self._touched: list[Peer] = []
         self.decode_left = decode_ahead  # tokens the generation may still yield (a stream decodes no more)
         self.decode_after = max(1, decode_after)
-        self.decode_chunk = max(0, decode_chunk)
+        self.decode_lead = max(0, decode_lead)
         self._plain_run = 0  # rounds without a draft in a row, this one included
         self.stop_ids = list(stop_ids)
-        self._stream = None  # (Decode call, the (keep_len, append_tokens, want_entropy) its next step answers,
-        #                       its max_steps)
+        self._stream: Optional[DecodeStream] = None
 
     def _pin(self, session_id: str, avoid: Sequence[Peer] = ()) -> Peer:
         self.peer = self.replicas.pin(session_id, self.peer, avoid)
@@ -426,37 +465,31 @@ class RemoteVerifier:
 
     def _decoded(self, req: VerifyRequest) -> Optional[VerifyResult]:
         """This plain round's result from the session's Decode stream (opened here when
-        there is none, when the stream's next step is not this round, or when it ran its
-        ``max_steps``); None where the stream failed or ended early: the round goes as a
-        Verify call, which handles a lost session or replica as it always does."""
+        there is none or when the stream's next step is not this round); None where the
+        stream failed or ended early: the round goes as a Verify call, which handles a
+        lost session or replica as it always does."""
         key = (req.keep_len, tuple(req.append_tokens), req.want_entropy)
-        for _ in range(2):  # a stream that ran all its steps is opened again once
-            if self._stream is None or self._stream[1] != key:
-                self._end_stream()
-                steps = min(self.decode_left, self.decode_chunk) if self.decode_chunk else self.decode_left
-                msg = verifier_pb2.DecodeRequest(
-                    session_id=req.session_id, sync=convert.sync_to_proto(req.keep_len, req.append_tokens),
-                    sampling=convert.sampling_to_proto(req.sampling), max_steps=steps,
-                    stop_ids=self.stop_ids, want_entropy=req.want_entropy)
-                call = self.peer.stub.Decode(msg, timeout=self.calls.timeout(), metadata=self.calls.metadata)
-                self._stream = (call, key, steps)
-            call, _, steps = self._stream
-            t0 = time.perf_counter()
-            try:
-                resp = next(call)
-                break
-            except StopIteration:  # ran its steps (else a stop token ended it: the loop ended there too)
-                self._end_stream()
-                if steps >= self.decode_left:
-                    return None
-            except grpc.RpcError as e:
-                self._end_stream()  # the Verify call of this round answers with authority (or the error)
-                self.decode_left = 0  # and every later round: no stream re-opened per round
-                log.info("Decode stream failed (%s); plain rounds go as Verify calls", e.code())
-                return None
-        else:
+        if self._stream is not None and self._stream.key != key:
+            self._end_stream()
+        if self._stream is None:
+            msg = verifier_pb2.DecodeRequest(
+                session_id=req.session_id, sync=convert.sync_to_proto(req.keep_len, req.append_tokens),
+                sampling=convert.sampling_to_proto(req.sampling), stop_ids=self.stop_ids,
+                want_entropy=req.want_entropy)
+            self._stream = DecodeStream(self.peer.stub, msg, self.decode_left, self.decode_lead, key,
+                                        timeout=self.calls.timeout(), metadata=self.calls.metadata)
+        t0 = time.perf_counter()
+        try:
+            resp = next(self._stream)
+        except StopIteration:  # a stop token ended it (the loop ended there too), or it ran every step
+            self._end_stream()
             return None
-        self._stream = (call, (req.keep_len + len(req.append_tokens), (resp.next_token,), req.want_entropy), steps)
+        except grpc.RpcError as e:
+            self._end_stream()  # the Verify call of this round answers with authority (or the error)
+            self.decode_left = 0  # and every later round: no stream re-opened per round
+            log.info("Decode stream failed (%s); plain rounds go as Verify calls", e.code())
+            return None
+        self._stream.key = (req.keep_len + len(req.append_tokens), (resp.next_token,), req.want_entropy)
         self._calls += 1
         # the wait for a step decided while this loop was busy is ~0: only what exceeds the step counts
         res = self._answered(self.peer, t0, resp)
@@ -473,7 +506,7 @@ class RemoteVerifier:
 
     def _end_stream(self) -> None:
         if self._stream is not None:
-            self._stream[0].cancel()
+            self._stream.cancel()
             self._stream = None
 
     def release(self, session_id: str) -> None:

@@ -182,6 +182,11 @@ class ReplicaSet:
         with self._lock:
             peer.load -= 1
 
+    def sessions_per_replica(self) -> float:
+        """Generations pinned now, per replica (at least 1): the load a new one will meet."""
+        with self._lock:
+            return max(1.0, sum(p.load for p in self.peers) / max(1, len(self.peers)))
+
     def close(self) -> None:
         with self._lock:
             peers, self.peers, self._retired = self.peers + self._retired, [], []

@@ -86,9 +86,12 @@ FUSED = registry.FUSED  # self drafters whose draft comes out of the last verify
 # stopped (its budget policy turned it off), not paused for a round (a lookup that found nothing), so the
 # step decoded ahead that a switch back to drafting drops is rare
 DECODE_AFTER = 3
-# ... and a stream of theirs decodes at most this many steps before the next one is opened: where the
-# verifier outruns the router (it decodes ahead as fast as it can), a switch back to drafting drops no more
-DECODE_CHUNK = 8
+# ... and the verifier decodes at most this many steps past what the router read on a stream of theirs
+# (adapters.DecodeStream grants more as the router reads, so the stream never stops for it): where the
+# verifier outruns the router, a switch back to drafting drops no more. (Until 2026-12-06 a stream ran 8
+# steps and the next was opened: under load each new stream's first step missed the batch the others
+# were in, 16 streams of self:block_tree ran 11.6 sessions a forward against 13.3 with unbounded streams.)
+DECODE_LEAD = 8
 THINK_DRAFTER = "suffix"  # drafts the thinking of ssr requests (and their side branches)
 SSR_CACHE_TTL_S = 300.0
 SELF_INFO_TTL_S = 30.0  # how long the verifiers' self-drafter list is trusted
@@ -505,7 +508,7 @@ class Strategies:
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features,
                                   decode_ahead=plan.max_new_tokens if streams else 0, stop_ids=r.codec.stop_ids,
                                   decode_after=1 if plain or plan.self_draft else DECODE_AFTER,
-                                  decode_chunk=0 if plain else DECODE_CHUNK)
+                                  decode_lead=0 if plain else DECODE_LEAD)
         drafter, loop_v, meter, resumed = None, verifier, None, None
         # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
         # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed
@@ -546,9 +549,10 @@ class Strategies:
             # drafts are nearly free and bound themselves: full length, capped by entropy
             # (block drafters: per-round cost, see AdaptiveBudget.for_drafter); the verifiers' cost per scored
             # token is learned across requests
+            # load: the generations decoding on a verifier replica now (this one's among them once pinned)
             pol = TreeBudget.for_drafter(plan.drafter or plan.self_draft, plan.budget, costs=self.verify_costs,
                                          alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS,
-                                         schedule=self.tree_schedule())
+                                         schedule=self.tree_schedule(), load=r.replicas.sessions_per_replica())
             policies.append(pol)
             return pol
 

@@ -136,6 +136,8 @@ class VerifyCosts:
         self.forward = ForwardCosts()  # t = a + b * rows of the batched forwards (shared like this object)
         self.load = 1.0  # EMA of the sessions in this verifier's forwards, every session's rounds: a new
         # generation's policy starts from it (under load its first rounds would otherwise draft as if alone)
+        self.probe_gaps: dict[str, int] = {}  # drafter -> the re-probe wait its sessions' probes left
+        # (``AdaptiveBudget.probe_key``): a new generation under load starts from it
 
     def observe(self, drafted: int, verify_s: float) -> None:
         group = 0 if drafted <= 2 else 1 if drafted >= 4 else None
@@ -307,6 +309,16 @@ class AdaptiveBudget(BudgetPolicy):
     the load priced 4 streams of ``self:block_tree`` at break-even on 2 CPU cores, where
     the batched forward is compute-bound and the streams ran at 0.70-0.74x plain decoding
     (issue 48). A lone stream (load ~1) is priced as before.
+    ``probe_key`` (the drafter's name; ``for_drafter`` sets it): the re-probe wait is shared
+    through ``costs.probe_gaps`` — each probe writes the doubled wait there, drafting that
+    pays resets it — and a generation that starts under load (``LOAD_PRICED``) waits that
+    long before its first probe instead of ``probe_every``: requests of 64 tokens each
+    probed 2-3 times (a full tree, in the verifier's turn, and on the services the round
+    leaves the Decode stream, missing the batch the others are in) to learn again what the
+    sessions before them had learned. A probe only re-measures acceptance, so none is made
+    where the costs alone rule drafting out (the probe's draft would not pay accepted
+    whole: 16 streams of ``self:block_tree`` on 2 cores, where a scored row costs a
+    session several plain rounds of wall time, still probed 3-4 times a request).
     ``for_drafter`` picks these settings by drafter name."""
 
     TREE_CHEAP = 0.5  # bf16 on CPU matrix units: 8 x 0.01-0.03; fp32 on a CPU: 8 x 0.12
@@ -317,7 +329,7 @@ class AdaptiveBudget(BudgetPolicy):
     def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
                  alpha0: float = 0.6, entropy_scale: float = 3.0, per_round_draft: bool = False,
                  costs: Optional[VerifyCosts] = None, tree: bool = False,
-                 schedule: Optional[TreeSchedule] = None):
+                 schedule: Optional[TreeSchedule] = None, probe_key: Optional[str] = None, load: float = 1.0):
         super().__init__(max_budget)
         self.schedule = schedule
         self.per_round_draft = per_round_draft
@@ -343,11 +355,16 @@ class AdaptiveBudget(BudgetPolicy):
         self._updates = 0
         self._pending: Optional[float] = None  # the table's τ - 1 for the round in flight
         # EMA of the sessions in this session's verify forwards (``observe_load``), from the verifier's
-        # recent load: a request arriving under load prices its first rounds' drafts as loaded (in a
-        # concurrency sweep of 64-token requests, a fresh policy at load 1 drafted full trees for its
-        # first rounds at every stream count)
-        self.load = max(1.0, self.costs.load)
+        # recent load, or the caller's count of sessions decoding now where that is more (a burst of
+        # requests arrives while the EMA still says the quiet before it): a request arriving under load
+        # prices its first rounds' drafts as loaded (in a concurrency sweep of 64-token requests, a fresh
+        # policy at load 1 drafted full trees for its first rounds at every stream count; with the EMA
+        # alone, 16 requests starting together each drafted their first rounds at load 1, then 5.5)
+        self.load = max(1.0, self.costs.load, load)  # ``load``: the caller's count of sessions decoding now
         self.draft_load = 1.0  # the same where the draft runs in the verifier's turn (self drafters), else 1
+        self.probe_key = probe_key
+        if probe_key is not None and self.load > self.LOAD_PRICED:
+            self._probe_gap = self.costs.probe_gaps.get(probe_key, probe_every)
 
     @classmethod
     def for_drafter(cls, drafter: Optional[str], max_budget: int, costs: Optional[VerifyCosts] = None, **kw):
@@ -355,6 +372,7 @@ class AdaptiveBudget(BudgetPolicy):
         round, their tree variant drafts all or nothing, and their acceptance EMAs are slow
         (0.1: one rejected round says little about the next when a draft costs ~0.15 of a
         forward); the others keep the per-token model."""
+        kw.setdefault("probe_key", drafter)
         if drafter in BLOCK_DRAFTERS:
             kw.setdefault("ema", 0.1)
             kw.update(per_round_draft=True, tree=drafter in TREE_DRAFTERS)
@@ -437,12 +455,16 @@ class AdaptiveBudget(BudgetPolicy):
             if self.off_rounds >= self._probe_gap:  # re-probe; each probe that finds it still off waits twice as long
                 self.off_rounds = 0
                 self._probe_gap = min(2 * self._probe_gap, self.PROBE_BACKOFF * self.probe_every)
+                self._share_gap()
                 best_k = self._probe_size()
+                if self.expected_speedup(best_k, 0.999, False) <= 1.0:
+                    return 0  # not even a draft accepted whole would pay at these costs: nothing to learn
                 self._predict(best_k)
                 return best_k
             return 0
         self.off_rounds = 0
         self._probe_gap = self.probe_every
+        self._share_gap()  # it pays for this session: the others re-probe at the usual rate
         self._predict(best_k)
         if self.per_round_draft and self.schedule is None:
             if best_k == self.max_budget:
@@ -455,6 +477,10 @@ class AdaptiveBudget(BudgetPolicy):
                     self._refresh_gap = min(2 * self._refresh_gap, self.PROBE_BACKOFF * self.probe_every)
                     return self.max_budget
         return best_k
+
+    def _share_gap(self) -> None:
+        if self.probe_key is not None:
+            self.costs.probe_gaps[self.probe_key] = self._probe_gap
 
     def _probe_size(self) -> int:
         """The draft of a re-probe: per-token drafters 1; a one-pass drafter its full

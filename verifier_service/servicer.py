@@ -17,6 +17,8 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
+
 from specmesh.seeding import round_seed
 from specmesh.serving import convert
 from specmesh.serving.convert import check_session_id
@@ -52,21 +54,33 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                  alive=context.is_active)
         return convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
 
-    def Decode(self, request, context):
+    def Decode(self, requests, context):
         """Plain decoding ahead of the router (``Verifier/Decode``): each step is the
         Verify the router would send next, through the same batcher, so its token is
-        that round's; streamed as it is decided. Ends after ``max_steps``, after a stop
-        token, or when the caller cancels (checked before every step)."""
+        that round's; streamed as it is decided. The first message opens the stream and
+        grants its first ``max_steps``; a later one grants more (read only once the
+        granted steps are decoded: the verifier never runs further ahead). Ends when the
+        caller has closed its side with every granted step decoded, after a stop token,
+        or when the caller cancels (checked before every step)."""
+        request = _next_message(requests)
+        if request is None:
+            raise InvalidArgument("request", "the stream closed before its first DecodeRequest")
         check_session_id(request.session_id)
         if request.max_steps < 1:
             raise InvalidArgument("max_steps", f"must be >= 1, got {request.max_steps}")
         sid, stops = request.session_id, set(request.stop_ids)
         keep, append = request.sync.keep_len, list(request.sync.append_tokens)
         sampling = convert.sampling_from_proto(request.sampling)  # checked once, every step's
+        granted = request.max_steps
         with self._decode_cv:
             self._decoding[sid] = self._decoding.get(sid, 0) + 1
         try:
-            for _ in range(request.max_steps):
+            while True:
+                if granted == 0:  # every granted step decoded: wait for the caller's next grant
+                    more = _next_message(requests)
+                    if more is None:  # closed its side (or went away)
+                        return
+                    granted = _grant(more)
                 if not context.is_active():
                     return
                 t0 = time.perf_counter()
@@ -74,6 +88,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 step = VerifyRequest(sid, keep, append, sampling=sampling, round_seed=round_seed(sampling.seed, n),
                                      want_entropy=request.want_entropy)
                 res = self.batcher.verify(step, timeout=time_left(context), alive=context.is_active)
+                granted -= 1
                 with self._decode_cv:
                     self.decode_steps += 1
                 yield convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
@@ -108,6 +123,26 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         m.batches, m.batched_requests, m.max_batch_seen = b["batches"], b["batched_requests"], b["max_batch_seen"]
         m.decode_steps = self.decode_steps
         return m
+
+
+def _next_message(requests):
+    """The stream's next message; None once the caller closed its side or the call ended."""
+    try:
+        return next(requests)
+    except StopIteration:
+        return None
+    except grpc.RpcError:  # cancelled or past its deadline while waiting
+        return None
+
+
+def _grant(more) -> int:
+    """The steps a later DecodeRequest grants (it sets max_steps >= 1 and nothing else)."""
+    others = [f.name for f, _ in more.ListFields() if f.name != "max_steps"]
+    if others:
+        raise InvalidArgument("DecodeRequest", f"a later message grants steps only (max_steps); it set {others}")
+    if more.max_steps < 1:
+        raise InvalidArgument("max_steps", f"a grant must be >= 1, got {more.max_steps}")
+    return more.max_steps
 
 
 def verifier_service(settings: ServeSettings, verifier=None, thread=None) -> tuple[Service, VerifyBatcher]:

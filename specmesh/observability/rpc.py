@@ -7,7 +7,8 @@ RPC errors by code.
   current while the handler runs, so the drafter's and verifier's spans are
   children of the router's client span. It hands every finished call to
   ``observer.on_call(method, strategy, request, response, seconds, code)`` (the
-  service's metrics; the last message for a streaming call) and counts nothing
+  service's metrics; the last message for a streaming call, whose request is
+  its first message where the requests are a stream too) and counts nothing
   itself. Health checks and reflection are left alone.
 - ``ClientInterceptor(target)`` (on the router's channels to the drafter and
   verifiers): when tracing is on, a CLIENT span per call, parented by the
@@ -127,9 +128,10 @@ class ServerInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, details):
         handler = continuation(details)
         method = details.method
-        if handler is None or handler.stream_unary or handler.stream_stream or method.startswith(UNTRACED):
+        if handler is None or handler.stream_unary or method.startswith(UNTRACED):
             return handler
         traced, obs = tracing.enabled(), self.observer
+        stream_requests = bool(handler.stream_stream)  # Verifier/Decode: observed as its first message
         if not traced and obs is None:
             return handler
         metadata = tuple(details.invocation_metadata or ())
@@ -159,12 +161,14 @@ class ServerInterceptor(grpc.ServerInterceptor):
                 span = _server_span(method, metadata, context) if traced else None
                 ctx = trace.set_span_in_context(span) if span is not None else None
                 t0, last, err, it = time.perf_counter(), None, None, None
+                first: list = []  # a request stream's first message (what the call asked for)
+                requests = _first_kept(request, first) if stream_requests else request
                 try:
                     while True:
                         token = otel_context.attach(ctx) if ctx is not None else None
                         try:
                             if it is None:
-                                it = iter(behavior(request, context))
+                                it = iter(behavior(requests, context))
                             item = next(it)
                         except StopIteration:
                             break
@@ -172,6 +176,8 @@ class ServerInterceptor(grpc.ServerInterceptor):
                             if token is not None:
                                 otel_context.detach(token)
                         last = item
+                        if stream_requests:
+                            request = first[0] if first else None
                         if obs is not None:
                             obs.on_item(method.rpartition("/")[2], strategy, request, item)
                         yield item
@@ -185,11 +191,21 @@ class ServerInterceptor(grpc.ServerInterceptor):
                     if span is not None:
                         _finish_span(span, code, err)
                     if obs is not None:
+                        if stream_requests:
+                            request = first[0] if first else None
                         obs.on_call(method, strategy, request, last, time.perf_counter() - t0, code)
 
             return run_stream if streaming else run
 
         return wrap_handler(handler, observe)
+
+
+def _first_kept(requests, first: list):
+    """``requests`` unchanged, its first message also put in ``first``."""
+    for m in requests:
+        if not first:
+            first.append(m)
+        yield m
 
 
 # ---------------------------------------------------------------- client
@@ -200,7 +216,8 @@ class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadat
     pass
 
 
-class ClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+class ClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                        grpc.StreamStreamClientInterceptor):
     def __init__(self, target: str = ""):
         host, _, port = target.rpartition(":")
         self.attrs = {"server.address": host.strip("[]") or target}
@@ -253,6 +270,9 @@ class ClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClient
             m = details.method.decode() if isinstance(details.method, bytes) else details.method
             call.add_done_callback(self._done(m, span, scope))
         return call
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return self.intercept_unary_stream(continuation, client_call_details, request_iterator)
 
 
 def intercept(channel: grpc.Channel, target: str = "") -> grpc.Channel:

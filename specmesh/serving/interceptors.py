@@ -109,10 +109,18 @@ class ErrorInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, details):
         method = details.method
 
+        def checked(requests, context):  # a request stream's messages, each held to the size limit
+            for m in requests:
+                self._check(m, context)
+                yield m
+
         def guard(behavior, streaming):
             if streaming:
                 def run_stream(request, context):
-                    self._check(request, context)
+                    if stream_requests:
+                        request = checked(request, context)
+                    else:
+                        self._check(request, context)
                     try:
                         yield from behavior(request, context)
                     except Exception as e:  # noqa: BLE001 - mapped to a status
@@ -134,6 +142,7 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return lambda b: _Oversize(len(b)) if len(b) > self.limit else deserialize(b)
 
         handler = continuation(details)
-        if handler is None or handler.stream_unary or handler.stream_stream:
-            return handler  # streaming requests (reflection) are left as they are
+        if handler is None or handler.stream_unary:
+            return handler  # client-streaming calls (none of ours) are left as they are
+        stream_requests = bool(handler.stream_stream)  # Verifier/Decode's grants, reflection
         return wrap_handler(handler, guard, sized)

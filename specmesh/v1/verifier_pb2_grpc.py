@@ -45,7 +45,7 @@ class VerifierStub:
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
-        self.Decode = channel.unary_stream(
+        self.Decode = channel.stream_stream(
                 '/specmesh.v1.Verifier/Decode',
                 request_serializer=specmesh_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
@@ -81,17 +81,21 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Decode(self, request, context):
-        """Plain decoding ahead of the caller: up to max_steps rounds without a draft,
-        each answered as soon as it is decided. Step i is the Verify the router would
-        send next (keep_len = the committed length, append_tokens = the previous
-        step's next_token, round_seed derived from sampling.seed and the committed
-        length as in specmesh/seeding.py), so the tokens are those of Verify called
-        round by round; the router reads them while the next forward runs, so the
-        hop is off the decode's critical path. Ends after max_steps, after a token
-        in stop_ids, at an error (its status), or when the caller cancels; tokens
-        the verifier decoded past what the caller reads are dropped by its next
-        call's keep_len.
+    def Decode(self, request_iterator, context):
+        """Plain decoding ahead of the caller: rounds without a draft, each answered as
+        soon as it is decided. Step i is the Verify the router would send next
+        (keep_len = the committed length, append_tokens = the previous step's
+        next_token, round_seed derived from sampling.seed and the committed length as
+        in specmesh/seeding.py), so the tokens are those of Verify called round by
+        round; the router reads them while the next forward runs, so the hop is off
+        the decode's critical path. The caller's first message opens the stream and
+        grants max_steps steps; each later message carries only max_steps and grants
+        that many more (flow control: the verifier never decodes past the steps
+        granted, so the caller bounds how far it runs ahead, and grants more as it
+        reads, without the stream stopping). Ends when the caller has closed its side
+        and every granted step was decoded, after a token in stop_ids, at an error
+        (its status), or when the caller cancels; tokens the verifier decoded past
+        what the caller reads are dropped by its next call's keep_len.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -124,7 +128,7 @@ def add_VerifierServicer_to_server(servicer, server):
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
             ),
-            'Decode': grpc.unary_stream_rpc_method_handler(
+            'Decode': grpc.stream_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=specmesh_dot_v1_dot_verifier__pb2.DecodeRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
@@ -205,7 +209,7 @@ class Verifier:
             _registered_method=True)
 
     @staticmethod
-    def Decode(request,
+    def Decode(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -215,8 +219,8 @@ class Verifier:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
             '/specmesh.v1.Verifier/Decode',
             specmesh_dot_v1_dot_verifier__pb2.DecodeRequest.SerializeToString,

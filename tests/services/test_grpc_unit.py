@@ -10,6 +10,7 @@ import asyncio
 from concurrent.futures import CancelledError
 import importlib.util
 import os
+import queue
 import random
 import threading
 import time
@@ -423,7 +424,7 @@ def test_decode_is_verify_round_by_round_and_checks_its_input(cluster):
     def decode(sid, tok, **kw):
         req = verifier_pb2.DecodeRequest(session_id=sid, sampling=sp, **kw,
                                          sync=common_pb2.SessionSync(keep_len=len(prompt), append_tokens=[tok]))
-        return [m.next_token for m in stub.Decode(req, timeout=10)]
+        return [m.next_token for m in stub.Decode(iter([req]), timeout=10)]
 
     with grpc.insecure_channel(cluster.vservers[0].address) as ch:
         stub = verifier_pb2_grpc.VerifierStub(ch)
@@ -438,16 +439,40 @@ def test_decode_is_verify_round_by_round_and_checks_its_input(cluster):
         # from the same point again (keep_len drops what the last stream decoded), ending at a stop token
         stop = by_verify[3]
         assert decode("d2", by_verify[0], max_steps=8, stop_ids=[stop]) == by_verify[1:by_verify.index(stop, 1) + 1]
+        # flow control: the verifier decodes the steps granted and no more; a later grant goes on in the
+        # same stream; closing the request side ends it once the grants are decoded
+        grants: "queue.SimpleQueue" = queue.SimpleQueue()
+        grants.put(verifier_pb2.DecodeRequest(session_id="d2", sampling=sp, max_steps=2, sync=common_pb2.SessionSync(
+            keep_len=len(prompt), append_tokens=[by_verify[0]])))
+        steps0 = stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=5).decode_steps
+        call = stub.Decode(iter(grants.get, None), timeout=10)
+        got = [next(call).next_token for _ in range(2)]
+        assert stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=5).decode_steps == steps0 + 2  # none past the grant
+        grants.put(verifier_pb2.DecodeRequest(max_steps=3))
+        got += [next(call).next_token for _ in range(3)]
+        grants.put(None)
+        assert list(call) == [] and got == by_verify[1:6]
+        assert stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=5).decode_steps == steps0 + 5
+        # a later message grants steps and nothing else (the stream's first step stands: it is what a
+        # Verify of that round gives, and the next call's keep_len drops it)
+        opened = verifier_pb2.DecodeRequest(session_id="d2", sampling=sp, max_steps=1, sync=common_pb2.SessionSync(
+            keep_len=len(prompt), append_tokens=[by_verify[0]]))
+        for name, grant in (("DecodeRequest", verifier_pb2.DecodeRequest(session_id="d2", max_steps=2)),
+                            ("max_steps", verifier_pb2.DecodeRequest(max_steps=0))):
+            c, d = code_of(lambda: list(stub.Decode(iter([opened, grant]), timeout=10)))
+            assert c == grpc.StatusCode.INVALID_ARGUMENT and d.startswith(name), (name, c, d)
         before = stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=5)
         cases = {"max_steps": dict(max_steps=0), "sampling.temperature": dict(
             max_steps=2, sampling=common_pb2.SamplingParams(temperature=-1))}
         for name, kw in cases.items():
             req = verifier_pb2.DecodeRequest(session_id="d2", sampling=kw.pop("sampling", sp), **kw,
                                              sync=common_pb2.SessionSync(keep_len=len(prompt), append_tokens=[1]))
-            c, d = code_of(lambda: list(stub.Decode(req, timeout=10)))
+            c, d = code_of(lambda: list(stub.Decode(iter([req]), timeout=10)))
             assert c == grpc.StatusCode.INVALID_ARGUMENT and d.startswith(name), (name, c, d)
-        c, _ = code_of(lambda: list(stub.Decode(verifier_pb2.DecodeRequest(
-            session_id="ghost", max_steps=2, sync=common_pb2.SessionSync(keep_len=3, append_tokens=[1])), timeout=10)))
+        c, d = code_of(lambda: list(stub.Decode(iter([]), timeout=10)))
+        assert c == grpc.StatusCode.INVALID_ARGUMENT and d.startswith("request"), (c, d)
+        c, _ = code_of(lambda: list(stub.Decode(iter([verifier_pb2.DecodeRequest(
+            session_id="ghost", max_steps=2, sync=common_pb2.SessionSync(keep_len=3, append_tokens=[1]))]), timeout=10)))
         assert c == grpc.StatusCode.FAILED_PRECONDITION  # an unknown session is not created
         after = stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=5)
         assert list(after.sessions) == list(before.sessions) and after.forwards == before.forwards
@@ -658,7 +683,7 @@ def test_auth_token_on_every_service():
             assert info.decode_steps > 0
             decode = verifier_pb2.DecodeRequest(session_id="x", max_steps=1,
                                                 sync=common_pb2.SessionSync(keep_len=0, append_tokens=[1]))
-            c3, _ = code_of(lambda: list(verifier_pb2_grpc.VerifierStub(ch).Decode(decode)))
+            c3, _ = code_of(lambda: list(verifier_pb2_grpc.VerifierStub(ch).Decode(iter([decode]))))
             assert c3 == grpc.StatusCode.UNAUTHENTICATED
         assert healthy(cl.vservers[0].address)  # probes stay open
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from specmesh.router.strategies import DECODE_CHUNK
+from specmesh.router.strategies import DECODE_LEAD
 from tests.support import (TinyTracedStack, check_rule_spans, samples, scrape, spans_done, spans_of, total,
                            wait_for)
 
@@ -68,7 +68,7 @@ def test_exact_and_lossy_requests_are_labelled(tiny, strategy, drafter, rule):
     assert d("specmesh_requests_total", **lab) == 2  # both are still ordinary requests
     # the verifier: one lossy Verify call (or Decode step) per target forward of the lossy request, none for
     # the exact one, plus the steps of a Decode stream that the verifier decoded ahead and the router
-    # dropped when drafting resumed: fewer than DECODE_CHUNK a stream (docs/design.md "Decoding ahead")
+    # dropped when drafting resumed: at most DECODE_LEAD a stream (docs/design.md "Decoding ahead")
     vb, va = before["verifier"], after["verifier"]
     spans = spans_of(tiny.mem)
     trace_id = next(s["trace_id"] for s in spans if s["name"] == "specmesh.generate"
@@ -77,7 +77,7 @@ def test_exact_and_lossy_requests_are_labelled(tiny, strategy, drafter, rule):
                   for s in spans)
     calls = total(va, "specmesh_verify_lossy_calls_total", acceptance=rule, strategy=strategy) - \
         total(vb, "specmesh_verify_lossy_calls_total", acceptance=rule, strategy=strategy)
-    assert lossy.stats.target_forwards <= calls <= lossy.stats.target_forwards + (DECODE_CHUNK - 1) * streams, \
+    assert lossy.stats.target_forwards <= calls <= lossy.stats.target_forwards + DECODE_LEAD * streams, \
         (calls, streams)
     assert total(va, "specmesh_verify_lossy_calls_total") - total(vb, "specmesh_verify_lossy_calls_total") == calls
 

@@ -196,6 +196,27 @@ def test_adaptive_budget_alpha_and_per_round_cost_model():
     off.cost, off.alpha = 0.5, 0.01
     assert [off.next() for _ in range(2)] == [0, 8]
     assert AdaptiveBudget(8, alpha0=0.01, probe_every=2).next() == 0
+    # the wait is shared by the drafter's sessions on one verifier: one starting under load waits as
+    # long as the last probe left it; one alone, or of another drafter, probes at the usual rate
+    costs = VerifyCosts()
+    first = AdaptiveBudget(8, alpha0=0.01, per_round_draft=True, probe_every=2, costs=costs, probe_key="b")
+    first.cost = 0.5
+    assert [first.next() for _ in range(6)] == [0, 8, 0, 0, 0, 8] and costs.probe_gaps == {"b": 8}
+    costs.load = 6.0
+
+    def fresh(key="b"):
+        p = AdaptiveBudget(8, alpha0=0.01, per_round_draft=True, probe_every=2, costs=costs, probe_key=key)
+        p.cost = 0.5
+        return [int(p.next() > 0) for _ in range(8)]  # the rounds that probe (under load: a shorter block)
+
+    assert fresh() == [0] * 7 + [1] and fresh("other")[:3] == [0, 1, 0]
+    costs.load = 1.0
+    assert fresh()[:3] == [0, 1, 0]
+    first.cost, first.alpha = 0.0, 0.95  # drafting pays for a session: the shared wait starts over
+    assert first.next() > 0 and costs.probe_gaps["b"] == 2
+    costs.load = 6.0
+    assert fresh()[:2] == [0, 1]
+    assert AdaptiveBudget.for_drafter("block_tree", 8).probe_key == "block_tree"
     # where a full block is dear to verify (bf16 on AVX2: 8 x 0.24 forwards), the probe
     # drafts the length that pays best at the prior acceptance: 2 at alpha0 0.6, c 0.4
     dear = AdaptiveBudget(8, alpha0=0.6, beta=0.24, per_round_draft=True, probe_every=2)
