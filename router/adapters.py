@@ -24,12 +24,14 @@
   is one) and raises ``SessionLost`` too, and a re-prefill that meets
   UNAVAILABLE is retried with a short backoff for up to ``retry_s`` (a
   restarting replica). Rounds without a draft (plain decoding from its second
-  round; a drafting strategy's once drafting has stopped for a few rounds:
-  ``decode_ahead``) are read from one ``Verifier/Decode`` stream: the verifier
-  decodes the next token while the router handles this one, granted steps as
-  they are read (``DecodeStream``: at most ``decode_lead`` ahead, where a switch
-  back to drafting drops them); a round with a draft ends the stream, and a stream
-  that fails or ends hands the round back to a Verify call.
+  round; an external drafter's once drafting has stopped for a few rounds:
+  ``decode_ahead``), and a self drafter's drafted or not (``decode_self``: the
+  stream carries the budget), are read from one ``Verifier/Decode`` stream: the
+  verifier decodes the next round while the router handles this one, granted
+  steps as they are read (``DecodeStream``: at most ``decode_lead`` ahead, where a
+  switch back to external drafting drops them); a round with an external draft
+  ends the stream, and a stream that fails or ends hands the round back to a
+  Verify call.
 - ``FeatureLog`` (one per generation whose external drafter needs the target's
   hidden features): the router's copy of the committed positions' features. The
   ``RemoteVerifier`` asks for them with every Verify (``feature_layers``) and
@@ -333,6 +335,8 @@ class DecodeStream:
 
     def __init__(self, stub, first, total: int, lead: int, key, timeout: Optional[float] = None, metadata=None):
         self.total, self.lead, self.key = total, lead, key
+        self.budget = first.self_draft.budget if first.HasField("self_draft") else 0  # the last one sent
+        self.method = first.self_draft.method  # the self drafter ("": none)
         self.granted = min(total, lead) if lead else total
         self.read = 0
         first.max_steps = self.granted
@@ -354,6 +358,14 @@ class DecodeStream:
                 self._requests.put(None)
         return resp
 
+    def set_budget(self, budget: int) -> None:
+        """The self drafter's budget from the next step the verifier starts (the steps it
+        decoded ahead keep theirs)."""
+        if budget != self.budget and self.granted < self.total:  # else the request side is closed: the
+            self.budget = budget  # last steps keep the budget they have
+            self._requests.put(verifier_pb2.DecodeRequest(
+                self_draft=verifier_pb2.SelfDraft(method=self.method, budget=budget)))
+
     def cancel(self) -> None:
         self.call.cancel()
         self._requests.put(None)  # ends the request iterator the channel's thread waits on
@@ -364,7 +376,7 @@ class RemoteVerifier:
 
     def __init__(self, replicas: ReplicaSet, vocab_size: int, calls: Calls, retry_s: float = 15.0,
                  features: Optional[FeatureLog] = None, decode_ahead: int = 0, stop_ids: Sequence[int] = (),
-                 decode_after: int = 1, decode_lead: int = 0):
+                 decode_after: int = 1, decode_lead: int = 0, decode_self: Optional[str] = None):
         """``decode_ahead`` > 0: a generation of at most that many tokens whose rounds
         without a draft may be read from a ``Verifier/Decode`` stream (the verifier
         decodes ahead of this loop, the hop is off the critical path), once
@@ -374,7 +386,10 @@ class RemoteVerifier:
         ``decode_lead`` > 0: the verifier decodes at most that many steps past what
         this loop read (``DecodeStream`` grants more as it reads), which bounds what a
         switch drops where the verifier outruns this loop; 0: a stream is granted all
-        its steps at once (plain decoding: nothing to drop). ``decode_ahead`` 0: every
+        its steps at once (plain decoding: nothing to drop). ``decode_self``: the
+        generation's self drafter, whose rounds go on the stream too, drafted or not
+        (the stream carries the budget; the verifier drafts in its turn, so a round
+        with a draft needs nothing from this loop either). ``decode_ahead`` 0: every
         round is a Verify call."""
         self.replicas, self.vocab_size, self.calls, self.retry_s = replicas, vocab_size, calls, retry_s
         self.features = features  # ask for hidden features with every verify and keep them here
@@ -387,6 +402,7 @@ class RemoteVerifier:
         self.decode_left = decode_ahead  # tokens the generation may still yield (a stream decodes no more)
         self.decode_after = max(1, decode_after)
         self.decode_lead = max(0, decode_lead)
+        self.decode_self = decode_self
         self._plain_run = 0  # rounds without a draft in a row, this one included
         self.stop_ids = list(stop_ids)
         self._stream: Optional[DecodeStream] = None
@@ -417,7 +433,7 @@ class RemoteVerifier:
         if plain and self.decode_left > 0 and (self._stream is not None or self._plain_run >= self.decode_after):
             res = self._decoded(req)
             if res is not None:
-                self.decode_left -= 1
+                self.decode_left -= len(res.accepted) + 1
                 return res
         else:
             self._end_stream()
@@ -458,9 +474,11 @@ class RemoteVerifier:
         return res
 
     def _plain(self, req: VerifyRequest) -> bool:
-        """A round a Decode step answers: no draft, nothing else asked for, and not the
-        first round of the session on its replica (that one pins it and prefills)."""
-        return (self.peer is not None and req.keep_len > 0 and not len(req.tree) and req.self_draft is None
+        """A round a Decode step answers: no draft from this loop (none, or the
+        generation's self drafter's), nothing else asked for, and not the first round of
+        the session on its replica (that one pins it and prefills)."""
+        own = req.self_draft is None or (self.decode_self is not None and req.self_draft.method == self.decode_self)
+        return (self.peer is not None and req.keep_len > 0 and not len(req.tree) and own
                 and not req.feature_layers and self.features is None)
 
     def _decoded(self, req: VerifyRequest) -> Optional[VerifyResult]:
@@ -469,6 +487,7 @@ class RemoteVerifier:
         stream failed or ended early: the round goes as a Verify call, which handles a
         lost session or replica as it always does."""
         key = (req.keep_len, tuple(req.append_tokens), req.want_entropy)
+        budget = req.self_draft.budget if req.self_draft is not None else 0
         if self._stream is not None and self._stream.key != key:
             self._end_stream()
         if self._stream is None:
@@ -476,8 +495,15 @@ class RemoteVerifier:
                 session_id=req.session_id, sync=convert.sync_to_proto(req.keep_len, req.append_tokens),
                 sampling=convert.sampling_to_proto(req.sampling), stop_ids=self.stop_ids,
                 want_entropy=req.want_entropy)
+            if self.decode_self is not None:  # drafts capped near the end as the loop caps them
+                msg.self_draft.method, msg.self_draft.budget = self.decode_self, budget
+                msg.tokens_left = self.decode_left
             self._stream = DecodeStream(self.peer.stub, msg, self.decode_left, self.decode_lead, key,
                                         timeout=self.calls.timeout(), metadata=self.calls.metadata)
+        else:
+            self._stream.set_budget(budget)  # from the next step the verifier starts (a step it decoded ahead
+            # keeps the budget it had: with greedy acceptance the tokens are the same either way, and a
+            # sampled request's budget is fixed)
         t0 = time.perf_counter()
         try:
             resp = next(self._stream)
@@ -489,7 +515,8 @@ class RemoteVerifier:
             self.decode_left = 0  # and every later round: no stream re-opened per round
             log.info("Decode stream failed (%s); plain rounds go as Verify calls", e.code())
             return None
-        self._stream.key = (req.keep_len + len(req.append_tokens), (resp.next_token,), req.want_entropy)
+        self._stream.key = (req.keep_len + len(req.append_tokens) + len(resp.accepted), (resp.next_token,),
+                            req.want_entropy)
         self._calls += 1
         # the wait for a step decided while this loop was busy is ~0: only what exceeds the step counts
         res = self._answered(self.peer, t0, resp)

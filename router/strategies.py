@@ -499,16 +499,21 @@ class Strategies:
             if spec is not None:  # else the service never answered: its Propose fails, the rounds decode plainly
                 features = FeatureLog(*spec)
         # rounds without a draft: the verifier decodes ahead on a Decode stream (adapters.RemoteVerifier), from
-        # plain decoding's second round, from a self drafter's first round without a draft (its budget policy
-        # turned drafting off) and once an external drafter's rounds came without a draft a few in a row (a
+        # plain decoding's second round, a self drafter's from its second round, drafted or not (the stream
+        # carries its budget: the verifier drafts in its own turn), and once an external drafter's rounds came
+        # without a draft a few in a row (a
         # lookup that finds nothing for one round is no reason to open one); not for a fused self drafter, whose
         # state is the last forward's, nor reasoning requests
         plain = plan.strategy == "autoregressive" and not plan.drafter and not plan.self_draft
         streams = r.s.decode_stream and not plan.reasoning and features is None and plan.self_draft not in FUSED
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features,
-                                  decode_ahead=plan.max_new_tokens if streams else 0, stop_ids=r.codec.stop_ids,
+                                  # the tokens it may still yield: a resumed request's delivered ones count,
+                                  # and its prefill of all but the last one (loop prefill_resumed) yields none
+                                  decode_ahead=max(0, plan.max_new_tokens - len(plan.resume) + bool(plan.resume))
+                                  if streams else 0,
+                                  stop_ids=r.codec.stop_ids,
                                   decode_after=1 if plain or plan.self_draft else DECODE_AFTER,
-                                  decode_lead=0 if plain else DECODE_LEAD)
+                                  decode_lead=0 if plain else DECODE_LEAD, decode_self=plan.self_draft or None)
         drafter, loop_v, meter, resumed = None, verifier, None, None
         # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
         # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed

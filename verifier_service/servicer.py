@@ -14,6 +14,7 @@ It knows nothing about tokenizers, strategies or the router.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -24,7 +25,7 @@ from specmesh.serving import convert
 from specmesh.serving.convert import check_session_id
 from specmesh.serving.server import Service, time_left
 from specmesh.serving.settings import ServeSettings
-from specmesh.types import InvalidArgument, VerifyRequest
+from specmesh.types import InvalidArgument, SelfDraft, VerifyRequest
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
 from .batcher import VerifyBatcher
@@ -55,13 +56,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
 
     def Decode(self, requests, context):
-        """Plain decoding ahead of the router (``Verifier/Decode``): each step is the
-        Verify the router would send next, through the same batcher, so its token is
-        that round's; streamed as it is decided. The first message opens the stream and
-        grants its first ``max_steps``; a later one grants more (read only once the
-        granted steps are decoded: the verifier never runs further ahead). Ends when the
-        caller has closed its side with every granted step decoded, after a stop token,
-        or when the caller cancels (checked before every step)."""
+        """Decoding ahead of the router (``Verifier/Decode``): each step is the Verify
+        the router would send next (without a draft, or with the stream's self-draft
+        budget), through the same batcher, so its tokens are that round's; streamed as
+        it is decided. The first message opens the stream and grants its first
+        ``max_steps``; later ones (read as they come, on a thread of the stream's own)
+        grant more and may change the self-draft budget from the next step; the verifier
+        never decodes past its grants. Ends when the caller has closed its side with
+        every granted step decoded, after a stop token, or when the caller cancels
+        (checked before every step)."""
         request = _next_message(requests)
         if request is None:
             raise InvalidArgument("request", "the stream closed before its first DecodeRequest")
@@ -71,30 +74,47 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         sid, stops = request.session_id, set(request.stop_ids)
         keep, append = request.sync.keep_len, list(request.sync.append_tokens)
         sampling = convert.sampling_from_proto(request.sampling)  # checked once, every step's
-        granted = request.max_steps
+        draft = _self_draft(request)
+        left = request.tokens_left if request.tokens_left > 0 else None  # caps the draft near the end
+        granted, closed = request.max_steps, False
+        inbox: "queue.SimpleQueue" = queue.SimpleQueue()
+        threading.Thread(target=_read_into, args=(requests, inbox), daemon=True, name="decode-grants").start()
         with self._decode_cv:
             self._decoding[sid] = self._decoding.get(sid, 0) + 1
         try:
             while True:
-                if granted == 0:  # every granted step decoded: wait for the caller's next grant
-                    more = _next_message(requests)
+                while not closed:  # what the caller sent: waited for only when no step is granted
+                    try:
+                        more = inbox.get(block=granted == 0)
+                    except queue.Empty:
+                        break
                     if more is None:  # closed its side (or went away)
-                        return
-                    granted = _grant(more)
-                if not context.is_active():
-                    return
+                        closed = True
+                    elif isinstance(more, BaseException):
+                        raise more
+                    else:
+                        granted += _grant(more)
+                        if more.HasField("self_draft"):
+                            draft = _self_draft(more)
+                if granted == 0 or (left is not None and left <= 0) or not context.is_active():
+                    return  # nothing granted, the generation's tokens all produced, or the caller gone
                 t0 = time.perf_counter()
                 n = keep + len(append)  # the committed length, the pending token included
+                sd = draft
+                if sd is not None and left is not None and sd.budget > left - 1:
+                    sd = SelfDraft(sd.method, left - 1) if left > 1 else None
                 step = VerifyRequest(sid, keep, append, sampling=sampling, round_seed=round_seed(sampling.seed, n),
-                                     want_entropy=request.want_entropy)
+                                     self_draft=sd, want_entropy=request.want_entropy)
                 res = self.batcher.verify(step, timeout=time_left(context), alive=context.is_active)
                 granted -= 1
                 with self._decode_cv:
                     self.decode_steps += 1
                 yield convert.verify_result_to_proto(res, (time.perf_counter() - t0) * 1e3)
-                if res.next_token in stops:
+                if res.next_token in stops or stops.intersection(res.accepted):
                     return
-                keep, append = n, [res.next_token]
+                keep, append = n + len(res.accepted), [res.next_token]
+                if left is not None:
+                    left -= len(res.accepted) + 1
         finally:
             with self._decode_cv:
                 self._decoding[sid] -= 1
@@ -125,6 +145,29 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return m
 
 
+def _read_into(requests, inbox) -> None:
+    """A Decode stream's later messages into ``inbox`` as they arrive, then None (the
+    caller closed its side or the call ended); an error the request side raised (a
+    message over the size limit) is passed on for the handler to raise."""
+    try:
+        for m in requests:
+            inbox.put(m)
+    except grpc.RpcError:
+        pass
+    except Exception as e:  # noqa: BLE001 - raised by the handler, whose status the caller gets
+        inbox.put(e)
+    inbox.put(None)
+
+
+def _self_draft(m):
+    """A DecodeRequest's self-draft budget as the steps' SelfDraft (None: no draft)."""
+    if not m.HasField("self_draft") or m.self_draft.budget == 0:
+        return None
+    if m.self_draft.budget < 0:
+        raise InvalidArgument("self_draft.budget", f"must be >= 0, got {m.self_draft.budget}")
+    return SelfDraft(m.self_draft.method, m.self_draft.budget)
+
+
 def _next_message(requests):
     """The stream's next message; None once the caller closed its side or the call ended."""
     try:
@@ -136,11 +179,12 @@ def _next_message(requests):
 
 
 def _grant(more) -> int:
-    """The steps a later DecodeRequest grants (it sets max_steps >= 1 and nothing else)."""
-    others = [f.name for f, _ in more.ListFields() if f.name != "max_steps"]
+    """The steps a later DecodeRequest grants (it sets max_steps >= 0 and self_draft, no
+    other field, and at least one of them)."""
+    others = [f.name for f, _ in more.ListFields() if f.name not in ("max_steps", "self_draft")]
     if others:
-        raise InvalidArgument("DecodeRequest", f"a later message grants steps only (max_steps); it set {others}")
-    if more.max_steps < 1:
+        raise InvalidArgument("DecodeRequest", f"a later message sets only max_steps and self_draft; it set {others}")
+    if more.max_steps < 0 or (more.max_steps == 0 and not more.HasField("self_draft")):
         raise InvalidArgument("max_steps", f"a grant must be >= 1, got {more.max_steps}")
     return more.max_steps
 

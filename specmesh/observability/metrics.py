@@ -316,7 +316,7 @@ class VerifierMetrics(ServiceMetrics):
             ]))
 
     def on_item(self, method: str, strategy: str, request, item) -> None:
-        if method == "Decode":  # each step of a Decode stream is a plain Verify round
+        if method == "Decode":  # each step of a Decode stream is a Verify round (plain or self-drafted)
             self.on_response("Verify", strategy, request, item)
 
     def on_response(self, method: str, strategy: str, request, response) -> None:

@@ -54,20 +54,24 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round_seed: _Optional[int] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., want_entropy: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "sync", "sampling", "max_steps", "stop_ids", "want_entropy")
+    __slots__ = ("session_id", "sync", "sampling", "max_steps", "stop_ids", "want_entropy", "self_draft", "tokens_left")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     WANT_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    SELF_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sync: _common_pb2.SessionSync
     sampling: _common_pb2.SamplingParams
     max_steps: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
     want_entropy: bool
-    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., want_entropy: _Optional[bool] = ...) -> None: ...
+    self_draft: SelfDraft
+    tokens_left: int
+    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., want_entropy: _Optional[bool] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., tokens_left: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features", "batch_rows")

@@ -82,20 +82,21 @@ class VerifierServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request_iterator, context):
-        """Plain decoding ahead of the caller: rounds without a draft, each answered as
-        soon as it is decided. Step i is the Verify the router would send next
-        (keep_len = the committed length, append_tokens = the previous step's
-        next_token, round_seed derived from sampling.seed and the committed length as
-        in specmesh/seeding.py), so the tokens are those of Verify called round by
+        """Decoding ahead of the caller: rounds without a draft, or drafted inside the
+        verifier by a self drafter, each answered as soon as it is decided. Step i is
+        the Verify the router would send next (keep_len = the committed length after
+        the previous step's accepted tokens, append_tokens = its next_token,
+        round_seed derived from sampling.seed and the committed length as in
+        specmesh/seeding.py), so the tokens are those of Verify called round by
         round; the router reads them while the next forward runs, so the hop is off
         the decode's critical path. The caller's first message opens the stream and
-        grants max_steps steps; each later message carries only max_steps and grants
-        that many more (flow control: the verifier never decodes past the steps
-        granted, so the caller bounds how far it runs ahead, and grants more as it
-        reads, without the stream stopping). Ends when the caller has closed its side
-        and every granted step was decoded, after a token in stop_ids, at an error
-        (its status), or when the caller cancels; tokens the verifier decoded past
-        what the caller reads are dropped by its next call's keep_len.
+        grants max_steps steps; a later message grants max_steps more and may change
+        the self drafter's budget (flow control: the verifier never decodes past the
+        steps granted, so the caller bounds how far it runs ahead, and grants more as
+        it reads, without the stream stopping). Ends when the caller has closed its
+        side and every granted step was decoded, after a token in stop_ids, at an
+        error (its status), or when the caller cancels; tokens the verifier decoded
+        past what the caller reads are dropped by its next call's keep_len.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

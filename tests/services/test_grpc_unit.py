@@ -398,11 +398,23 @@ def test_plain_decoding_reads_a_decode_stream(cluster):
             assert r.stats.drafted_tokens > 0, kw
         # the self drafter's budget policy turns drafting off on timings (then its rounds use streams)
         assert c.generate(PROMPT, max_new_tokens=40, strategy="self").token_ids == ref
+        # a self drafter drafting every round (a fixed budget) reads every round after the first from the
+        # stream: the stream carries the budget and the verifier drafts in its own turn
+        self_kw = dict(strategy="self", draft_budget=3)
+        before = cluster.verifier_info().decode_steps
+        r = c.generate(PROMPT, max_new_tokens=40, **self_kw)
+        assert r.token_ids == ref and r.stats.drafted_tokens > 0
+        assert cluster.verifier_info().decode_steps - before >= r.stats.rounds - 1, r.stats.rounds
+        sampled_kw = dict(self_kw, temperature=0.8, top_p=0.95, seed=7)
+        self_sampled = c.generate(PROMPT, max_new_tokens=32, **sampled_kw)
+        assert self_sampled.stats.drafted_tokens > 0
     assert wait_for(lambda: len(cluster.verifier_info().sessions) == 0)
     off = TinyStack(decode_stream=False)
     try:
         with Client(off.address, timeout=30) as c:
             assert c.generate(PROMPT, strategy="autoregressive", max_new_tokens=40).token_ids == ref
+            # the same seeded self-drafted request, a Verify call a round: the same draws
+            assert c.generate(PROMPT, max_new_tokens=32, **sampled_kw).token_ids == self_sampled.token_ids
         assert off.verifier_info().decode_steps == 0
     finally:
         off.close()
