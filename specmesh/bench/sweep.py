@@ -11,7 +11,11 @@ time and token count of every streamed chunk. A system is ``strategy[:drafter]``
 
 Inter-token latency: the gap between two chunks of a stream is spread evenly
 over the chunk's tokens (speculative chunks carry several tokens); the raw p99
-chunk gap is reported beside it. Writes sweep.json, sweep.md and sweep.png.
+chunk gap is reported beside it. ``--repeats N`` runs N alternating passes over
+the systems at each stream count; the summary (``summary``) gives each cell's
+median tokens/s and its ratios to the plain pass beside it, and a verdict line
+per speculative system (``TARGET``: at least 0.95x plain decoding at every
+stream count). Writes sweep.json, sweep.md and sweep.png.
 
 This module is the only part of ``specmesh.bench`` that talks gRPC (through
 the client SDK); it knows nothing about models.
@@ -24,6 +28,7 @@ import os
 import queue
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -51,6 +56,9 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=8, help="requests per cell (at least the stream count)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--budget", type=int, default=None, help="draft tokens per round (default: router's)")
+    p.add_argument("--repeats", type=int, default=1, help="passes over the systems at each stream count, "
+                   "alternating (plain, speculative, plain, ...): the summary gives each cell's median and the "
+                   "ratios to the plain pass beside it (this kind of machine moves 20%% between minutes)")
     p.add_argument("--timeout", type=float, default=600.0, help="deadline of each request, seconds")
     p.add_argument("--out", default="bench-out", help="output directory (sweep.json, sweep.md, sweep.png)")
 
@@ -215,6 +223,44 @@ class Services:
 
 
 # ---------------------------------------------------------------- reports
+TARGET = 0.95  # speculation against plain decoding at every stream count (issue 48)
+
+
+def summary(cells: list[dict]) -> list[dict]:
+    """Per (system, streams): the median tokens/s over the passes and the ratios to the
+    plain system's (the first system's) tokens/s in the same pass, with their median."""
+    plain = cells[0]["system"] if cells else ""
+    base = {(c["streams"], c.get("repeat", 0)): c["tokens_per_s"] for c in cells if c["system"] == plain}
+    out: dict = {}
+    for c in cells:
+        row = out.setdefault((c["system"], c["streams"]), {"system": c["system"], "streams": c["streams"],
+                                                            "tokens_per_s": [], "ratios": []})
+        row["tokens_per_s"].append(c["tokens_per_s"])
+        b = base.get((c["streams"], c.get("repeat", 0)))
+        if b:
+            row["ratios"].append(round(c["tokens_per_s"] / b, 3))
+    for row in out.values():
+        row["median_tokens_per_s"] = round(statistics.median(row["tokens_per_s"]), 2)
+        row["median_ratio"] = round(statistics.median(row["ratios"]), 3) if row["ratios"] else None
+    return list(out.values())
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """One line per speculative system: its lowest median ratio to plain decoding over the
+    stream counts against ``TARGET``."""
+    plain = rows[0]["system"] if rows else ""
+    lines = []
+    for name in dict.fromkeys(r["system"] for r in rows if r["system"] != plain):
+        rs = [r for r in rows if r["system"] == name and r["median_ratio"] is not None]
+        if not rs:
+            continue
+        worst = min(rs, key=lambda r: r["median_ratio"])
+        ok = "ok" if worst["median_ratio"] >= TARGET else "BELOW TARGET"
+        lines.append(f"- {name}: lowest median {worst['median_ratio']:.2f}x of {plain} (at {worst['streams']} "
+                     f"streams; target >= {TARGET:.2f}x at every stream count): {ok}")
+    return lines
+
+
 def render(cells: list[dict], meta: dict) -> str:
     L = ["# specmesh concurrency sweep (gRPC)", "",
          f"router {meta['target']}, max_new_tokens {meta['max_new_tokens']}, {meta['requests']} requests per cell "
@@ -223,14 +269,25 @@ def render(cells: list[dict], meta: dict) -> str:
          "| system | streams | requests | new tokens | wall s | total tok/s | vs plain | ITL p50 ms | ITL p99 ms "
          "| chunk gap p99 ms | TTFT p50 ms | τ | errors |",
          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    plain = {c["streams"]: c["tokens_per_s"] for c in cells if c["system"] == cells[0]["system"]}
+    plain = {(c["streams"], c.get("repeat", 0)): c["tokens_per_s"] for c in cells
+             if c["system"] == cells[0]["system"]}
     f = lambda v: "–" if v is None else f"{v}"  # noqa: E731
     for c in cells:
-        base = plain.get(c["streams"])
+        base = plain.get((c["streams"], c.get("repeat", 0)))
         vs = f"{c['tokens_per_s'] / base:.2f}x" if base else "–"
         L.append(f"| {c['system']} | {c['streams']} | {c['requests']} | {c['new_tokens']} | {c['wall_s']} | "
                  f"{c['tokens_per_s']} | {vs} | {f(c['itl_p50_ms'])} | {f(c['itl_p99_ms'])} | "
                  f"{f(c['chunk_gap_p99_ms'])} | {f(c['ttft_p50_ms'])} | {f(c['tau'])} | {len(c['errors'])} |")
+    rows = summary(cells)
+    passes = max((c.get("repeat", 0) for c in cells), default=0) + 1
+    L += ["", f"Summary: median of {passes} alternating pass(es); ratios to {cells[0]['system'] if cells else '–'} "
+          "in the same pass.", "",
+          "| system | streams | median tok/s | median vs plain | ratios |", "|---|---|---|---|---|"]
+    for r in rows:
+        m = "–" if r["median_ratio"] is None else f"{r['median_ratio']:.2f}x"
+        L.append(f"| {r['system']} | {r['streams']} | {r['median_tokens_per_s']} | {m} | "
+                 f"{' / '.join(f'{x:.2f}' for x in r['ratios'])} |")
+    L += [""] + verdicts(rows)
     errs = sorted({e for c in cells for e in c["errors"]})
     if errs:
         L += ["", "Errors:"] + [f"- {e}" for e in errs[:10]]
@@ -244,13 +301,14 @@ def chart(cells: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    med = {(r["system"], r["streams"]): r["median_tokens_per_s"] for r in summary(cells)}
     for sysname in dict.fromkeys(c["system"] for c in cells):
-        cs = [c for c in cells if c["system"] == sysname]
+        cs = [c for c in cells if c["system"] == sysname and c.get("repeat", 0) == 0]  # latency: the first pass
         x = [c["streams"] for c in cs]
-        a.plot(x, [c["tokens_per_s"] for c in cs], marker="o", label=sysname)
+        a.plot(x, [med[(sysname, n)] for n in x], marker="o", label=sysname)
         b.plot(x, [c["itl_p50_ms"] or 0 for c in cs], marker="o", label=f"{sysname} p50")
         b.plot(x, [c["itl_p99_ms"] or 0 for c in cs], marker="x", ls="--", label=f"{sysname} p99")
-    a.set(xlabel="concurrent streams", ylabel="total tokens / s", title="throughput")
+    a.set(xlabel="concurrent streams", ylabel="total tokens / s (median of the passes)", title="throughput")
     b.set(xlabel="concurrent streams", ylabel="ms", title="inter-token latency")
     for ax in (a, b):
         ax.grid(alpha=0.3)
@@ -269,6 +327,9 @@ def run_sweep(args) -> dict:
     if not streams or any(n <= 0 for n in streams):
         raise InvalidArgument("streams", f"must be positive integers, got {args.streams!r}")
     systems = parse_systems(args.systems)
+    repeats = int(getattr(args, "repeats", 1))
+    if repeats < 1:
+        raise InvalidArgument("repeats", f"must be >= 1, got {repeats}")
     names = [x.strip() for x in args.workloads.split(",") if x.strip()] or None
     loads = wl.load(names, args.prompts, Path(args.workloads_dir) if args.workloads_dir else None)
     pool = [{"prompt": p.prompt, "messages": p.messages} for ps in loads.values() for p in ps]
@@ -291,20 +352,26 @@ def run_sweep(args) -> dict:
                     time.sleep(3)
         for n in streams:
             reqs = [pool[i % len(pool)] for i in range(max(args.requests, n))]
-            for system in systems:  # plain and speculative back to back at each concurrency
-                cell = run_cell(client, reqs, system, n, args.max_new_tokens, args.budget, args.timeout)
-                print(f"  {cell['system']:28s} streams {n}: {cell['tokens_per_s']:7.1f} tok/s, "
-                      f"ITL p50 {cell['itl_p50_ms']} ms p99 {cell['itl_p99_ms']} ms, errors {len(cell['errors'])}",
-                      file=sys.stderr, flush=True)
-                cells.append(cell)
+            for rep in range(repeats):  # plain and speculative back to back at each concurrency, alternating
+                for system in systems:
+                    cell = run_cell(client, reqs, system, n, args.max_new_tokens, args.budget, args.timeout)
+                    cell["repeat"] = rep
+                    print(f"  {cell['system']:28s} streams {n}" + (f" pass {rep + 1}/{repeats}" if repeats > 1
+                                                                   else "") +
+                          f": {cell['tokens_per_s']:7.1f} tok/s, ITL p50 {cell['itl_p50_ms']} ms p99 "
+                          f"{cell['itl_p99_ms']} ms, errors {len(cell['errors'])}", file=sys.stderr, flush=True)
+                    cells.append(cell)
         client.close()
     finally:
         if services:
             services.stop()
     meta = {"target": target, "served_here": bool(services), "dtype": args.dtype if services else None,
             "max_new_tokens": args.max_new_tokens, "requests": args.requests, "workloads": list(loads),
-            "streams": streams, "systems": [_label(s) for s in systems]}
-    (out / "sweep.json").write_text(json.dumps({"meta": meta, "cells": cells}, indent=2))
+            "streams": streams, "systems": [_label(s) for s in systems], "repeats": repeats}
+    rows = summary(cells)
+    for line in verdicts(rows):
+        print(line, file=sys.stderr)
+    (out / "sweep.json").write_text(json.dumps({"meta": meta, "cells": cells, "summary": rows}, indent=2))
     (out / "sweep.md").write_text(render(cells, meta))
     chart(cells, out / "sweep.png")
     return {"meta": meta, "cells": cells}

@@ -129,6 +129,21 @@ def test_sweep_cell_metrics_with_a_fake_client():
     assert spec["tau"] == 2.0 and plain["itl_p50_ms"] > 0 and plain["itl_p99_ms"] >= plain["itl_p50_ms"]
     md = sweep.render(cells, {"target": "fake", "max_new_tokens": 16, "requests": 5, "workloads": ["x"]})
     assert "| external:prompt_lookup | 2 | 5 | 30 |" in md
+    # alternating passes: each ratio is to the plain pass beside it, the summary takes medians
+    passes = [dict(c, repeat=r, tokens_per_s=t) for r, (p, q) in enumerate([(100, 150), (50, 45), (80, 96)])
+              for c, t in ((plain, p), (spec, q))]
+    rows = {r["system"]: r for r in sweep.summary(passes)}
+    assert rows["external:prompt_lookup"]["ratios"] == [1.5, 0.9, 1.2]
+    assert rows["external:prompt_lookup"]["median_ratio"] == 1.2
+    assert rows["external:prompt_lookup"]["median_tokens_per_s"] == 96 and rows["autoregressive"]["median_ratio"] == 1
+    assert sweep.verdicts(list(rows.values())) == [
+        "- external:prompt_lookup: lowest median 1.20x of autoregressive (at 2 streams; target >= 0.95x at every "
+        "stream count): ok"]
+    passes[-1]["tokens_per_s"] = 60  # now 1.5 / 0.9 / 0.75: the median 0.9 is below the target
+    assert sweep.verdicts(sweep.summary(passes))[0].endswith("BELOW TARGET")
+    md = sweep.render(passes, {"target": "fake", "max_new_tokens": 16, "requests": 5, "workloads": ["x"]})
+    assert "median of 3 alternating pass(es)" in md
+    assert "| external:prompt_lookup | 2 | 60 | 0.90x | 1.50 / 0.90 / 0.75 |" in md
 
 
 @pytest.mark.slow
