@@ -501,9 +501,8 @@ class Strategies:
         # rounds without a draft: the verifier decodes ahead on a Decode stream (adapters.RemoteVerifier), from
         # plain decoding's second round, a self drafter's from its second round, drafted or not (the stream
         # carries its budget: the verifier drafts in its own turn), and once an external drafter's rounds came
-        # without a draft a few in a row (a
-        # lookup that finds nothing for one round is no reason to open one); not for a fused self drafter, whose
-        # state is the last forward's, nor reasoning requests
+        # without a draft a few in a row (a lookup that finds nothing for one round is no reason to open one);
+        # not for a fused self drafter, whose state is the last forward's, nor reasoning requests
         plain = plan.strategy == "autoregressive" and not plan.drafter and not plan.self_draft
         streams = r.s.decode_stream and not plan.reasoning and features is None and plan.self_draft not in FUSED
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s, features=features,

@@ -59,15 +59,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         """Decoding ahead of the router (``Verifier/Decode``): each step is the Verify
         the router would send next (without a draft, or with the stream's self-draft
         budget), through the same batcher, so its tokens are that round's; streamed as
-        it is decided. The first message opens the stream and grants its first
-        ``max_steps``; later ones (read as they come, on a thread of the stream's own)
+        it is decided. Its messages are read as they come, on a thread of the stream's
+        own: the first opens the stream and grants its first ``max_steps``; later ones
         grant more and may change the self-draft budget from the next step; the verifier
         never decodes past its grants. Ends when the caller has closed its side with
-        every granted step decoded, after a stop token, or when the caller cancels
-        (checked before every step)."""
-        request = _next_message(requests)
+        every granted step decoded, after a stop token, when the generation's tokens
+        are all produced, or when the caller cancels (checked before every step)."""
+        inbox: "queue.SimpleQueue" = queue.SimpleQueue()  # the caller's messages, as they arrive
+        threading.Thread(target=_read_into, args=(requests, inbox), daemon=True, name="decode-grants").start()
+        request = inbox.get()
         if request is None:
             raise InvalidArgument("request", "the stream closed before its first DecodeRequest")
+        if isinstance(request, BaseException):
+            raise request
         check_session_id(request.session_id)
         if request.max_steps < 1:
             raise InvalidArgument("max_steps", f"must be >= 1, got {request.max_steps}")
@@ -77,8 +81,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         draft = _self_draft(request)
         left = request.tokens_left if request.tokens_left > 0 else None  # caps the draft near the end
         granted, closed = request.max_steps, False
-        inbox: "queue.SimpleQueue" = queue.SimpleQueue()
-        threading.Thread(target=_read_into, args=(requests, inbox), daemon=True, name="decode-grants").start()
         with self._decode_cv:
             self._decoding[sid] = self._decoding.get(sid, 0) + 1
         try:
@@ -146,9 +148,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 
 def _read_into(requests, inbox) -> None:
-    """A Decode stream's later messages into ``inbox`` as they arrive, then None (the
-    caller closed its side or the call ended); an error the request side raised (a
-    message over the size limit) is passed on for the handler to raise."""
+    """A Decode stream's messages into ``inbox`` as they arrive, then None (the caller
+    closed its side or the call ended); an error the request side raised (a message
+    over the size limit) is passed on for the handler to raise."""
     try:
         for m in requests:
             inbox.put(m)
@@ -166,16 +168,6 @@ def _self_draft(m):
     if m.self_draft.budget < 0:
         raise InvalidArgument("self_draft.budget", f"must be >= 0, got {m.self_draft.budget}")
     return SelfDraft(m.self_draft.method, m.self_draft.budget)
-
-
-def _next_message(requests):
-    """The stream's next message; None once the caller closed its side or the call ended."""
-    try:
-        return next(requests)
-    except StopIteration:
-        return None
-    except grpc.RpcError:  # cancelled or past its deadline while waiting
-        return None
 
 
 def _grant(more) -> int:

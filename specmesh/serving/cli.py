@@ -59,8 +59,8 @@ _FLAGS = [
     ("--drafter-timeout-s", "drafter_timeout_s", float, "router: deadline of one drafter call (default 2)"),
     ("--draft-ahead", "draft_ahead", str, "router: external token-only drafters draft the next round while the "
      "verifier verifies this one: off | on | auto (measured; default specmesh.ahead.AHEAD_DEFAULT)"),
-    ("--decode-stream", "decode_stream", str, "router: plain decoding reads its tokens from a Verifier/Decode "
-     "stream, the verifier decoding ahead: true | false (default true)"),
+    ("--decode-stream", "decode_stream", str, "router: rounds without a draft and self drafters' rounds read "
+     "their tokens from a Verifier/Decode stream, the verifier decoding ahead: true | false (default true)"),
     ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
     ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
     ("--router-addresses", "router_addresses", str, "openai: comma-separated router host:port list (or one DNS "

@@ -91,8 +91,9 @@ class ServeSettings(BaseSettings):
     draft_ahead: Literal["off", "on", "auto"] = Field(AHEAD_DEFAULT, description="external token-only drafters "
                                                       "draft the next round while this one verifies (specmesh.ahead)")
     decode_stream: bool = Field(True, description="router: rounds without a draft (plain decoding's, drafting "
-                                "that stopped) read their tokens from a Verifier/Decode stream (the verifier decodes "
-                                "the next token while the router handles this one); false: a Verify call a round")
+                                "that stopped) and self drafters' rounds read their tokens from a Verifier/Decode "
+                                "stream (the verifier decodes the next round while the router handles this one); "
+                                "false: a Verify call a round")
     draft_ahead_width: int = Field(1, ge=1, le=64, description="drafter: guesses tried per draft-ahead outcome "
                                    "(1: the bonus token is its best guess, a rejection's token its second choice)")
     draft_ahead_outcomes: int = Field(4, ge=1, le=64, description="drafter: ahead rounds drafted per verify, at most")
