@@ -5,13 +5,14 @@ servers, the tiny 6-token model of ``tests/support.py`` that
 ``tests/unit/test_distribution.py`` uses); one strategy per kind
 of drafting — an external drafter that samples (draft LM, sparse q on the wire),
 the trained block drafter on the drafter service (the target's hidden features
-sent through the router with every round, sparse q back: its tree), an in-verifier
-self drafter (the mask-gated adapter's fused rounds, tree), the conversation cache
+sent through the router with every round, sparse q back: its tree), in-verifier
+self drafters (the mask-gated adapter's fused rounds, tree; layer-skip, whose rounds
+after the first the verifier drafts on the Decode stream), the conversation cache
 (proactive) and ``auto`` — each run for thousands of seeds and compared with the
 exact joint distribution of plain sampling by a chi-square test. Deterministic
 seeds. Every drafter's own rules (the block chain, layer-skip, ...) are tested the
 same way in the loop (``tests/unit/test_distribution.py``); this file tests the
-paths through the services, one case per path (kept to five for CI's time).
+paths through the services, one case per path (kept to six for CI's time).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ CASES = [  # (strategy, drafter, sampling)
     ("auto", "", SamplingParams(temperature=1.0)),
     ("external", "block_tree", SamplingParams(temperature=0.7, top_k=3)),  # hidden features over the wire, sparse q back
     ("self", "uno_tree", SamplingParams(temperature=1.3, top_p=0.8)),  # drafts from the last forward's masks
+    ("self", "layerskip", SamplingParams(temperature=1.0)),  # a draft pass in the verifier: rounds on Decode streams
 ]
 
 
