@@ -32,13 +32,15 @@ N = 24
 
 class Watched(PromptLookupDrafter):
     """Prompt lookup (the last token repeated where it finds nothing) that records the
-    committed length of every ahead round it drafts (calls on the draft-ahead worker), and
-    can fail from the ``fail_after``-th call on."""
+    committed length of every ahead round it drafts (calls on the draft-ahead worker), can
+    hold the ahead rounds of at least ``gate[0]`` committed tokens until the event
+    ``gate[1]`` is set, and can fail from the ``fail_after``-th call on."""
 
     def __init__(self):
         super().__init__()
         self.cv = threading.Condition()
         self.ahead_lengths: list[int] = []
+        self.gate = None
         self.fail_after = None
         self.calls = 0
 
@@ -46,10 +48,13 @@ class Watched(PromptLookupDrafter):
         self.calls += 1
         if self.fail_after is not None and self.calls >= self.fail_after:
             raise RuntimeError("drafter died")
+        ahead = threading.current_thread().name.startswith("draft-ahead") and budget > 1
+        if ahead and self.gate is not None and len(ctx.tokens) >= self.gate[0]:
+            assert self.gate[1].wait(20)
         tree = super().propose(ctx, budget)
         if not len(tree) and budget > 0:  # always a draft, so every round has an outcome to draft ahead for
             tree = TokenTree.chain([ctx.tokens[-1]] * budget)
-        if threading.current_thread().name.startswith("draft-ahead") and budget > 1:
+        if ahead:
             with self.cv:
                 self.ahead_lengths.append(len(ctx.tokens))
                 self.cv.notify_all()
@@ -118,19 +123,25 @@ def test_greedy_output_with_draft_ahead_equals_plain_decoding(stack, drafter):
 
 def test_the_trace_shows_the_ahead_span_overlapping_the_verify(wstack):
     """Round 1's verify pauses until the drafter has drafted an ahead round of round 2 (an
-    outcome of round 1: committed length >= prompt + 2); its span lies inside that verify."""
+    outcome of round 1: committed length >= prompt + 2), and the drafter starts those only
+    once the verifier is inside that verify (the ProposeAhead goes out before the Verify, so
+    left alone it can finish first); its span lies inside that verify. Ordered by events only."""
     stack = wstack
     stack.mem.clear()
     p_len = len(FakeCodec().encode(PROMPT))
     v = stack.verifier
     v.arm(2)  # verify_batch call 2: round 1 (call 1 is the prefill)
+    stack.watched.gate = (p_len + 2, v.reached)  # the prefill's ahead round (p_len + 1) is not held
     result = {}
     t = threading.Thread(target=lambda: result.update(out=stack.generate("external", "prompt_lookup")))
     t.start()
-    assert v.reached.wait(20)
-    with stack.watched.cv:
-        assert stack.watched.cv.wait_for(lambda: any(n >= p_len + 2 for n in stack.watched.ahead_lengths), 20)
-    v.resume.set()
+    try:
+        assert v.reached.wait(20)
+        with stack.watched.cv:
+            assert stack.watched.cv.wait_for(lambda: any(n >= p_len + 2 for n in stack.watched.ahead_lengths), 20)
+    finally:
+        stack.watched.gate = None
+        v.resume.set()
     t.join(60)
     assert result["out"][0] == stack.generate("autoregressive", "")[0]
     spans = spans_of(stack.mem)
