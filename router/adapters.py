@@ -584,14 +584,15 @@ def release_session(peer: Peer, session_id: str, calls: Calls) -> None:
                       metadata=calls.metadata)
 
 
-def verifier_self_drafters(peer: Peer, calls: Calls, timeout_s: float) -> Optional[frozenset]:
-    """The in-verifier drafters a replica offers (``Verifier/Info``); None when it does not answer."""
+def verifier_self_drafters(peer: Peer, calls: Calls, timeout_s: float) -> Optional[tuple[frozenset, frozenset]]:
+    """The in-verifier drafters a replica offers (``Verifier/Info``): its self drafters and
+    the context-only drafters it runs for external requests; None when it does not answer."""
     try:
         m = peer.stub.Info(verifier_pb2.VerifierInfoRequest(), timeout=timeout_s, metadata=calls.metadata)
     except grpc.RpcError as e:
         log.info("Info of verifier %s failed (%s); self drafters unknown there", peer.address, e.code())
         return None
-    return frozenset(m.self_drafters)
+    return frozenset(m.self_drafters), frozenset(m.context_drafters)
 
 
 def drafter_feature_drafters(peer: Peer, calls: Calls, timeout_s: float) -> Optional[dict]:

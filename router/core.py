@@ -469,13 +469,19 @@ class Router:
         (what a request naming no drafter gets; "" = none, or chosen per request).
         ``self`` lists the self drafters the verifiers have (all known names while
         no verifier has answered Info); ``external`` the drafters that need features
-        only where the drafter service hosts them (all while it has not answered)."""
+        only where the drafter service hosts them (all while it has not answered), and
+        with the drafter service down the context-only ones the verifiers run."""
         up = self.drafter is not None and self.drafter.health.available()
         have = self.runner.self_drafters()
         own = [d for d in SELF_DRAFTERS if d in have] if have else list(SELF_DRAFTERS)
         feats = self.runner.feature_drafters() if self.drafter is not None else None
         ext = [d for d in EXTERNAL_DRAFTERS if d not in FEATURE_DRAFTERS or feats is None or d in feats]
-        avail = {"autoregressive": True, "external": up, "self": True, "proactive": up, "ssr": up, "auto": True}
+        # external without a drafter service: the context-only drafters the verifiers run (context_drafters)
+        hosted = self.runner.context_drafters() if self.s.context_drafters == "verifier" else frozenset()
+        if not up and hosted:
+            ext = [d for d in ext if d in hosted]
+        avail = {"autoregressive": True, "external": up or bool(hosted), "self": True, "proactive": up, "ssr": up,
+                 "auto": True}
         drafters = {"external": ext, "self": own, "proactive": ["cache"],
                     "ssr": ["cache"], "auto": list(dict.fromkeys(ext + ["cache"] + own)),
                     "autoregressive": []}

@@ -302,6 +302,7 @@ class Strategies:
         self._lock = threading.Lock()
         self._info_lock = threading.Lock()
         self._self_drafters: frozenset = frozenset()
+        self._context_drafters: frozenset = frozenset()  # context-only drafters every verifier replica runs
         self._self_until = 0.0
         self._feature_drafters: Optional[dict] = None  # drafter service's DrafterInfo.feature_drafters, by name
         self._feature_until = 0.0
@@ -371,10 +372,18 @@ class Strategies:
         ``self_drafters``; the intersection, since a session may land on any replica).
         Cached for SELF_INFO_TTL_S; when no replica answers, the last known set is kept
         (empty before the first answer) and the look-up retried after SELF_INFO_RETRY_S."""
+        return self._verifier_drafters()[0]
+
+    def context_drafters(self) -> frozenset:
+        """The context-only drafters every verifier replica that answered runs for external
+        requests (``Verifier/Info`` ``context_drafters``), looked up with ``self_drafters``."""
+        return self._verifier_drafters()[1]
+
+    def _verifier_drafters(self) -> tuple[frozenset, frozenset]:
         now = time.monotonic()
         with self._info_lock:
             if now < self._self_until:
-                return self._self_drafters
+                return self._self_drafters, self._context_drafters
             r = self.parts
             found = None
             for peer in r.replicas.peers:
@@ -383,12 +392,17 @@ class Strategies:
                 names = verifier_self_drafters(peer, Calls(r.token), min(SELF_INFO_TIMEOUT_S, r.s.verifier_timeout_s))
                 if names is None:
                     continue
-                found = names if found is None else found & names
+                found = names if found is None else (found[0] & names[0], found[1] & names[1])
             if found is None:
                 self._self_until = now + SELF_INFO_RETRY_S
             else:
-                self._self_drafters, self._self_until = found, now + SELF_INFO_TTL_S
-            return self._self_drafters
+                (self._self_drafters, self._context_drafters), self._self_until = found, now + SELF_INFO_TTL_S
+            return self._self_drafters, self._context_drafters
+
+    def in_verifier(self, drafter: Optional[str]) -> bool:
+        """Whether an external request's ``drafter`` runs in the verifiers (settings
+        ``context_drafters`` "verifier" and every replica that answered Info hosts it)."""
+        return bool(drafter) and self.parts.s.context_drafters == "verifier" and drafter in self.context_drafters()
 
     def feature_drafters(self) -> Optional[dict]:
         """name -> (layers, dim, context_window) of the drafter service's drafters that
@@ -445,11 +459,15 @@ class Strategies:
             text = spec.prompt or "\n".join(m.get("content", "") for m in msgs)
             f = auto.features_from(ids, text, max(1, len(msgs)), reasoning,
                                    self.anticipation_ready(spec.conversation_id), _drafter_up(r),
-                                   self.layerskip_speedup(), block_drafter=auto.BLOCK_SELF in self.self_drafters())
+                                   self.layerskip_speedup(), block_drafter=auto.BLOCK_SELF in self.self_drafters(),
+                                   in_verifier=self.context_drafters() if r.s.context_drafters == "verifier"
+                                   else frozenset())
             key = self.session_key(spec.conversation_id)
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
                 self.book.skip(key, c.switched_from)
+            if c.strategy == "external" and self.in_verifier(c.drafter):
+                return Resolved(c.strategy, f"{c.reason}; {c.drafter} drafted in the verifier", None, c.drafter)
             return Resolved(c.strategy, c.reason, c.drafter if c.strategy in ("external", "proactive", "ssr") else None,
                             c.drafter if c.strategy == "self" else None)
         if name == "self":
@@ -480,6 +498,8 @@ class Strategies:
                 if spec.drafter not in ("", "cache"):
                     raise InvalidArgument("drafter", f"the {name} strategy drafts from its cache, got {spec.drafter!r}")
                 d = "cache"
+            if name == "external" and self.in_verifier(d):  # no hop a round: as a self drafter's rounds
+                return Resolved(name, f"{reason}; {d} drafted in the verifier", None, d)
             if r.drafter is None:
                 raise InvalidArgument("strategy", f"{name} needs a drafter service and this router has none")
             return Resolved(name, reason, d, None)
@@ -555,7 +575,8 @@ class Strategies:
             # token is learned across requests
             # load: the generations decoding on a verifier replica now (this one's among them once pinned)
             pol = TreeBudget.for_drafter(plan.drafter or plan.self_draft, plan.budget, costs=self.verify_costs,
-                                         alpha0=alpha0, fixed_length=plan.drafter in CHEAP_DRAFTERS,
+                                         alpha0=alpha0,
+                                         fixed_length=(plan.drafter or plan.self_draft) in CHEAP_DRAFTERS,
                                          schedule=self.tree_schedule(), load=r.replicas.sessions_per_replica())
             policies.append(pol)
             return pol

@@ -12,7 +12,11 @@ rejected draft's positions are never kept) as bf16 bytes, for a block drafter
 that runs elsewhere. A *fused* self drafter (``uno``: ``fused``, ``block``,
 ``mask_blocks``, ``absorb``) gets blocks of mask rows hung on the draft in the same
 forward, after every node where acceptance may stop, and the last hidden states of
-the block after the node where it stopped: the next round's draft.
+the block after the node where it stopped: the next round's draft. The verifier
+keeps each session's committed token ids (``history``: prompt_len, tokens) beside its
+KV, so a context-only drafter it hosts for external requests
+(``host_context_drafters``: prompt lookup, suffix decoding; ``drafters.in_verifier``)
+drafts from them in the verifier's own turn, with no hop a round.
 
 The ``Verifier`` protocol is what the draft–verify loop calls; gRPC adapters
 implement the same protocol. This module knows nothing about gRPC, tokenizers or
@@ -87,7 +91,10 @@ class EngineVerifier:
         self.max_append = max_append or engine.max_seq_len
         self.pool = SessionPool(engine.n_slots)
         self.lock = threading.RLock()
-        self.self_drafters: dict = {}
+        self.self_drafters: dict = {}  # SelfDraft.method -> drafter (context-only hosted ones among them)
+        self.context_drafters: list[str] = []  # of those, the context-only drafters hosted for external requests
+        # session -> [prompt_len, committed token ids] (the KV's tokens; what hosted context drafters read)
+        self.history: dict[str, list] = {}
         self.forwards = 0
         self.feature_layers: list[int] = []
         self.features: Optional[torch.Tensor] = None  # [n_slots, max_seq_len, F] hidden states of committed tokens
@@ -100,6 +107,34 @@ class EngineVerifier:
         # contrastive acceptance: the amateur is the target's first ``amateur_exit`` layers
         # + its final norm and head (the layer-skip exit), read from the same verify forward
         self.amateur_exit: Optional[int] = None
+
+    def host_context_drafters(self, drafters: dict) -> None:
+        """Host these context-only drafters (name -> a ``drafters.base.Drafter``: prompt
+        lookup, suffix decoding) as ``SelfDraft`` methods: an external request's rounds
+        can then be drafted here from the session's ``history`` (``drafters.in_verifier``)."""
+        from .drafters.in_verifier import InVerifier
+
+        for name, d in drafters.items():
+            if name in self.self_drafters:
+                raise InvalidArgument("verifier_drafters", f"{name!r} is already a self drafter of this verifier")
+            self.self_drafters[name] = InVerifier(d, self.history)
+            self.context_drafters.append(name)
+
+    def _sync_history(self, session_id: str, keep_len: int, append: Sequence[int]) -> None:
+        """The session now holds its first ``keep_len`` known tokens + ``append`` (a keep_len
+        of 0 starts it: those are its prompt). A session whose first keep_len tokens are not
+        known here (none should be) is dropped: a hosted drafter then drafts nothing for it."""
+        h = self.history.get(session_id)
+        if keep_len == 0:
+            self.history[session_id] = [len(append), list(append)]
+            if len(self.history) > 2 * self.engine.n_slots:  # sessions evicted from the pool without a release
+                for sid in [k for k in self.history if self.pool.get(k) is None and k != session_id]:
+                    del self.history[sid]
+        elif h is not None and len(h[1]) >= keep_len:
+            del h[1][keep_len:]
+            h[1].extend(append)
+        else:
+            self.history.pop(session_id, None)
 
     def set_amateur_exit(self, exit_layer: int) -> None:
         """Serve ``acceptance="contrastive"`` with this exit (default: the layer-skip self
@@ -273,13 +308,14 @@ class EngineVerifier:
                 for i, r, slot in ready:
                     t0 = time.perf_counter()
                     self.engine.truncate(slot, r.keep_len)
+                    self._sync_history(r.session_id, r.keep_len, r.append_tokens)
                     append, tree, draft_ms = list(r.append_tokens), r.tree, 0.0
                     sd = self.self_drafters.get(r.self_draft.method) if r.self_draft is not None else None
                     # a fused drafter's first round: nothing to draft from yet; the prefill forward
                     # itself carries the block after the last prompt token (``_mask_blocks``)
                     fused_first = getattr(sd, "fused", False) and r.keep_len == 0
                     if r.self_draft is not None and r.self_draft.budget > 0 and not fused_first:
-                        if len(append) > 1:
+                        if len(append) > 1 and not getattr(sd, "context_only", False):  # reads no KV
                             self._append(slot, append[:-1])
                             append = append[-1:]
                         ctx = DraftContext(r.session_id, append, 0, r.sampling, round_seed=r.round_seed)
@@ -321,6 +357,9 @@ class EngineVerifier:
                         start = self.engine.length(slot)
                         kept = list(range(a)) + [a + j for j in res.path]
                         self.engine.commit(slot, kept)
+                        h = self.history.get(r.session_id)
+                        if h is not None:
+                            h[1].extend(tree.tokens[j] for j in res.path)
                         self._store_features(slot, start, so.hidden, kept)
                         if blocks:  # the block after the stop node drafts the next round
                             blk = blocks.get(res.path[-1] if res.path else -1)
@@ -383,6 +422,7 @@ class EngineVerifier:
                 slot = self.pool.allocate(session_id)
             self.engine.reset(slot)
             self._append(slot, list(tokens))
+            self._sync_history(session_id, 0, tokens)
             return self.engine.length(slot)
 
     def fork(self, source_id: str, session_id: str, n: int) -> int:
@@ -413,13 +453,19 @@ class EngineVerifier:
                 self.features[dst, :n] = self.features[src, :n]
                 self.feature_stamps[dst][:n] = self.feature_stamps[src][:n]
             e.lengths[dst] = n
+            h = self.history.get(source_id)
+            if h is not None and len(h[1]) >= n:
+                self.history[session_id] = [min(h[0], n), h[1][:n]]
+            else:
+                self.history.pop(session_id, None)
             return n
 
     def release(self, session_id: str) -> None:
         with self.lock:
             slot = self.pool.release(session_id)
             for d in self.self_drafters.values():
-                d.release(session_id)
+                d.release(session_id)  # a hosted context drafter learns from the session's history first
+            self.history.pop(session_id, None)
             if slot is not None:
                 self.engine.reset(slot)
 
@@ -431,7 +477,8 @@ class EngineVerifier:
             "slots_total": e.n_slots, "slots_used": len(self.pool.slots), "max_seq_len": e.max_seq_len,
             "kv_bytes_per_slot": e.kv_bytes_per_slot(), "kv_bytes_total": e.kv_bytes_per_slot() * e.n_slots,
             "weight_bytes": e.weight_bytes(), "sessions": list(self.pool.slots), "evictions": self.pool.evictions,
-            "self_drafters": sorted(self.self_drafters), "forwards": self.forwards,
+            "self_drafters": sorted(set(self.self_drafters) - set(self.context_drafters)),
+            "context_drafters": sorted(self.context_drafters), "forwards": self.forwards,
             # CUDA graphs captured while serving (after the warm-up); None without graphs
             "cuda_graph_captures": getattr(e, "calls", {}).get("serving_captures") if getattr(e, "capture", False)
             else None,

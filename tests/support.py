@@ -495,6 +495,9 @@ def check_request_tree(spans: list[dict], result, n: int, model: str = "") -> di
     assert rounds[0]["attributes"]["specmesh.round.prefill"], "the first round prefills"
     assert sum(not r["attributes"]["specmesh.round.prefill"] for r in rounds) == stats.rounds
     drafted = accepted = proposes = streams = decoded_rounds = 0
+    # drafted in the verifier: a self drafter, or an external request's context-only drafter it runs
+    in_verifier = a["specmesh.drafter.site"] == "verifier"
+    assert in_verifier == (stats.strategy == "self" or "drafted in the verifier" in stats.strategy_reason)
     for r in rounds:
         ra = r["attributes"]
         for key in ("drafted", "accepted", "tree_size", "draft_ms", "verify_ms", "network_ms", "wall_ms", "depth",
@@ -506,8 +509,8 @@ def check_request_tree(spans: list[dict], result, n: int, model: str = "") -> di
             accepted += ra["specmesh.round.accepted"]
         clients = [c for c in kids[r["span_id"]] if c["kind"] == "CLIENT"]
         decoded = ra["specmesh.round.verify_source"] == "decode_stream"  # read from the Decode stream
-        assert not decoded or ra["specmesh.round.drafted"] == 0 or stats.strategy == "self", \
-            "only a round without a draft, or a self drafter's, is decoded"
+        assert not decoded or ra["specmesh.round.drafted"] == 0 or in_verifier, \
+            "only a round without a draft, or one the verifier drafted, is decoded"
         assert decoded or any(c["name"] == "specmesh.v1.Verifier/Verify" for c in clients), "each round verifies"
         streams += any(c["name"] == "specmesh.v1.Verifier/Decode" for c in clients)
         decoded_rounds += decoded
@@ -517,9 +520,9 @@ def check_request_tree(spans: list[dict], result, n: int, model: str = "") -> di
             assert [x["name"] for x in servers] == [c["name"]], "the server span is the client span's child"
             proposes += c["name"] == "specmesh.v1.Drafter/Propose"
     assert drafted == stats.drafted_tokens and accepted == stats.accepted_tokens
-    if stats.strategy == "external":
-        assert proposes > 0, "external rounds call the drafter"
-    elif stats.strategy in ("autoregressive", "self"):
+    if stats.strategy == "external" and not in_verifier:
+        assert proposes > 0, "external rounds call the drafter service"
+    elif stats.strategy in ("autoregressive", "self", "external"):
         assert proposes == 0
     # rounds without a draft may come from a Decode stream opened in a round of the request
     # (plain decoding's do, from its second round)
@@ -590,7 +593,8 @@ def check_metrics_agree(before: dict, after: dict, results: list, verifier_befor
         side = any(getattr(r.stats, "side_branches", 0) for r in results)
         assert dv >= calls if side else dv == calls
     if drafter_after is not None:
-        ext = [r.stats for r in results if r.stats.strategy == "external"]
+        ext = [r.stats for r in results if r.stats.strategy == "external"  # drafted by the drafter service
+               and "drafted in the verifier" not in r.stats.strategy_reason]
         dp = total(drafter_after, "specmesh_drafter_proposed_tokens_total", strategy="external") - \
             total(drafter_before, "specmesh_drafter_proposed_tokens_total", strategy="external")
         assert dp == sum(s.drafted_tokens for s in ext)

@@ -6,7 +6,8 @@ dynamic batcher (one forward for concurrent sessions) and every other piece of
 model work to the batcher's model thread (``VerifyBatcher.call``), and converts the results
 back. Sessions, KV slots (LRU eviction, RESOURCE_EXHAUSTED when none can be
 evicted), validation and acceptance all live in ``specmesh.verifier``; errors
-become status codes in the interceptors. The self-draft method "layerskip" is
+become status codes in the interceptors. A self-draft method ("layerskip", or a
+context-only drafter it hosts for external requests: ``verifier_drafters``) is
 whatever the verifier has registered in ``self_drafters``.
 
 It knows nothing about tokenizers, strategies or the router.
@@ -198,6 +199,10 @@ def verifier_service(settings: ServeSettings, verifier=None, thread=None) -> tup
                         cuda_graphs=settings.cuda_graphs)
         verifier = rt.verifier
     verifier.max_tree_nodes = settings.max_tree_nodes
+    if settings.verifier_drafters and not verifier.context_drafters:
+        from specmesh.drafters import make_drafter
+
+        verifier.host_context_drafters({d: make_drafter(d) for d in settings.verifier_drafters})
     batcher = VerifyBatcher(verifier, settings.batch_window_ms, settings.max_batch, thread=thread)
     svc = Service(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                   verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierServicer(verifier, batcher))

@@ -9,7 +9,8 @@ machine drift hits all alike; with ``repeats`` N each keeps its fastest of N. A
 system is named once for all paths: ``ar`` is ``ours_ar`` in process and
 ``autoregressive`` through the services, a self drafter (``block_tree``) is
 ``ours_block_tree`` / ``self:block_tree``, any other drafter (``suffix``) is
-``ours_suffix`` / ``external:suffix``. Tokens/s is the caller's wall clock from
+``ours_suffix`` / ``external:suffix``; in process each drafts with the router's default
+draft budget and budget policy, so both sides draft alike. Tokens/s is the caller's wall clock from
 request to last token (the services' includes tokenizing and the wire), summed
 over the prompts of a workload; greedy outputs are compared token for token.
 The router's own count of wire time per round (RPC wall time minus the server's
@@ -126,7 +127,12 @@ class _Paths:
         self.rt, self.max_new, self.timeout = rt, max_new, timeout
         self.services = services
         self.client = Client(services.address, timeout=timeout)
-        self.ours = {s["name"]: make_ours(s["ours"], rt, 8, dtype) for s in systems}
+        # the router's default draft budget and budget policy: the two sides draft alike, so the ratio is
+        # what the services cost (not a different policy's drafts)
+        from ..serving.settings import ServeSettings
+
+        budget = ServeSettings.model_fields["draft_budget"].default
+        self.ours = {s["name"]: make_ours(s["ours"], rt, budget, dtype, router_policy=True) for s in systems}
 
     def run(self, path: str, sysd: dict, prompt) -> dict:
         if path == "in_process":

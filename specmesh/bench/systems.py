@@ -141,11 +141,15 @@ def overlap_mode(name: str) -> str:
     return next((m for s, m in OVERLAP_SUFFIXES.items() if rest.endswith(s)), AHEAD_DEFAULT)
 
 
-def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: bool = True) -> System:
+def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: bool = True,
+              router_policy: bool = False) -> System:
     """An ``ours_*`` system over ``runtime`` (whose dtype must match the name's). With
     ``adaptive`` each generation gets a fresh ``AdaptiveBudget(budget)`` (draft length
     from measured acceptance and cost; speculation off where it does not pay) sharing
-    the runtime's ``VerifyCosts`` (the verifier's cost per scored token carries over)."""
+    the runtime's ``VerifyCosts`` (the verifier's cost per scored token carries over).
+    ``router_policy``: the router's budget policy instead (``TreeBudget``: the draft size
+    also capped by the target's entropy, and full length for drafters whose drafts cost
+    nothing), so a served request and this one draft alike (``bench-services``)."""
     strategy, dtype, suffix = parse_ours(name, default_dtype)
     drafter = None
     self_draft = None
@@ -174,9 +178,17 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         stats = GenerationStats()
         t0 = time.perf_counter()
-        policy = (AdaptiveBudget.for_drafter(strategy, budget, costs=runtime.verify_costs,
-                                             schedule=getattr(runtime, "tree_schedule", None))
-                  if adaptive else budget)
+        if router_policy:
+            from ..drafters import registry
+            from ..strategies.adapt import TreeBudget
+
+            policy = TreeBudget.for_drafter(strategy, budget, costs=runtime.verify_costs,
+                                            schedule=getattr(runtime, "tree_schedule", None),
+                                            fixed_length=strategy in registry.FREE)
+        else:
+            policy = (AdaptiveBudget.for_drafter(strategy, budget, costs=runtime.verify_costs,
+                                                 schedule=getattr(runtime, "tree_schedule", None))
+                      if adaptive else budget)
         out, stats = generate_tokens(drafter, runtime.verifier, list(prompt_ids), max_new_tokens=max_new_tokens,
                                      stop_ids=runtime.stop_ids, budget=policy, self_draft=self_draft, stats=stats,
                                      draft_ahead=overlap)

@@ -79,6 +79,9 @@ def _request_attributes(model: str, plan, session_id: str) -> dict:
          "gen_ai.request.stream": True, "gen_ai.usage.input_tokens": len(plan.ids),
          "gen_ai.response.id": session_id, "specmesh.strategy": plan.strategy,
          "specmesh.strategy_reason": plan.reason, "specmesh.drafter": plan.drafter or plan.self_draft or "",
+         # where the draft is made: the drafter service, or the verifier (self drafters, and an external
+         # request's context-only drafter the verifiers run: router setting context_drafters)
+         "specmesh.drafter.site": "drafter" if plan.drafter else ("verifier" if plan.self_draft else ""),
          "specmesh.draft_budget": plan.budget, "specmesh.acceptance": _acceptance(sp),
          "specmesh.lossy": is_lossy(_acceptance(sp))}
     return a

@@ -61,6 +61,11 @@ _FLAGS = [
      "verifier verifies this one: off | on | auto (measured; default specmesh.ahead.AHEAD_DEFAULT)"),
     ("--decode-stream", "decode_stream", str, "router: rounds without a draft and self drafters' rounds read "
      "their tokens from a Verifier/Decode stream, the verifier decoding ahead: true | false (default true)"),
+    ("--context-drafters", "context_drafters", str, "router: where an external request's context-only drafter "
+     "(prompt_lookup, suffix) runs: verifier (default: in the verifiers' own turn, no hop a round, where they host "
+     "it) | drafter (the drafter service)"),
+    ("--verifier-drafters", "verifier_drafters", str, "verifier: comma-separated context-only drafters it runs "
+     "for external requests (default prompt_lookup,suffix; '' = none)"),
     ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
     ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
     ("--router-addresses", "router_addresses", str, "openai: comma-separated router host:port list (or one DNS "

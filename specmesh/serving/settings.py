@@ -94,6 +94,16 @@ class ServeSettings(BaseSettings):
                                 "that stopped) and self drafters' rounds read their tokens from a Verifier/Decode "
                                 "stream (the verifier decodes the next round while the router handles this one); "
                                 "false: a Verify call a round")
+    # where an external request's context-only drafter runs: in the verifier (no hop a round: measured faster
+    # through serve, docs/performance.md) unless the router is told the drafter service (its suffix tree is
+    # shared by all verifier replicas; a verifier's learns from the outputs it verified)
+    context_drafters: Literal["verifier", "drafter"] = Field(
+        "verifier", description="router: where an external request's context-only drafter (prompt_lookup, suffix) "
+        "runs: 'verifier' (the verifiers run it in their own turn from the session's tokens, rounds on the Decode "
+        "stream, no hop a round; where every verifier hosts it: verifier_drafters) or 'drafter' (the drafter "
+        "service, a Propose a round)")
+    verifier_drafters: Annotated[list[str], NoDecode] = Field(["prompt_lookup", "suffix"], description="verifier: the context-only "
+                                         "drafters it runs for external requests (context_drafters); a comma list, empty: none")
     draft_ahead_width: int = Field(1, ge=1, le=64, description="drafter: guesses tried per draft-ahead outcome "
                                    "(1: the bonus token is its best guess, a rejection's token its second choice)")
     draft_ahead_outcomes: int = Field(4, ge=1, le=64, description="drafter: ahead rounds drafted per verify, at most")
@@ -170,12 +180,23 @@ class ServeSettings(BaseSettings):
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
 
-    @field_validator("verifier_addresses", "router_addresses", mode="before")
+    @field_validator("verifier_addresses", "router_addresses", "verifier_drafters", mode="before")
     @classmethod
     def _split(cls, v):
         if isinstance(v, str):
             return [a.strip() for a in v.split(",") if a.strip()]
         return v
+
+    @field_validator("verifier_drafters")
+    @classmethod
+    def _verifier_drafters(cls, v: list[str]) -> list[str]:
+        from specmesh.drafters.in_verifier import HOSTABLE
+
+        bad = [d for d in v if d not in HOSTABLE]
+        if bad:
+            raise ValueError(f"verifier_drafters: {bad} are not context-only drafters a verifier runs; choose from "
+                             f"{list(HOSTABLE)}")
+        return list(dict.fromkeys(v))
 
     @field_validator("default_drafter")
     @classmethod

@@ -77,6 +77,7 @@ class Features:
     drafter_up: bool = True
     layerskip_speedup: Optional[float] = None  # from calibrate-layerskip, None = not calibrated
     block_drafter: bool = False  # the verifier has the trained block drafter (self drafters block, block_tree)
+    in_verifier: frozenset = frozenset()  # external drafters the verifiers run themselves (no drafter service needed)
 
 
 def text_features(text: str) -> dict:
@@ -163,7 +164,7 @@ def choose(f: Features, stats: Optional[dict[str, Measured]] = None, off_below: 
             c = Choice(alt.strategy, alt.drafter, f"{c.reason}; but it measured {m.speedup:.2f}x in this session "
                        f"-> {alt.reason.removeprefix('auto: ')}", (lab,))
     needs_drafter = c.strategy in ("external", "proactive", "ssr")
-    if needs_drafter and not f.drafter_up:
+    if needs_drafter and not f.drafter_up and not (c.strategy == "external" and c.drafter in f.in_verifier):
         if c.strategy == "external" and f.block_drafter:
             return Choice("self", BLOCK_SELF, c.reason + f"; drafter service down -> self {BLOCK_SELF}",
                           c.switched_from)
@@ -251,10 +252,12 @@ class SessionBook:
 
 
 def features_from(prompt_ids: Sequence[int], text: str, turns: int, reasoning: bool, anticipation_ready: bool,
-                  drafter_up: bool, layerskip_speedup: Optional[float], block_drafter: bool = False) -> Features:
+                  drafter_up: bool, layerskip_speedup: Optional[float], block_drafter: bool = False,
+                  in_verifier: frozenset = frozenset()) -> Features:
     return Features(prompt_tokens=len(prompt_ids), turns=turns, reasoning=reasoning,
                     anticipation_ready=anticipation_ready, drafter_up=drafter_up,
-                    layerskip_speedup=layerskip_speedup, block_drafter=block_drafter, **text_features(text))
+                    layerskip_speedup=layerskip_speedup, block_drafter=block_drafter, in_verifier=in_verifier,
+                    **text_features(text))
 
 
 __all__ = ["BLOCK_SELF", "Choice", "Features", "Measured", "SessionBook", "choose", "features_from", "label", "measured_speedup",

@@ -114,7 +114,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "dtype", "vocab_size", "slots_total", "slots_used", "max_seq_len", "kv_bytes_per_slot", "weight_bytes", "sessions", "evictions", "self_drafters", "forwards", "max_tree_nodes", "batches", "batched_requests", "max_batch_seen", "decode_steps")
+    __slots__ = ("model", "dtype", "vocab_size", "slots_total", "slots_used", "max_seq_len", "kv_bytes_per_slot", "weight_bytes", "sessions", "evictions", "self_drafters", "forwards", "max_tree_nodes", "batches", "batched_requests", "max_batch_seen", "decode_steps", "context_drafters")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class VerifierInfo(_message.Message):
     BATCHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_SEEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     vocab_size: int
@@ -149,4 +150,5 @@ class VerifierInfo(_message.Message):
     batched_requests: int
     max_batch_seen: int
     decode_steps: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[str]] = ..., evictions: _Optional[int] = ..., self_drafters: _Optional[_Iterable[str]] = ..., forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...
+    context_drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[str]] = ..., evictions: _Optional[int] = ..., self_drafters: _Optional[_Iterable[str]] = ..., forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., decode_steps: _Optional[int] = ..., context_drafters: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -21,14 +21,14 @@ from specmesh.types import InvalidArgument
 
 
 class _Stub:
-    def __init__(self, names=None, fail=False):
-        self.names, self.fail, self.calls = names or [], fail, 0
+    def __init__(self, names=None, fail=False, context=()):
+        self.names, self.fail, self.calls, self.context = names or [], fail, 0, list(context)
 
     def Info(self, req, timeout=None, metadata=()):
         self.calls += 1
         if self.fail:
             raise _RpcError()
-        return SimpleNamespace(self_drafters=list(self.names))
+        return SimpleNamespace(self_drafters=list(self.names), context_drafters=self.context)
 
 
 class _RpcError(grpc.RpcError):
@@ -36,12 +36,12 @@ class _RpcError(grpc.RpcError):
         return grpc.StatusCode.UNAVAILABLE
 
 
-def _router(*stubs, default_drafter="prompt_lookup"):
+def _router(*stubs, default_drafter="prompt_lookup", context_drafters="verifier", drafter=None):
     peers = [SimpleNamespace(address=f"v{i}", stub=s, health=SimpleNamespace(available=lambda: True))
              for i, s in enumerate(stubs)]
     s = SimpleNamespace(verifier_timeout_s=5.0, default_drafter=default_drafter, default_strategy="external",
-                        model="m", dtype="fp32", layerskip_exit=None)
-    return rs.Collaborators(s=s, codec=None, replicas=SimpleNamespace(peers=peers), drafter=None, vocab_size=0)
+                        model="m", dtype="fp32", layerskip_exit=None, context_drafters=context_drafters)
+    return rs.Collaborators(s=s, codec=None, replicas=SimpleNamespace(peers=peers), drafter=drafter, vocab_size=0)
 
 
 def test_self_drafters_are_the_replicas_intersection_and_cached(monkeypatch):
@@ -141,3 +141,31 @@ def test_draft_lm_is_marked_a_stand_in_where_it_is_listed():
     assert "qwen2.5-coder-1.5b-instruct" in registry.DRAFT_LM_NOTE
     assert registry.DRAFT_LM_NOTE in rs.STRATEGIES["external"]  # ListStrategies' description of external
     assert "STAND-IN" in registry.spec("draft_lm").summary
+
+
+def test_external_context_drafters_run_in_the_verifiers_that_all_host_them(monkeypatch):
+    """An external request's prompt lookup or suffix drafter runs in the verifier (its
+    rounds: SelfDraft with the drafter's name, no drafter service needed) where every
+    replica that answered Info hosts it and the router's ``context_drafters`` is
+    "verifier"; otherwise on the drafter service, as before."""
+    ids = [5, 6, 7]
+    service = SimpleNamespace(health=SimpleNamespace(available=lambda: True))
+    both = rs.Strategies(_router(_Stub(["layerskip"], context=["prompt_lookup", "suffix"]),
+                                 _Stub(["layerskip"], context=["suffix"])))
+    r = both.resolve(GenerateSpec(prompt="x", strategy="external", drafter="suffix"), ids, False)
+    assert (r.strategy, r.drafter, r.self_draft) == ("external", None, "suffix") and "in the verifier" in r.reason
+    assert both.self_drafters() == {"layerskip"} and both.context_drafters() == {"suffix"}
+    # not every replica hosts prompt_lookup: the drafter service drafts it (none here: refused)
+    with pytest.raises(InvalidArgument, match="drafter service"):
+        both.resolve(GenerateSpec(prompt="x", strategy="external", drafter="prompt_lookup"), ids, False)
+    on_service = rs.Strategies(_router(_Stub(["layerskip"], context=["suffix"]), context_drafters="drafter",
+                                       drafter=service))
+    r = on_service.resolve(GenerateSpec(prompt="x", strategy="external", drafter="suffix"), ids, False)
+    assert (r.drafter, r.self_draft) == ("suffix", None) and r.reason == "requested"
+    # auto's suffix choice stands with the drafter service down where the verifiers run suffix
+    monkeypatch.setattr(rs.Strategies, "layerskip_speedup", lambda self: None)
+    code = GenerateSpec(prompt="Fix this:\n```python\nx = 1\n```", strategy="auto")
+    r = both.resolve(code, ids, False)
+    assert (r.strategy, r.drafter, r.self_draft) == ("external", None, "suffix")
+    no_suffix = rs.Strategies(_router(_Stub(["layerskip"])))
+    assert no_suffix.resolve(code, ids, False).strategy == "autoregressive"  # drafter service down, none hosts it

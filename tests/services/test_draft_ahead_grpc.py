@@ -62,7 +62,9 @@ class Watched(PromptLookupDrafter):
 
 
 class Stack(TracedStack):
-    """Overlap on; ``watched``: the drafter service's prompt_lookup is a ``Watched`` one."""
+    """Overlap on, every external drafter on the drafter service (draft-ahead is its feature:
+    context_drafters "drafter"); ``watched``: the drafter service's prompt_lookup is a
+    ``Watched`` one."""
 
     def __init__(self, path, mode: str = "on", watched: bool = False):
         w = shared_tiny_weights()
@@ -73,7 +75,7 @@ class Stack(TracedStack):
         if watched:
             drafters = {"prompt_lookup": lambda: self.watched}
         super().__init__(path, [GatedVerifier], FakeCodec(), V, settings=functools.partial(settings, TRACED_SETTINGS),
-                         drafters=drafters, router_settings={"draft_ahead": mode})
+                         drafters=drafters, router_settings={"draft_ahead": mode, "context_drafters": "drafter"})
 
     def generate(self, strategy="external", drafter="prompt_lookup", n=N, budget=3, draft_ahead=""):
         req = router_pb2.GenerateRequest(prompt=PROMPT, raw_prompt=True, max_new_tokens=n, strategy=strategy,
@@ -331,7 +333,8 @@ def test_rounds_drafted_ahead_for_all_accepted_are_hits_through_the_services(tmp
         def __init__(self, path):
             TracedStack.__init__(self, path, [GatedVerifier], FakeCodec(), V,
                                  settings=functools.partial(settings, TRACED_SETTINGS),
-                                 drafters={"prompt_lookup": lambda: oracle}, router_settings={"draft_ahead": "on"})
+                                 drafters={"prompt_lookup": lambda: oracle},
+                                 router_settings={"draft_ahead": "on", "context_drafters": "drafter"})
 
     st = OStack(tmp_path / "spans.jsonl")
     try:

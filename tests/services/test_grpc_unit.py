@@ -368,6 +368,35 @@ def test_router_sampled_equals_in_process_loop(cluster):
         assert r2.token_ids != ref  # the seed matters
 
 
+def test_external_context_drafters_run_in_the_verifier(cluster):
+    """An external request's prompt lookup or suffix drafter runs in the verifier by default
+    (router ``context_drafters`` "verifier", verifier ``verifier_drafters``): its rounds are
+    drafted there on the Decode stream, the drafter service is not asked, the output is
+    plain decoding's (greedy) and the in-process loop's with that drafter (seeded sampled);
+    Info lists them apart from the self drafters; the response says where it drafted."""
+    from specmesh.client import Client
+
+    info = cluster.verifier_info()
+    assert set(info.context_drafters) == {"prompt_lookup", "suffix"} and "suffix" not in info.self_drafters
+    ref = reference(PROMPT, 40)
+    sp = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    with Client(cluster.address, timeout=30) as c:
+        for d in ("prompt_lookup", "suffix"):
+            proposals, steps = cluster.drafter_info().proposals, cluster.verifier_info().decode_steps
+            r = c.generate(PROMPT, strategy="external", drafter=d, max_new_tokens=40)
+            assert r.token_ids == ref, d
+            assert r.stats.drafter == d and r.stats.strategy == "external"
+            assert r.stats.strategy_reason == f"requested; {d} drafted in the verifier"
+            assert r.stats.drafted_tokens > 0 and r.stats.accepted_tokens > 0, d
+            assert cluster.verifier_info().decode_steps > steps  # drafted rounds read from the stream
+            assert cluster.drafter_info().proposals == proposals, "the drafter service drafted nothing"
+        r = c.generate(PROMPT, strategy="external", drafter="prompt_lookup", max_new_tokens=32, temperature=0.8,
+                       top_p=0.95, seed=7, draft_budget=4)
+        assert r.token_ids == reference(PROMPT, 32, drafter=PromptLookupDrafter(), sampling=sp, budget=4)
+    assert wait_for(lambda: len(cluster.verifier_info().sessions) == 0)
+    assert not any(cluster.verifiers[0].history)  # released with its sessions
+
+
 def test_plain_decoding_reads_a_decode_stream(cluster):
     """Plain decoding through the router: every round after the first comes from one
     Verifier/Decode stream (the verifier decodes ahead of the router), with Verify's
@@ -639,7 +668,7 @@ def test_drafter_loss_falls_back_and_is_retried_later():
     from specmesh.client import Client
 
     ref = reference(PROMPT, 48)
-    cl = TinyStack()
+    cl = TinyStack(context_drafters="drafter")  # prompt lookup on the drafter service, not in the verifier
     try:
         v = cl.verifiers[0]
         with Client(cl.address, timeout=60) as c:

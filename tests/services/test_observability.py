@@ -169,7 +169,13 @@ def test_span_tree_and_metrics_every_strategy(tiny):
     assert total(after["verifier"], "specmesh_verify_batch_size_count", strategy="self") > \
         total(before["verifier"], "specmesh_verify_batch_size_count", strategy="self")
     assert total(after["verifier"], "specmesh_kv_slots_total") == 8
-    assert total(after["drafter"], "specmesh_drafter_proposals_total", drafter="suffix", strategy="external") > 0
+    # suffix and prompt lookup ran in the verifier (context_drafters "verifier"), adaptive lookup on the service
+    assert total(after["drafter"], "specmesh_drafter_proposals_total", drafter="adaptive_lookup",
+                 strategy="external") > 0
+    for d in ("suffix", "prompt_lookup"):
+        assert "drafted in the verifier" in results["external", d].stats.strategy_reason
+        assert total(after["drafter"], "specmesh_drafter_proposals_total", drafter=d, strategy="external") == \
+            total(before["drafter"], "specmesh_drafter_proposals_total", drafter=d, strategy="external")
     assert wait_for(lambda: total(samples(scrape(tiny.ports["router"])), "specmesh_active_sessions") == 0)
     fin = samples(scrape(tiny.ports["router"]))
     assert total(fin, "specmesh_requests_total") - total(before["router"], "specmesh_requests_total") == len(results)
@@ -208,7 +214,8 @@ def test_dead_drafter_counts_client_side_unavailable(tiny):
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{sk.getsockname()[1]}"
-    rs = settings(TRACED_SETTINGS, drafter_address=dead, verifier_addresses=[tiny.vserver.address])
+    rs = settings(TRACED_SETTINGS, drafter_address=dead, verifier_addresses=[tiny.vserver.address],
+                  context_drafters="drafter")  # suffix on the (dead) drafter service, not in the verifier
     rsvc, router = router_service(rs, TokenizerCodec())
     m = instrument("router", rsvc, router)
     srv = build_server(rs, [rsvc], 0)
