@@ -138,6 +138,7 @@ CASES = [  # (strategy, drafter, sampling)
     ("external", "block_tree", SamplingParams(temperature=0.7, top_k=3)),  # hidden features over the wire, sparse q back
     ("self", "uno_tree", SamplingParams(temperature=1.3, top_p=0.8)),  # drafts from the last forward's masks
     ("self", "layerskip", SamplingParams(temperature=1.0)),  # a draft pass in the verifier: rounds on Decode streams
+    ("external", "suffix", SamplingParams(temperature=1.0, top_k=4)),  # run in the verifier: rounds on Decode streams
 ]
 
 
@@ -160,6 +161,8 @@ def test_sampled_output_through_the_services_matches_the_exact_distribution(serv
         assert len(out) == N_NEW
         counts[tuple(out)] += 1
         assert not final.stats.lossy
+        if drafter in ("suffix", "prompt_lookup"):  # the verifier drafts it (router setting context_drafters)
+            assert final.stats.strategy_reason.endswith("drafted in the verifier")
     drafted, accepted = v.drafted - drafted0, v.accepted - accepted0
     assert drafted > N // 2 and 0 < accepted < drafted, (strategy, drafted, accepted)
     p = chi2(counts, exact_joint(PROMPT, [None] * N_NEW, sampling))
