@@ -217,6 +217,19 @@ def test_adaptive_budget_alpha_and_per_round_cost_model():
     costs.load = 6.0
     assert fresh()[:2] == [0, 1]
     assert AdaptiveBudget.for_drafter("block_tree", 8).probe_key == "block_tree"
+    # what drafted rounds measured (the draft's cost, the seconds-per-token guard) carries over to the
+    # drafter's next generation on that verifier: it does not start from free drafts and an unarmed guard
+    costs = VerifyCosts()
+    costs.observe(0, 0.010)  # a plain round: 10 ms
+    one = AdaptiveBudget(8, alpha0=0.6, per_round_draft=True, costs=costs, probe_key="b", ema=1.0)
+    assert one.next() > 0  # fresh priors: a draft pass priced free, acceptance 0.6
+    for _ in range(AdaptiveBudget.SPEED_MIN + 1):  # drafted rounds: a 9 ms draft, 1 token for 25 ms
+        one.update(8, 0, draft_s=0.009, verify_s=0.016)
+    assert one.cost == pytest.approx(0.9) and one.drafted_spt > 0.010 and not one.measured_pays()
+    two = AdaptiveBudget(8, alpha0=0.6, per_round_draft=True, costs=costs, probe_key="b")
+    assert two.learned == one.learned and two.next() == 0  # the guard is armed from its first round
+    other = AdaptiveBudget(8, alpha0=0.6, per_round_draft=True, costs=costs, probe_key="other")
+    assert other.cost == 0.0 and other.next() > 0  # another drafter: its own priors
     # where a full block is dear to verify (bf16 on AVX2: 8 x 0.24 forwards), the probe
     # drafts the length that pays best at the prior acceptance: 2 at alpha0 0.6, c 0.4
     dear = AdaptiveBudget(8, alpha0=0.6, beta=0.24, per_round_draft=True, probe_every=2)
@@ -243,6 +256,17 @@ def test_every_policy_is_held_to_the_seconds_per_token_its_rounds_measured():
     assert slow.drafted_spt == pytest.approx(0.022 / 2) and fast.drafted_spt == pytest.approx(0.022 / 5)
     assert not slow.measured_pays() and slow.next() == 0  # 11 ms a token > 10 ms: off
     assert fast.measured_pays() and fast.next() == 8  # 4.4 ms a token: on
+    # under load the 10 ms its verify adds (and its 2 ms draft, in the verifier's turn) hold up every
+    # session of the forward: at 4 sessions 48 ms of theirs for the 4 tokens (40 ms) it bought: off
+    fast.load = fast.draft_load = 4.0
+    assert not fast.measured_pays() and fast.next() == 0
+    loaded = AdaptiveBudget(8, load=4.0)
+    assert loaded.draft_load == 1.0
+    loaded.drafts_inside()  # the loop says so for a self drafter before its first round
+    assert loaded.draft_load == 4.0
+    fast.draft_load = 1.0  # the same drafted on a drafter service: only its own session waits the draft
+    fast.load = 3.0
+    assert fast.measured_pays()  # 3 x 10 + 2 = 32 ms <= 40
     own = VerifyCosts(ema=1.0)
     tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=own, alpha0=0.9)
     tok.update(0, 0, verify_s=0.010)  # the first round (a prefill): a plain one, 10 ms
