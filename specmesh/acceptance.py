@@ -65,6 +65,18 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
     return -(probs * p.log()).sum(-1)
 
 
+def logit_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of softmax(``logits``) for one [V] row, in five passes over it
+    and one temporary (log-sum-exp and an expectation of the logits: H = log Z + m - E_p[x]
+    with Z = sum exp(x - m)); ``entropy(softmax(x))`` makes three temporaries in eight
+    passes, which at 8 sessions a forward was 1.2 ms of a 20 ms step on 2 CPU cores."""
+    x = logits.float()
+    m = x.max()
+    e = (x - m).exp_()
+    z = e.sum()
+    return z.log() + m - torch.dot(e, x) / z
+
+
 def sample(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF sample of one token from unnormalised [V] weights with uniform u in [0, 1)."""
     cdf = probs.double().cumsum(0)

@@ -344,8 +344,8 @@ class EngineVerifier:
                     specialists = [self._specialist_rows(m[1], m[4]) for m in meta]
                     # entropies asked for: computed here, read with the acceptance decisions
                     want_ent = [k for k, m in enumerate(meta) if m[1].want_entropy]
-                    ent_t = torch.cat([acc.entropy(torch.softmax(scored[k].logits[:1].float(), -1))
-                                       for k in want_ent]) if want_ent else None
+                    ent_t = torch.stack([acc.logit_entropy(scored[k].logits[0]) for k in want_ent]) \
+                        if want_ent else None
                     decided, ent_v = acc.accept_batch_reading(
                         [so.logits for so in scored], [m[4] for m in meta], [m[1].sampling for m in meta],
                         [m[1].round_seed for m in meta], batched=self.batched_acceptance, amateurs=amateurs,

@@ -227,3 +227,16 @@ def test_core_rules_agree_with_kernel_references():
         n, nxt = kernels.chain_accept(probs[None], torch.tensor([draft]), q[None], u_acc[None], u_smp[None],
                                       backend="torch")
         assert (int(n[0]), int(nxt[0])) == (len(ref.path), ref.next_token)
+
+
+def test_logit_entropy_equals_the_entropy_of_the_softmax():
+    from specmesh.acceptance import entropy, logit_entropy
+
+    g = torch.Generator().manual_seed(3)
+    for scale, dtype in ((1.0, torch.float32), (30.0, torch.float32), (8.0, torch.bfloat16)):
+        x = (torch.randn(4096, generator=g) * scale).to(dtype)
+        want = entropy(torch.softmax(x.float(), -1)[None])[0]
+        assert float(logit_entropy(x)) == pytest.approx(float(want), rel=1e-4, abs=1e-5)
+    one_hot = torch.full((100,), -1e4)
+    one_hot[7] = 10.0
+    assert float(logit_entropy(one_hot)) == pytest.approx(0.0, abs=1e-6)
