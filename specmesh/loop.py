@@ -547,10 +547,11 @@ class AdaptiveBudget(BudgetPolicy):
         this session only. So it pays only where load x (verify - plain) + draft_load x
         draft <= plain x (tokens - 1), verify - plain being kept as measured against the
         plain round of its time (a drafter's next generation starts from these, ``learned``,
-        and a load that has passed leaves the extra seconds, not the loaded ones). Per session alone, 4 streams of
-        ``self:block_tree`` on 2 cores measured drafted rounds at 15.8 ms a token against
-        18 ms for a plain round and kept drafting, while each such round (+11 ms for 0.9
-        tokens) held up three other sessions: 0.85-0.90x plain decoding in total."""
+        and a load that has passed leaves the extra seconds, not the loaded ones). Per
+        session alone, 4 streams of ``self:block_tree`` on 2 cores measured drafted rounds
+        at 15.8 ms a token against 18 ms for a plain round and kept drafting, while each
+        such round (+11 ms for 0.9 tokens) held up three other sessions: 0.85-0.90x plain
+        decoding in total."""
         plain = self.costs.short_seconds
         dv, d, tok, n = self._spd
         if plain is None or n < self.SPEED_MIN or tok <= 0:

@@ -102,8 +102,9 @@ class ServeSettings(BaseSettings):
         "runs: 'verifier' (the verifiers run it in their own turn from the session's tokens, rounds on the Decode "
         "stream, no hop a round; where every verifier hosts it: verifier_drafters) or 'drafter' (the drafter "
         "service, a Propose a round)")
-    verifier_drafters: Annotated[list[str], NoDecode] = Field(["prompt_lookup", "suffix"], description="verifier: the context-only "
-                                         "drafters it runs for external requests (context_drafters); a comma list, empty: none")
+    verifier_drafters: Annotated[list[str], NoDecode] = Field(
+        ["prompt_lookup", "suffix"], description="verifier: the context-only drafters it runs for external requests "
+        "(context_drafters); a comma list, empty: none")
     draft_ahead_width: int = Field(1, ge=1, le=64, description="drafter: guesses tried per draft-ahead outcome "
                                    "(1: the bonus token is its best guess, a rejection's token its second choice)")
     draft_ahead_outcomes: int = Field(4, ge=1, le=64, description="drafter: ahead rounds drafted per verify, at most")
