@@ -40,7 +40,9 @@ CONFIG = {
     "settings": {"dtype": "fp32", "n_slots": 6, "max_seq_len": 512,  # fp32: the reference is the fp32 runtime
                  "max_new_tokens": 64, "default_max_new_tokens": N,
                  "workers": 8, "drain_s": 0.0, "drafter_backoff_s": 0.5, "drafter_backoff_max_s": 2.0,
-                 "router_port": 0, "http_port": 0, "batch_window_ms": 2.0},
+                 "router_port": 0, "http_port": 0, "batch_window_ms": 2.0,
+                 # prompt lookup on the Drafter deployment, not in the verifier: its replicas are a subject here
+                 "context_drafters": "drafter"},
     "router": {"num_cpus": 0.25},
     "drafter": {"num_replicas": 1, "num_cpus": 0.25},
     "verifier": {"num_replicas": 1, "num_cpus": 1.0},

@@ -106,7 +106,8 @@ def test_killing_the_drafter_process_mid_stream(stack):
         line = proc.stdout.readline()
         assert "listening on" in line, line
         rs = settings(REAL_SETTINGS, drafter_address=f"127.0.0.1:{port}",
-                      verifier_addresses=[stack.vserver.address])
+                      verifier_addresses=[stack.vserver.address],
+                      context_drafters="drafter")  # prompt lookup on that drafter process, not in the verifier
         svc, router = router_service(rs, codec=stack.rt)
         server = build_server(rs, [svc], 0)
         try:
