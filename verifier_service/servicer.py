@@ -199,7 +199,7 @@ def verifier_service(settings: ServeSettings, verifier=None, thread=None) -> tup
                         cuda_graphs=settings.cuda_graphs)
         verifier = rt.verifier
     verifier.max_tree_nodes = settings.max_tree_nodes
-    if settings.verifier_drafters and not verifier.context_drafters:
+    if settings.verifier_drafters and hasattr(verifier, "host_context_drafters") and not verifier.context_drafters:
         from specmesh.drafters import make_drafter
 
         verifier.host_context_drafters({d: make_drafter(d) for d in settings.verifier_drafters})
