@@ -44,7 +44,7 @@
 - Both measure network time: RPC wall time minus the server's handler time.
 - One-off calls of the strategy runner, in domain terms: ``seed_cache``,
   ``prefill_session`` (also a fork of another session's KV prefix),
-  ``release_session``, ``verifier_self_drafters``, ``drafter_feature_drafters``;
+  ``release_session``, ``verifier_drafter_names``, ``drafter_feature_drafters``;
   ``drafter_failure`` classifies a drafter call's exception (down or broken).
 
 This module knows nothing about tokenizers, strategies or how servers are built.
@@ -584,7 +584,7 @@ def release_session(peer: Peer, session_id: str, calls: Calls) -> None:
                       metadata=calls.metadata)
 
 
-def verifier_self_drafters(peer: Peer, calls: Calls, timeout_s: float) -> Optional[tuple[frozenset, frozenset]]:
+def verifier_drafter_names(peer: Peer, calls: Calls, timeout_s: float) -> Optional[tuple[frozenset, frozenset]]:
     """The in-verifier drafters a replica offers (``Verifier/Info``): its self drafters and
     the context-only drafters it runs for external requests; None when it does not answer."""
     try:

@@ -477,7 +477,7 @@ class Router:
         feats = self.runner.feature_drafters() if self.drafter is not None else None
         ext = [d for d in EXTERNAL_DRAFTERS if d not in FEATURE_DRAFTERS or feats is None or d in feats]
         # external without a drafter service: the context-only drafters the verifiers run (context_drafters)
-        hosted = self.runner.context_drafters() if self.s.context_drafters == "verifier" else frozenset()
+        hosted = self.runner.hosted_drafters()
         if not up and hosted:
             ext = [d for d in ext if d in hosted]
         avail = {"autoregressive": True, "external": up or bool(hosted), "self": True, "proactive": up, "ssr": up,

@@ -52,7 +52,7 @@ from specmesh.strategies.ssr import ThinkFormat, reasoning_generate
 from specmesh.types import InvalidArgument
 
 from .adapters import (Calls, FeatureLog, RemoteDrafter, RemoteVerifier, drafter_feature_drafters, prefill_session,
-                       release_session, seed_cache, verifier_self_drafters)
+                       release_session, seed_cache, verifier_drafter_names)
 from .replicas import Peer, ReplicaSet
 
 log = logging.getLogger("specmesh.router")
@@ -389,7 +389,7 @@ class Strategies:
             for peer in r.replicas.peers:
                 if not peer.health.available():
                     continue
-                names = verifier_self_drafters(peer, Calls(r.token), min(SELF_INFO_TIMEOUT_S, r.s.verifier_timeout_s))
+                names = verifier_drafter_names(peer, Calls(r.token), min(SELF_INFO_TIMEOUT_S, r.s.verifier_timeout_s))
                 if names is None:
                     continue
                 found = names if found is None else (found[0] & names[0], found[1] & names[1])
@@ -399,10 +399,15 @@ class Strategies:
                 (self._self_drafters, self._context_drafters), self._self_until = found, now + SELF_INFO_TTL_S
             return self._self_drafters, self._context_drafters
 
+    def hosted_drafters(self) -> frozenset:
+        """The external drafters this router has the verifiers draft: those every replica
+        that answered Info runs (``context_drafters``), none where the router setting
+        ``context_drafters`` is "drafter"."""
+        return self.context_drafters() if self.parts.s.context_drafters == "verifier" else frozenset()
+
     def in_verifier(self, drafter: Optional[str]) -> bool:
-        """Whether an external request's ``drafter`` runs in the verifiers (settings
-        ``context_drafters`` "verifier" and every replica that answered Info hosts it)."""
-        return bool(drafter) and self.parts.s.context_drafters == "verifier" and drafter in self.context_drafters()
+        """Whether an external request's ``drafter`` runs in the verifiers (``hosted_drafters``)."""
+        return bool(drafter) and drafter in self.hosted_drafters()
 
     def feature_drafters(self) -> Optional[dict]:
         """name -> (layers, dim, context_window) of the drafter service's drafters that
@@ -460,8 +465,7 @@ class Strategies:
             f = auto.features_from(ids, text, max(1, len(msgs)), reasoning,
                                    self.anticipation_ready(spec.conversation_id), _drafter_up(r),
                                    self.layerskip_speedup(), block_drafter=auto.BLOCK_SELF in self.self_drafters(),
-                                   in_verifier=self.context_drafters() if r.s.context_drafters == "verifier"
-                                   else frozenset())
+                                   in_verifier=self.hosted_drafters())
             key = self.session_key(spec.conversation_id)
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
