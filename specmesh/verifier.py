@@ -123,12 +123,15 @@ class EngineVerifier:
     def _sync_history(self, session_id: str, keep_len: int, append: Sequence[int]) -> None:
         """The session now holds its first ``keep_len`` known tokens + ``append`` (a keep_len
         of 0 starts it: those are its prompt). A session whose first keep_len tokens are not
-        known here (none should be) is dropped: a hosted drafter then drafts nothing for it."""
+        known here (none should be) is dropped: a hosted drafter then drafts nothing for it.
+        Kept only while context drafters are hosted (nothing reads it otherwise)."""
+        if not self.context_drafters:
+            return
         h = self.history.get(session_id)
         if keep_len == 0:
             self.history[session_id] = [len(append), list(append)]
             if len(self.history) > 2 * self.engine.n_slots:  # sessions evicted from the pool without a release
-                for sid in [k for k in self.history if self.pool.get(k) is None and k != session_id]:
+                for sid in [k for k in self.history if k not in self.pool.slots and k != session_id]:
                     del self.history[sid]
         elif h is not None and len(h[1]) >= keep_len:
             del h[1][keep_len:]
