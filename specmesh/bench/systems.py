@@ -175,20 +175,19 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
         drafter = AheadDrafter(mt.run(runtime.drafter, strategy), run=mt.run)  # loaded there too (if first)
         overlap = OverlapPolicy(overlap_mode(name))  # one per system: "auto" learns across its generations
 
+    kind, extra = AdaptiveBudget, {}
+    if router_policy:
+        from ..drafters import registry
+        from ..strategies.adapt import TreeBudget
+
+        kind, extra = TreeBudget, {"fixed_length": strategy in registry.FREE}
+
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         stats = GenerationStats()
         t0 = time.perf_counter()
-        if router_policy:
-            from ..drafters import registry
-            from ..strategies.adapt import TreeBudget
-
-            policy = TreeBudget.for_drafter(strategy, budget, costs=runtime.verify_costs,
-                                            schedule=getattr(runtime, "tree_schedule", None),
-                                            fixed_length=strategy in registry.FREE)
-        else:
-            policy = (AdaptiveBudget.for_drafter(strategy, budget, costs=runtime.verify_costs,
-                                                 schedule=getattr(runtime, "tree_schedule", None))
-                      if adaptive else budget)
+        policy = (kind.for_drafter(strategy, budget, costs=runtime.verify_costs,
+                                   schedule=getattr(runtime, "tree_schedule", None), **extra)
+                  if adaptive or router_policy else budget)
         out, stats = generate_tokens(drafter, runtime.verifier, list(prompt_ids), max_new_tokens=max_new_tokens,
                                      stop_ids=runtime.stop_ids, budget=policy, self_draft=self_draft, stats=stats,
                                      draft_ahead=overlap)
