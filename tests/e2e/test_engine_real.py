@@ -5,6 +5,8 @@ the tests run on."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -21,8 +23,8 @@ def test_demo_command_runs_every_default_drafter_identically(capsys):
     drafters = build_parser().parse_args(["demo"]).drafters.split(",")
     assert "block_tree" in drafters
     assert "DIFFERENT" not in out
-    for name in drafters:
-        assert out.count(f": {name} ") == 3, name  # one line per built-in prompt
+    for name in drafters:  # one result line per built-in prompt (a timing WARNING line may name it too)
+        assert len(re.findall(rf": {name} [0-9.]+ tok/s", out)) == 3, name
     assert out.count(", identical") == 3 * len(drafters)
     assert "peak RSS" in out
 
