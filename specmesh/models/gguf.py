@@ -223,6 +223,7 @@ def prepare(gguf: Path, out_dir: Path, quiet: bool = False) -> Path:
         cfg = read_config(gguf)
         cfg["dtype"] = "float32"
         cfg["_source_gguf"] = str(gguf)
+        cfg["_gguf_size"] = gguf.stat().st_size
         cfg["_specmesh_cache"] = CACHE_FORMAT
         w = GGUFWeights(gguf, cfg)
         cfg["tie_word_embeddings"] = "lm_head.weight" not in w
