@@ -196,8 +196,9 @@ def _draft_model(cfg: dict):
             _truncate(self.llm, keep)
             self.llm.eval(ids[keep:])
             out = []
-            for _ in range(self.n):
-                tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            vocab = self.llm.n_vocab()
+            for _ in range(self.n):  # the last row's logits, the only ones computed (no logits_all)
+                tok = int(np.argmax(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(vocab,))))
                 out.append(tok)
                 self.llm.eval([tok])
             return np.array(out, dtype=np.intc)
@@ -292,9 +293,11 @@ def _child(cfg: dict) -> int:
             kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=cfg["pld_tokens"])
         elif cfg.get("draft_gguf"):
             kw["draft_model"] = _draft_model(cfg)
+        # a draft model's rounds are sampled at every drafted row: llama-cpp-python needs those rows'
+        # logits (without logits_all its verify reads logits that were not computed)
         llm = Llama(model_path=cfg["gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
-                    n_threads_batch=cfg["threads"], seed=0, verbose=False, logits_all=bool(cfg.get("logits_all")),
-                    **kw)
+                    n_threads_batch=cfg["threads"], seed=0, verbose=False,
+                    logits_all=bool(cfg.get("logits_all") or kw.get("draft_model")), **kw)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 1

@@ -68,9 +68,9 @@ class HFModels:
         self.forwards = 0
 
     def _load(self, path):
-        from transformers import AutoModelForCausalLM
+        from ..models.loading import hf_model
 
-        return AutoModelForCausalLM.from_pretrained(str(path), dtype=self.dtype).to(self.device).eval()
+        return hf_model(path, self.dtype).to(self.device).eval()
 
     def target(self):
         if self._target is None:

@@ -75,9 +75,11 @@ def load_target(model_dir: Path, gguf: Optional[Path], device: str):
     tokenizer files (and the weights when ``gguf`` is None)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from ..models.loading import hf_model
+
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if gguf is None:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = hf_model(model_dir, torch.float32)
     else:
         from ..models.gguf_state import gguf_llama_state_dict
 

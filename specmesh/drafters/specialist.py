@@ -56,7 +56,8 @@ import torch
 
 from ..acceptance import target_probs
 from ..engine import LlamaEngine
-from ..models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model
+from ..models.loading import (DEFAULT_MODEL, cache_root, hf_model, load_config, load_state_dict, load_tokenizer,
+                              resolve_model)
 from ..seeding import draft_generator
 from ..seqs import common_prefix_len
 from ..types import DraftContext, SessionLost, TokenTree
@@ -344,7 +345,6 @@ def train(model: str = DEFAULT_MODEL, domain: str = "code", steps: int = 150, se
         raise SystemExit("train-specialist needs peft: pip install -e '.[train]'") from e
     from safetensors.torch import save_file
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
 
     if domain not in DOMAINS:
         raise ValueError(f"unknown domain {domain!r}; known: {DOMAINS}")
@@ -358,7 +358,7 @@ def train(model: str = DEFAULT_MODEL, domain: str = "code", steps: int = 150, se
           "prose": token_chunks(tok, domain_files("prose", "heldout"), "prose", seq_len, eval_chunks)}
     perm = torch.randperm(len(train_x))
     train_x = train_x[perm]
-    lm = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    lm = hf_model(base_dir, torch.float32)
     base_ppl = {k: perplexity(lm, v) for k, v in ev.items()}
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
                      task_type="CAUSAL_LM")
