@@ -1,4 +1,4 @@
-"""Benchmarks: ``specmesh bench`` (in-process, one stream) and ``specmesh bench-sweep``
+"""The benchmark commands and their harness: ``specmesh bench`` (in-process, one stream) and ``specmesh bench-sweep``
 (concurrency sweep through the gRPC services); ``calibrate`` and ``strategies`` add
 ``specmesh calibrate-layerskip`` and ``specmesh bench-strategies`` themselves.
 
@@ -18,7 +18,7 @@ functions import the heavy modules lazily so ``specmesh --help`` stays fast.
              write it where ``specmesh.drafters.calibration`` reads it
 
 This package knows nothing about gRPC except in ``sweep`` and ``strategies`` (through
-the SDK and ``specmesh.serving.stack``).
+the SDK and ``specmesh.cli.stack``).
 """
 
 from __future__ import annotations
@@ -60,14 +60,14 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="passes over every prompt and system (each rotated once more, our systems built afresh); "
                         "each (system, prompt) keeps its fastest run: filters a shared machine's bursts")
-    p.set_defaults(module="specmesh.bench", func="main")
+    p.set_defaults(module="specmesh.cli.bench", func="main")
 
     s = subparsers.add_parser("bench-sweep", help="concurrency sweep through the gRPC services (1/4/8 streams)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .sweep import add_arguments
 
     add_arguments(s)
-    s.set_defaults(module="specmesh.bench", func="sweep_main")
+    s.set_defaults(module="specmesh.cli.bench", func="sweep_main")
 
     s = subparsers.add_parser("bench-services", help="the same prompts in process and through `specmesh serve` (SDK "
                               "and OpenAI HTTP), side by side: the services' ratio to their own engine",
@@ -75,7 +75,7 @@ def register(subparsers) -> None:
     from .services import add_arguments as add_services_arguments
 
     add_services_arguments(s)
-    s.set_defaults(module="specmesh.bench.services", func="main")
+    s.set_defaults(module="specmesh.cli.bench.services", func="main")
 
 
 def config_from_args(args):

@@ -228,7 +228,7 @@ def make_llamacpp(name: str, model_name: str, model_dir: Path, stop_ids: Sequenc
     gguf = gguf_path(model_name, model_dir)
     worker = LlamaCppWorker(str(gguf), threads, max_seq_len, pld_tokens=HF_PLD_TOKENS if name == "llamacpp_pld" else 0)
     stops = list(stop_ids)
-    info = {"gguf": str(gguf), "threads": threads, "process": "child (specmesh.bench.llamacpp_worker)"}
+    info = {"gguf": str(gguf), "threads": threads, "process": "child (specmesh.cli.bench.llamacpp_worker)"}
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         out, secs = worker.generate(list(prompt_ids), max_new_tokens, stops)

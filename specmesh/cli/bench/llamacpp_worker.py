@@ -1,7 +1,7 @@
 """llama.cpp in a child process: the benchmark's llama.cpp peers run here, so a crash
 inside llama.cpp (a segmentation fault kills the whole process) cannot take the
 benchmark down. ``LlamaCppWorker`` (parent side) starts ``python -m
-specmesh.bench.llamacpp_worker`` and speaks JSON lines over its stdin/stdout; the
+specmesh.cli.bench.llamacpp_worker`` and speaks JSON lines over its stdin/stdout; the
 child loads one GGUF with llama-cpp-python and answers greedy generations of given
 prompt token ids (the same ids our systems get, already templated: no chat-completion
 path, no re-tokenisation), timing each generation itself.
@@ -53,7 +53,7 @@ class LlamaCppWorker:
                  argv: Optional[Sequence[str]] = None):
         """``argv``: the child's command line before its JSON config (default: this module
         under the running interpreter; tests put a stand-in child there)."""
-        self.argv = list(argv) if argv else [sys.executable, "-m", "specmesh.bench.llamacpp_worker"]
+        self.argv = list(argv) if argv else [sys.executable, "-m", "specmesh.cli.bench.llamacpp_worker"]
         self.cfg = {"gguf": str(gguf), "threads": int(threads), "n_ctx": int(n_ctx), "pld_tokens": int(pld_tokens),
                     "extra_bufts": True}
         self.timeout_s = timeout_s
