@@ -18,11 +18,13 @@ three services in one process, for tests and the benchmarks) and ``serve_ray``
   bench              benchmarks (specmesh.cli.bench)
   trace, stats       trace timelines and acceptance histograms (specmesh.cli.observability)
   calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.cli.bench.calibrate)
-  bench-services     the same prompts in process and through `specmesh serve`, side by side (specmesh.cli.bench.services)
+  bench-services     the same prompts in process and through `specmesh serve`, side by side
+                     (specmesh.cli.bench.services)
   bench-strategies   workloads x strategies through the services (specmesh.cli.bench.strategies)
   device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.cli.bench.device_check)
   costs              the speculation cost model measured on this device (specmesh.cli.bench.costs)
-  quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD (specmesh.cli.bench.quality)
+  quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD
+                     (specmesh.cli.bench.quality)
   train-specialist   LoRA-tune a domain specialist of the target for divergence decoding (specmesh.cli.specialist)
   distill-data, train-drafter, accel-drafter, floor, tree-study  the block drafter (specmesh.cli.blockdraft)
   train-uno          train the mask-gated adapter: the target drafting for itself (specmesh.cli.uno)

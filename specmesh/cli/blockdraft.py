@@ -544,8 +544,8 @@ def tree_study_main(args) -> int:
     from ..models.loading import cache_root
     from ..runtime import Runtime, block_drafter_path
     from ..blockdraft.serve import SCHEDULE_FILE, BlockSelfDrafter
-    from ..blockdraft.treestudy import collect, evaluate, fit_scorers, forward_costs, heldout_sequences, plot, schedule_from, \
-        schedule_table, workload_table
+    from ..blockdraft.treestudy import collect, evaluate, fit_scorers, forward_costs, heldout_sequences, plot, \
+        schedule_from, schedule_table, workload_table
 
     ckpt = Path(args.drafter) if args.drafter else block_drafter_path(args.model)
     if ckpt is None:

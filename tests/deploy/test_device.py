@@ -144,10 +144,10 @@ def test_gpu_scripts_parse():
 
 # what the device check imports (its phases, the CLI commands it runs, gpu-assemble's conversion)
 DEVICE_PATH = ("specmesh.cli", "specmesh.cli.bench.device_check", "specmesh.runtime", "specmesh.cli.bench.harness",
-               "specmesh.cli.bench.peers", "specmesh.cli.bench.systems", "specmesh.cli.bench.strategies", "specmesh.cli.bench.sweep",
-               "specmesh.serving.server", "specmesh.cli.stack", "specmesh.router", "specmesh.drafter_service",
-               "specmesh.verifier_service", "specmesh.models.gguf_state", "specmesh.uno.diffusion",
-               "specmesh.observability.wiring", "specmesh.kernels", "pytest")
+               "specmesh.cli.bench.peers", "specmesh.cli.bench.systems", "specmesh.cli.bench.strategies",
+               "specmesh.cli.bench.sweep", "specmesh.serving.server", "specmesh.cli.stack", "specmesh.router",
+               "specmesh.drafter_service", "specmesh.verifier_service", "specmesh.models.gguf_state",
+               "specmesh.uno.diffusion", "specmesh.observability.wiring", "specmesh.kernels", "pytest")
 NAMESPACES = {"google.protobuf": "protobuf", "opentelemetry.sdk": "opentelemetry-sdk",
               "opentelemetry.semconv": "opentelemetry-semantic-conventions", "opentelemetry": "opentelemetry-api"}
 

@@ -311,7 +311,8 @@ def test_the_sdk_imports_nothing_of_the_servers():
     assert [v for v in sorted(seen) if _under(v, ["specmesh.serving", "specmesh.router", "specmesh.drafter_service",
                                                    "specmesh.verifier_service", "specmesh.cli",
                                                    "specmesh.deploy"])] == []
-    into_sdk = sorted(m for m, targets in graph.items() if "specmesh.client" in targets and _under(m, ["specmesh.serving"]))
+    into_sdk = sorted(m for m, targets in graph.items()
+                      if "specmesh.client" in targets and _under(m, ["specmesh.serving"]))
     assert into_sdk == ["specmesh.serving.openai_http"]
 
 
