@@ -1,6 +1,7 @@
-"""The benchmark commands and their harness: ``specmesh bench`` (in-process, one stream) and ``specmesh bench-sweep``
-(concurrency sweep through the gRPC services); ``calibrate`` and ``strategies`` add
-``specmesh calibrate-layerskip`` and ``specmesh bench-strategies`` themselves.
+"""The benchmark commands and their harness: ``specmesh bench`` (in-process, one
+stream) and ``specmesh bench-sweep`` (concurrency sweep through the gRPC services);
+``calibrate`` and ``strategies`` add ``specmesh calibrate-layerskip`` and ``specmesh
+bench-strategies`` themselves.
 
 ``register(subparsers)`` adds the first two subcommands to the ``specmesh`` CLI; their
 functions import the heavy modules lazily so ``specmesh --help`` stays fast.
