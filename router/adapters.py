@@ -62,7 +62,7 @@ import grpc
 
 from specmesh.ahead import AheadInfo, main_path, truncate
 from specmesh.seqs import common_prefix_len
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.types import FEATURE_DTYPE, DraftContext, FeatureRows, SessionLost, TokenTree, VerifyRequest, \
     VerifyResult
 from specmesh.v1 import drafter_pb2, verifier_pb2

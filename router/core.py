@@ -50,7 +50,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 from specmesh.ahead import check_mode
 from specmesh.observability.requests import RouterObserver
 from specmesh.observability.throughput import ThroughputLog
-from specmesh.serving.convert import RouterStats
+from specmesh.wire.convert import RouterStats
 from specmesh.serving.settings import ServeSettings
 from specmesh.strategies.ssr import reasoning_messages
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams

@@ -18,7 +18,7 @@ from typing import Optional
 
 import grpc
 
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.serving.server import Service, peer_channel, time_left
 from specmesh.serving.settings import ServeSettings
 from specmesh.v1 import router_pb2, router_pb2_grpc

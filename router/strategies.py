@@ -44,7 +44,7 @@ from specmesh.ahead import OverlapPolicy
 from specmesh.drafters import registry
 from specmesh.seqs import common_prefix_len
 from specmesh.loop import AdaptiveBudget, BudgetPolicy, LoopOptions, VerifyCosts, speculative_generate
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.strategies import auto
 from specmesh.strategies.adapt import CacheMeter, ResumePrefix, TreeBudget
 from specmesh.strategies.proactive import Anticipator, Config, Gate, cache_id

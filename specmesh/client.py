@@ -51,8 +51,8 @@ from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 import grpc
 
 from .errors import from_rpc_error
-from .serving.channels import channel, channel_credentials
-from .serving.convert import RouterStats, messages_to_proto, stats_from_proto
+from .wire.channels import channel, channel_credentials
+from .wire.convert import RouterStats, messages_to_proto, stats_from_proto
 from .v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"

@@ -15,7 +15,7 @@ folder (the repository root is on ``sys.path`` through pyproject's ``pythonpath`
 - gRPC helpers: ``wait_for``, ``healthy``, ``code_of``, ``free_port``;
 - ``ServeProcess``: the real ``specmesh serve`` (its supervised processes) on free
   ports, its log collected, a child's pid, SIGKILL a child, wait until it is back;
-- stacks: ``LocalStack`` (``specmesh.serving.stack``: router + drafter service +
+- stacks: ``LocalStack`` (``specmesh.cli.stack``: router + drafter service +
   verifier service(s) in process on loopback) and its presets ``TinyStack`` (gated
   tiny verifiers), ``BlockStack`` (the same with the tiny block drafter on both sides), ``TracedStack`` / ``TinyTracedStack`` (metrics and spans) and
   ``RuntimeStack`` (the real SmolLM2 Runtime);
@@ -46,7 +46,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from specmesh.engine import LlamaEngine  # noqa: E402
-from specmesh.serving.stack import LocalStack  # noqa: E402,F401 - the stack builder, re-exported
+from specmesh.cli.stack import LocalStack  # noqa: E402,F401 - the stack builder, re-exported
 from specmesh.types import SamplingParams  # noqa: E402
 from specmesh.verifier import EngineVerifier  # noqa: E402
 
@@ -344,7 +344,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------- stacks (specmesh.serving.stack.LocalStack)
+# ---------------------------------------------------------------- stacks (specmesh.cli.stack.LocalStack)
 
 class TinyStack(LocalStack):
     """``n_verifiers`` verifier services over GatedVerifiers, a drafter service

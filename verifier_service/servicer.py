@@ -22,8 +22,8 @@ import time
 import grpc
 
 from specmesh.seeding import round_seed
-from specmesh.serving import convert
-from specmesh.serving.convert import check_session_id
+from specmesh.wire import convert
+from specmesh.wire.convert import check_session_id
 from specmesh.serving.server import Service, time_left
 from specmesh.serving.settings import ServeSettings
 from specmesh.types import InvalidArgument, SelfDraft, VerifyRequest

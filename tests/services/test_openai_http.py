@@ -34,7 +34,7 @@ openai = pytest.importorskip("openai", reason="pip install -e '.[test]'")
 
 from specmesh.client import Client  # noqa: E402
 from specmesh.serving.openai_http import start_http  # noqa: E402
-from specmesh.serving.stack import LocalStack  # noqa: E402
+from specmesh.cli.stack import LocalStack  # noqa: E402
 from tests.support import (ROOT, TRACED_SETTINGS, TokenizerCodec, V, free_port, samples, scrape,  # noqa: E402
                            settings, tiny_layerskip_verifier, total, wait_for)
 

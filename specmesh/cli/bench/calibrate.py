@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from ..drafters.calibration import calibration_path, load_calibration, speedup_of  # noqa: F401 - re-exported
+from ...drafters.calibration import calibration_path, load_calibration, speedup_of  # noqa: F401 - re-exported
 
 SAMPLE_PROMPTS = (
     "Rename the variable x to total and add a docstring:\n\ndef f(a):\n    x = 0\n    for v in a:\n        x += v\n"
@@ -35,8 +35,8 @@ SAMPLE_PROMPTS = (
 def calibrate(runtime, exits: Sequence[int], prompts: Sequence[str], max_new_tokens: int = 48, budget: int = 6,
               progress=print) -> dict:
     """Measure each exit layer on ``prompts`` with ``runtime`` (a ``Runtime``)."""
-    from ..drafters.model_drafters import LayerSkipDrafter
-    from ..loop import AdaptiveBudget, generate_tokens
+    from ...drafters.model_drafters import LayerSkipDrafter
+    from ...loop import AdaptiveBudget, generate_tokens
 
     ver = runtime.verifier
     saved = ver.self_drafters.get("layerskip")
@@ -91,12 +91,12 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--budget", type=int, default=6, help="maximum draft length (adaptive below it)")
     p.add_argument("--out", default=None, help="output JSON (default: the cache path the verifier reads)")
-    p.set_defaults(module="specmesh.bench.calibrate", func="main")
+    p.set_defaults(module="specmesh.cli.bench.calibrate", func="main")
 
 
 def main(args) -> int:
-    from ..runtime import Runtime
-    from ..types import InvalidArgument
+    from ...runtime import Runtime
+    from ...types import InvalidArgument
 
     rt = Runtime(args.model, dtype=args.dtype, n_slots=2, max_seq_len=2048, layerskip_exit=1, quiet=True)
     n = rt.engine.n_layers

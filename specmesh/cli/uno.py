@@ -1,6 +1,6 @@
-"""CLI of the mask-gated adapter: ``train-uno`` (and ``uno-study``, ``diffusion``).
+"""``specmesh train-uno``: train the mask-gated adapter (``specmesh.uno``).
 
-``train-uno`` trains the adapter by self-distillation (``trainer``) on the block
+``train-uno`` trains the adapter by self-distillation (``uno.trainer``) on the block
 drafter's records (the bundled Magpie records and/or ``specmesh distill-data``
 shards), evaluates it on the held-out split (per-slot accuracy, acceptance
 histogram, τ, by kind), fits the tree calibration, and writes the checkpoint:
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-M = "specmesh.uno.cli"
+M = "specmesh.cli.uno"
 BUNDLED_RECORDS = Path(__file__).resolve().parents[2] / "checkpoints" / "smollm2-block-drafter" / "magpie-records.jsonl.xz"
 
 
@@ -70,7 +70,7 @@ def read_records(src) -> list[dict]:
 
 
 def plot_hist(hist, path, title) -> None:
-    from ..blockdraft.cli import plot_hist as _plot
+    from .blockdraft import plot_hist as _plot
 
     _plot(hist, path, title)
 
@@ -83,7 +83,7 @@ def calibrate(target, adapter, seqs, M: int, width: int = 4, seed: int = 2):
 
     from ..blockdraft.losses import IGNORE
     from ..blockdraft.tree import Calibration
-    from .trainer import make_batch, step_logits
+    from ..uno.trainer import make_batch, step_logits
 
     rng = random.Random(seed)
     samples = []
@@ -107,8 +107,8 @@ def train_main(args) -> int:
     import torch
 
     from ..models.loading import load_config, load_state_dict, resolve_model
-    from .adapter import GatedAdapter, new_adapter
-    from .trainer import FrozenTarget, evaluate, sequences, train
+    from ..uno.adapter import GatedAdapter, new_adapter
+    from ..uno.trainer import FrozenTarget, evaluate, sequences, train
 
     t0 = time.time()
     torch.manual_seed(args.seed)

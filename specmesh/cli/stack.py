@@ -2,7 +2,7 @@
 free loopback port: what ``specmesh bench-strategies`` measures through and what the
 tests build their stacks with (``tests/support.py``).
 
-Imports nothing heavy at module level (``specmesh.bench.strategies`` subclasses it
+Imports nothing heavy at module level (``specmesh.cli.bench.strategies`` subclasses it
 and the CLI parser imports that).
 """
 
@@ -43,10 +43,10 @@ class LocalStack:
         from specmesh.router.servicer import router_service
         from specmesh.verifier_service.servicer import verifier_service
 
-        from .server import build_server
+        from ..serving.server import build_server
 
         if settings is None:
-            from .settings import load_settings as settings
+            from ..serving.settings import load_settings as settings
         self._channel = None
         self._metrics: list = []
         self.s = settings()

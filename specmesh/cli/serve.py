@@ -116,7 +116,7 @@ def add_settings_flags(p: argparse.ArgumentParser, port: bool = True) -> None:
 
 
 def settings_from_args(args: argparse.Namespace):
-    from .settings import ServeSettings, load_settings
+    from ..serving.settings import ServeSettings, load_settings
 
     fields = set(ServeSettings.model_fields)
     overrides = {k: v for k, v in vars(args).items() if k in fields and v is not None}
@@ -142,7 +142,7 @@ def register(sub) -> None:
     p.add_argument("--ray", action="store_true",
                    help="run the three as Ray Serve deployments on a local Ray cluster; --config is then a Serve "
                         "config or RayAppConfig YAML (specmesh.deploy.ray)")
-    p.set_defaults(module="specmesh.serving.cli", func="serve_main")
+    p.set_defaults(module="specmesh.cli.serve", func="serve_main")
 
     g = sub.add_parser("generate", help="stream a generation from a running router")
     g.add_argument("prompt", help="prompt text (one user turn with the chat template unless --raw; at most the "
@@ -193,7 +193,7 @@ def register(sub) -> None:
     g.add_argument("--key", default=None, help="client key (PEM) for mutual TLS")
     g.add_argument("--json", action="store_true",
                    help="print only the stats as one JSON object on stdout (the text streams to stderr)")
-    g.set_defaults(module="specmesh.serving.cli", func="generate_main")
+    g.set_defaults(module="specmesh.cli.serve", func="generate_main")
 
 
 # ---------------------------------------------------------------- serve
@@ -202,7 +202,7 @@ def serve_main(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if getattr(args, "ray", False):
-        from specmesh.deploy.ray.cli import serve_ray
+        from specmesh.cli.serve_ray import serve_ray
 
         return serve_ray(args)
     settings = settings_from_args(args)
@@ -228,7 +228,7 @@ def serve_main(args) -> int:
     if args.service is None:
         return serve_all(settings)
     if args.service == "openai":  # the HTTP front alone: speaks the SDK to the routers, resumes their streams
-        from .openai_http import run_front
+        from ..serving.openai_http import run_front
 
         return run_front(settings)
     return serve_one(args.service, settings)
@@ -236,7 +236,7 @@ def serve_main(args) -> int:
 
 def serve_one(service: str, s) -> int:
     from ..observability import tracing
-    from .server import build_server, serve_until_signal
+    from ..serving.server import build_server, serve_until_signal
 
     tracing.setup_from_env(f"specmesh-{service}")  # OTEL_* variables; off unless asked for
     cleanup, router = None, None
@@ -282,7 +282,7 @@ def serve_one(service: str, s) -> int:
                   f"(set --metrics-port, or --metrics false)", flush=True)
     http = None
     if router is not None and s.http:
-        from .openai_http import start_http
+        from ..serving.openai_http import start_http
 
         try:
             http = start_http(s, running.address)
@@ -325,7 +325,7 @@ def serve_all(s) -> int:
     """The three services (and the OpenAI front, a fourth) as child processes under a ``Supervisor``: a service
     that dies after it came up is restarted on its port (backoff, logged,
     counted on the supervisor's /metrics) while the others keep serving."""
-    from .supervisor import RestartPolicy, Supervisor, SupervisorMetrics
+    from ..serving.supervisor import RestartPolicy, Supervisor, SupervisorMetrics
 
     host = s.host
     client_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host

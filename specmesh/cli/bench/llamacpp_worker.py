@@ -1,7 +1,7 @@
 """llama.cpp in a child process: the benchmark's llama.cpp peers run here, so a crash
 inside llama.cpp (a segmentation fault kills the whole process) cannot take the
 benchmark down. ``LlamaCppWorker`` (parent side) starts ``python -m
-specmesh.bench.llamacpp_worker`` and speaks JSON lines over its stdin/stdout; the
+specmesh.cli.bench.llamacpp_worker`` and speaks JSON lines over its stdin/stdout; the
 child loads one GGUF with llama-cpp-python and answers greedy generations of given
 prompt token ids (the same ids our systems get, already templated: no chat-completion
 path, no re-tokenisation), timing each generation itself.
@@ -57,7 +57,7 @@ class LlamaCppWorker:
         llama.cpp's speculative decoding with that model drafting ``draft_tokens`` greedy
         tokens a round (``DraftLM``). ``logits_all``: keep every position's logits (the
         probe's agreement run)."""
-        self.argv = list(argv) if argv else [sys.executable, "-m", "specmesh.bench.llamacpp_worker"]
+        self.argv = list(argv) if argv else [sys.executable, "-m", "specmesh.cli.bench.llamacpp_worker"]
         self.cfg = {"gguf": str(gguf), "threads": int(threads), "n_ctx": int(n_ctx), "pld_tokens": int(pld_tokens),
                     "extra_bufts": True, "draft_gguf": draft_gguf, "draft_tokens": int(draft_tokens),
                     "logits_all": bool(logits_all)}
@@ -123,7 +123,7 @@ class LlamaCppWorker:
 
     def probe(self, ctx: Sequence[int], rows: Sequence[int], reps: int, prefill: Sequence[int],
               sequences: Optional[list] = None, logits_file: Optional[str] = None) -> dict:
-        """The engine probe's measures (``specmesh.bench.engine_probe``) in the child: forward ms
+        """The engine probe's measures (``specmesh.cli.bench.engine_probe``) in the child: forward ms
         per scored row count after ``ctx``, the prefill rate of ``prefill``, memory, and the
         logits of ``sequences`` into ``logits_file`` (needs ``logits_all``)."""
         return self._ask({"probe": {"ctx": list(map(int, ctx)), "rows": list(map(int, rows)), "reps": int(reps),

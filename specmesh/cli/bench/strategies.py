@@ -35,7 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from ..serving.stack import LocalStack
+from ..stack import LocalStack
 
 FIXED = ("autoregressive", "external:prompt_lookup", "external:suffix", "external:adaptive_lookup",
          "external:draft_lm", "self:layerskip")
@@ -56,7 +56,7 @@ BUILTIN = {
 
 def load_workloads(names: Optional[list[str]], per: int, directory: Optional[str]) -> dict[str, list[dict]]:
     try:
-        from .. import workloads as wl
+        from ... import workloads as wl
 
         loaded = wl.load(names, per, Path(directory) if directory else None)
         return {k: [{"id": p.id, "prompt": p.prompt, "messages": p.messages} for p in v] for k, v in loaded.items()}
@@ -67,12 +67,12 @@ def load_workloads(names: Optional[list[str]], per: int, directory: Optional[str
 
 class Services(LocalStack):
     """Verifier, drafter and router servers in this process (loopback, free ports) over
-    one Runtime: ``specmesh.serving.stack.LocalStack`` with the target's verifier."""
+    one Runtime: ``specmesh.cli.stack.LocalStack`` with the target's verifier."""
 
     def __init__(self, model: str, dtype: str, slots: int, max_seq_len: int, device: str = "cpu"):
-        from ..runtime import Runtime
-        from ..serving.settings import load_settings
-        from ..threads import model_thread
+        from ...runtime import Runtime
+        from ...serving.settings import load_settings
+        from ...threads import model_thread
 
         self.thread = model_thread()  # the model loads and runs on one thread, as in `specmesh serve`
         self.rt = self.thread.run(Runtime, model, dtype=dtype, n_slots=slots, max_seq_len=max_seq_len, quiet=True,
@@ -112,7 +112,7 @@ class Services(LocalStack):
 
 
 def _fields() -> set:
-    from ..serving.settings import ServeSettings
+    from ...serving.settings import ServeSettings
 
     return set(ServeSettings.model_fields)
 
@@ -351,11 +351,11 @@ def register(subparsers) -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--device", default="cpu", help="verifier and drafter service: cpu | cuda | cuda:N | auto")
     p.add_argument("--out", default=None, help="also write the table and raw numbers here (.md and .json)")
-    p.set_defaults(module="specmesh.bench.strategies", func="main")
+    p.set_defaults(module="specmesh.cli.bench.strategies", func="main")
 
 
 def main(args) -> int:
-    from ..client import Client
+    from ...client import Client
 
     t_start = time.perf_counter()
     names = [x.strip() for x in args.workloads.split(",") if x.strip()] or None

@@ -27,9 +27,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..seqs import common_prefix_len
-from ..types import InvalidArgument
-from .. import workloads as wl
+from ...seqs import common_prefix_len
+from ...types import InvalidArgument
+from ... import workloads as wl
 from .llamacpp_worker import PeerFailed
 from .peers import HFModels, llamacpp_unavailable, make_hf, make_llamacpp
 from .systems import DEFAULT_SYSTEMS, DTYPES, RunOutput, System, expand, make_ours, parse_ours
@@ -108,7 +108,7 @@ class Bench:
     # ------------------------------------------------------------ setup
     def runtime(self, dtype: str):
         if dtype not in self.runtimes:
-            from ..runtime import Runtime
+            from ...runtime import Runtime
 
             main = self.runtimes.get(self.cfg.dtype)
             self.runtimes[dtype] = Runtime(self.cfg.model, dtype=dtype, n_slots=self.cfg.slots,
@@ -120,7 +120,7 @@ class Bench:
         self.rss_stages.append({"stage": what, "peak_rss_mb": round(peak_rss_mb(), 1)})
 
     def build(self, names: list[str]) -> None:
-        from ..runtime import default_draft_model
+        from ...runtime import default_draft_model
 
         main = self.runtime(self.cfg.dtype)
         ours = [n for n in names if n.startswith("ours_")]

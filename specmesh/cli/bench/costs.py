@@ -27,7 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ..results import write_result
+from ...results import write_result
 
 DRAFTERS = "prompt_lookup,suffix,draft_lm,layerskip,block,block_tree"
 SELF = ("layerskip", "block", "block_tree")
@@ -55,7 +55,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--out", default="costs-out")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(module="specmesh.bench.costs", func="main")
+    p.set_defaults(module="specmesh.cli.bench.costs", func="main")
 
 
 def _median_s(fn, reps: int) -> float:
@@ -101,7 +101,7 @@ def batch_times(eng, context: list[int], sizes: list[int], k: int, reps: int, ba
 
 def draft_times(rt, name: str, ids: list[int], k: int, reps: int) -> float:
     """Seconds of one round of drafter ``name`` at budget k on the prompt ``ids``."""
-    from ..types import DraftContext, SamplingParams, VerifyRequest
+    from ...types import DraftContext, SamplingParams, VerifyRequest
 
     sp = SamplingParams()
     if name in SELF:
@@ -124,7 +124,7 @@ def draft_times(rt, name: str, ids: list[int], k: int, reps: int) -> float:
 
 def measured_speedups(rt, names: list[str], prompts: list[list[int]], n: int, k: int, bar) -> dict:
     """name -> (τ, speedup) vs plain decoding, alternating per prompt, greedy."""
-    from ..loop import generate_tokens
+    from ...loop import generate_tokens
 
     plain_s, spec = 0.0, {x: [0.0, 0, 0, 0] for x in names}  # s, accepted, rounds, tokens
     toks = 0
@@ -153,7 +153,7 @@ def measured_speedups(rt, names: list[str], prompts: list[list[int]], n: int, k:
 
 
 def main(args) -> int:
-    from ..runtime import Runtime
+    from ...runtime import Runtime
 
     k = args.budget
     names = [x.strip() for x in args.drafters.split(",") if x.strip()]
@@ -179,7 +179,7 @@ def main(args) -> int:
     t1 = tv[1]
     tvk = tv.get(k + 1) or tv[max(tv)]
     rows = []
-    from ..drafters import registry
+    from ...drafters import registry
 
     for name in names:
         per_round = name in registry.PER_ROUND

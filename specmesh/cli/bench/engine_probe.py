@@ -6,7 +6,7 @@ Each side runs in a child process of its own, one after the other, so its memory
 own (the bench process holds every system; a child's ``VmHWM`` is what loading that
 engine alone costs) and nothing else computes beside it:
 
-- ours: ``python -m specmesh.bench.engine_probe '<json>'`` loads ``LlamaEngine`` (the
+- ours: ``python -m specmesh.cli.bench.engine_probe '<json>'`` loads ``LlamaEngine`` (the
   bench's model and dtype), measures, and prints one JSON line;
 - llama.cpp: the bench's ``llamacpp_worker`` child answers a ``probe`` request the same
   way (llama-cpp-python's ``eval`` of M tokens after the context is a forward scoring
@@ -64,7 +64,7 @@ def ours(cfg: dict) -> dict:
 
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
-    from ..engine import LlamaEngine
+    from ...engine import LlamaEngine
 
     t0 = time.perf_counter()
     eng = LlamaEngine.from_pretrained(cfg["model"], dtype=cfg["dtype"], n_slots=2,
@@ -111,7 +111,7 @@ def run_ours(model: str, dtype: str, threads: int, ctx: int = 300, rows: Sequenc
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(cfg, f)
     try:
-        r = subprocess.run([sys.executable, "-m", "specmesh.bench.engine_probe", f.name], capture_output=True,
+        r = subprocess.run([sys.executable, "-m", "specmesh.cli.bench.engine_probe", f.name], capture_output=True,
                            text=True, timeout=timeout_s)
     finally:
         os.unlink(f.name)

@@ -17,7 +17,7 @@ median tokens/s and its ratios to the plain pass beside it, and a verdict line
 per speculative system (``TARGET``: at least 0.95x plain decoding at every
 stream count). Writes sweep.json, sweep.md and sweep.png.
 
-This module is the only part of ``specmesh.bench`` that talks gRPC (through
+This module is the only part of ``specmesh.cli.bench`` that talks gRPC (through
 the client SDK); it knows nothing about models.
 """
 
@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..types import InvalidArgument
+from ...types import InvalidArgument
 
 NOT_READY = ("specmesh bench-sweep: it needs the gRPC client SDK (specmesh.client), which is not in this "
              "checkout. Use `specmesh bench` for the in-process benchmark.")
@@ -320,8 +320,8 @@ def chart(cells: list[dict], path: Path) -> None:
 
 # ---------------------------------------------------------------- entry
 def run_sweep(args) -> dict:
-    from ..client import Client
-    from .. import workloads as wl
+    from ...client import Client
+    from ... import workloads as wl
 
     streams = [int(x) for x in str(args.streams).split(",") if x.strip()]
     if not streams or any(n <= 0 for n in streams):

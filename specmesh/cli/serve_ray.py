@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from .config import specmesh_app, load_serve_config, validate_serve_config
+from ..deploy.ray.config import specmesh_app, load_serve_config, validate_serve_config
 
 
 def apply_overrides(config: dict, overrides: dict) -> dict:

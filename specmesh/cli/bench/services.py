@@ -30,8 +30,8 @@ import urllib.request
 from pathlib import Path
 from typing import Optional
 
-from ..drafters import registry
-from ..types import InvalidArgument
+from ...drafters import registry
+from ...types import InvalidArgument
 from .harness import faster, rotated
 from .systems import OVERLAP_SUFFIXES
 from .sweep import Services, _free_port
@@ -121,7 +121,7 @@ class _Paths:
     """One generation of a prompt on one (system, path)."""
 
     def __init__(self, rt, dtype: str, systems: list[dict], services: Services, max_new: int, timeout: float):
-        from ..client import Client
+        from ...client import Client
         from .systems import make_ours
 
         self.rt, self.max_new, self.timeout = rt, max_new, timeout
@@ -129,7 +129,7 @@ class _Paths:
         self.client = Client(services.address, timeout=timeout)
         # the router's default draft budget and budget policy: the two sides draft alike, so the ratio is
         # what the services cost (not a different policy's drafts)
-        from ..serving.settings import ServeSettings
+        from ...serving.settings import ServeSettings
 
         budget = ServeSettings.model_fields["draft_budget"].default
         self.ours = {s["name"]: make_ours(s["ours"], rt, budget, dtype, router_policy=True) for s in systems}
@@ -158,8 +158,8 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 def run_bench(args) -> dict:
-    from .. import workloads as wl
-    from ..runtime import Runtime
+    from ... import workloads as wl
+    from ...runtime import Runtime
 
     if args.repeats < 1:
         raise InvalidArgument("repeats", f"must be at least 1, got {args.repeats}")

@@ -36,8 +36,8 @@ import re
 import time
 from pathlib import Path
 
-from ..seqs import common_prefix_len
-from ..results import write_result
+from ...seqs import common_prefix_len
+from ...results import write_result
 from typing import Optional, Sequence
 
 DEFAULT_RULES = "exact,typical,lenient:0.5,lenient:0.2,lenient:0.05,topk:2,topk:4,topk:8"
@@ -69,7 +69,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="quality-out")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(module="specmesh.bench.quality", func="main")
+    p.set_defaults(module="specmesh.cli.bench.quality", func="main")
 
 
 def parse_rule(spec: str):
@@ -133,10 +133,10 @@ def final_answer(text: str) -> Optional[str]:
 def main(args) -> int:
     from tqdm import tqdm
 
-    from ..loop import generate_tokens
-    from ..runtime import Runtime
-    from ..types import SamplingParams
-    from .. import workloads as wl
+    from ...loop import generate_tokens
+    from ...runtime import Runtime
+    from ...types import SamplingParams
+    from ... import workloads as wl
 
     rt = Runtime(args.model, dtype=args.dtype, n_slots=4, max_seq_len=2048, quiet=True, device=args.device)
     self_draft = args.drafter if args.drafter in rt.verifier.self_drafters else None

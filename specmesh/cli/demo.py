@@ -22,9 +22,9 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from ..loop import AdaptiveBudget, generate_tokens
+from ..runtime import Runtime
 from .bench.harness import faster, rotated
-from .loop import AdaptiveBudget, generate_tokens
-from .runtime import Runtime
 
 # a round verifies with at least one target forward, so a drafter's speedup over plain
 # decoding cannot exceed its tau (tokens per forward); this much above it is noise
@@ -70,7 +70,7 @@ def peak_rss_mb() -> float:
 
 def main(args) -> int:
     if getattr(args, "repeats", 2) < 1:  # before the model loads
-        from .types import InvalidArgument
+        from ..types import InvalidArgument
 
         raise InvalidArgument("--repeats", f"must be at least 1, got {args.repeats}")
     con = Console()
@@ -94,7 +94,7 @@ def main(args) -> int:
     warnings = []
     stand_in = "draft_lm" in drafters and _draft_lm_is_stand_in(rt)
     if stand_in:
-        from .drafters.registry import DRAFT_LM_NOTE
+        from ..drafters.registry import DRAFT_LM_NOTE
 
         warnings.append(f"NOTE {DRAFT_LM_NOTE}")
     k = 0
@@ -147,7 +147,7 @@ def unexplained(speedup: float, tau: float, slack: float = UNEXPLAINED_SLACK) ->
 def _draft_lm_is_stand_in(rt) -> bool:
     """Whether ``draft_lm`` is the untrained layer cut of the target: no draft model
     named and no paired one for this target."""
-    from .models.loading import PAIRED_DRAFT_MODELS
+    from ..models.loading import PAIRED_DRAFT_MODELS
 
     return not rt.draft_model and str(rt.model_name).lower() not in PAIRED_DRAFT_MODELS
 

@@ -216,7 +216,7 @@ LLAMACPP_DRAFT_TOKENS = 5
 
 def draft_gguf(model_name: str) -> Optional[Path]:
     """The GGUF of the target's paired draft model (``PAIRED_DRAFT_MODELS``), or None."""
-    from ..models.loading import PAIRED_DRAFT_MODELS, ModelNotFound, resolve_model
+    from ...models.loading import PAIRED_DRAFT_MODELS, ModelNotFound, resolve_model
 
     pair = PAIRED_DRAFT_MODELS.get(model_name.lower())
     if pair is None:
@@ -249,7 +249,7 @@ def make_llamacpp(name: str, model_name: str, model_dir: Path, stop_ids: Sequenc
     worker = LlamaCppWorker(str(gguf), threads, max_seq_len, pld_tokens=HF_PLD_TOKENS if name == "llamacpp_pld" else 0,
                             draft_gguf=None if draft is None else str(draft), draft_tokens=LLAMACPP_DRAFT_TOKENS)
     stops = list(stop_ids)
-    info = {"gguf": str(gguf), "threads": threads, "process": "child (specmesh.bench.llamacpp_worker)"}
+    info = {"gguf": str(gguf), "threads": threads, "process": "child (specmesh.cli.bench.llamacpp_worker)"}
     if draft is not None:
         info.update(draft_gguf=str(draft), draft_tokens=LLAMACPP_DRAFT_TOKENS)
 

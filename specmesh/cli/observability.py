@@ -13,8 +13,8 @@
   generate --json``), a bench ``results.json``, a trace file, or a saved
   ``/metrics`` scrape; ``--url`` scrapes a running router's ``/metrics``.
 
-This module parses arguments and prints; the work is in ``stats``, ``traces``
-and ``plots``.
+This module parses arguments and prints; the work is in ``specmesh.observability``'s
+``stats``, ``traces`` and ``plots``.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ def register(sub) -> None:
     s.add_argument("file")
     s.add_argument("--request", default=None, help="trace id, span id or session id (or a prefix); default: last")
     s.add_argument("--out", default=None, help="PNG path (default: trace-<trace id prefix>.png)")
-    s.set_defaults(module="specmesh.observability.cli", func="trace_show")
+    s.set_defaults(module="specmesh.cli.observability", func="trace_show")
     ls = tsub.add_parser("list", help="the requests in a trace file")
     ls.add_argument("file")
-    ls.set_defaults(module="specmesh.observability.cli", func="trace_list")
+    ls.set_defaults(module="specmesh.cli.observability", func="trace_list")
 
     p = sub.add_parser("stats", help="acceptance histogram, ceiling bin and block-size verdict")
     p.add_argument("sources", nargs="*", help="stats JSON, bench results.json, trace file or saved /metrics")
@@ -46,14 +46,14 @@ def register(sub) -> None:
                    help="also draw the histograms into this PNG (default: no PNG)")
     p.add_argument("--out-dir", default=None, metavar="DIR", help="also draw them into DIR/acceptance.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.set_defaults(module="specmesh.observability.cli", func="stats_main")
+    p.set_defaults(module="specmesh.cli.observability", func="stats_main")
 
 
 # ---------------------------------------------------------------- trace
 
 def _load_requests(path: str):
-    from .jsonl import read_spans
-    from .traces import requests
+    from ..observability.jsonl import read_spans
+    from ..observability.traces import requests
 
     return requests(read_spans(path))
 
@@ -71,8 +71,8 @@ def trace_list(args) -> int:
 
 
 def trace_show(args) -> int:
-    from .plots import timeline_png
-    from .traces import find, phases
+    from ..observability.plots import timeline_png
+    from ..observability.traces import find, phases
 
     req = find(_load_requests(args.file), args.request)
     a = req.attrs
@@ -112,7 +112,7 @@ def _bars(hist: list[int], block: int) -> list[str]:
 
 
 def stats_main(args) -> int:
-    from . import stats as st
+    from ..observability import stats as st
 
     sources = list(args.sources) + list(args.url)
     if not sources:
@@ -147,7 +147,7 @@ def stats_main(args) -> int:
             print()
     pngs = [p for p in (args.png, args.out_dir and os.path.join(args.out_dir, "acceptance.png")) if p]
     for png in pngs:  # only where asked: nothing lands in the current directory unasked
-        from .plots import acceptance_png
+        from ..observability.plots import acceptance_png
 
         if os.path.dirname(png):
             os.makedirs(os.path.dirname(png), exist_ok=True)

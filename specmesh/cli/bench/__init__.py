@@ -1,6 +1,7 @@
-"""Benchmarks: ``specmesh bench`` (in-process, one stream) and ``specmesh bench-sweep``
-(concurrency sweep through the gRPC services); ``calibrate`` and ``strategies`` add
-``specmesh calibrate-layerskip`` and ``specmesh bench-strategies`` themselves.
+"""The benchmark commands and their harness: ``specmesh bench`` (in-process, one
+stream) and ``specmesh bench-sweep`` (concurrency sweep through the gRPC services);
+``calibrate`` and ``strategies`` add ``specmesh calibrate-layerskip`` and ``specmesh
+bench-strategies`` themselves.
 
 ``register(subparsers)`` adds the first two subcommands to the ``specmesh`` CLI; their
 functions import the heavy modules lazily so ``specmesh --help`` stays fast.
@@ -18,7 +19,7 @@ functions import the heavy modules lazily so ``specmesh --help`` stays fast.
              write it where ``specmesh.drafters.calibration`` reads it
 
 This package knows nothing about gRPC except in ``sweep`` and ``strategies`` (through
-the SDK and ``specmesh.serving.stack``).
+the SDK and ``specmesh.cli.stack``).
 """
 
 from __future__ import annotations
@@ -63,14 +64,14 @@ def register(subparsers) -> None:
     p.add_argument("--no-probe", dest="probe", action="store_false",
                    help="with llama.cpp in the run, skip the engine probe (forward cost by scored rows, prefill, "
                         "memory and teacher-forced agreement, ours and llama.cpp side by side in child processes)")
-    p.set_defaults(module="specmesh.bench", func="main")
+    p.set_defaults(module="specmesh.cli.bench", func="main")
 
     s = subparsers.add_parser("bench-sweep", help="concurrency sweep through the gRPC services (1/4/8 streams)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     from .sweep import add_arguments
 
     add_arguments(s)
-    s.set_defaults(module="specmesh.bench", func="sweep_main")
+    s.set_defaults(module="specmesh.cli.bench", func="sweep_main")
 
     s = subparsers.add_parser("bench-services", help="the same prompts in process and through `specmesh serve` (SDK "
                               "and OpenAI HTTP), side by side: the services' ratio to their own engine",
@@ -78,7 +79,7 @@ def register(subparsers) -> None:
     from .services import add_arguments as add_services_arguments
 
     add_services_arguments(s)
-    s.set_defaults(module="specmesh.bench.services", func="main")
+    s.set_defaults(module="specmesh.cli.bench.services", func="main")
 
 
 def config_from_args(args):

@@ -31,7 +31,7 @@ import statistics
 import sys
 from pathlib import Path
 
-M = "specmesh.uno.study"
+M = "specmesh.cli.uno_study"
 SERVING = ("ar", "uno", "uno_tree", "uno_separate", "block_tree")
 
 
@@ -116,7 +116,7 @@ def _diffusion(rt, prompts, args) -> dict:
     from ..drafters.prompt_lookup import PromptLookupDrafter
     from ..types import DraftContext, SamplingParams
     from .. import workloads as wl
-    from .diffusion import TreePrior, Unmasking
+    from ..uno.diffusion import TreePrior, Unmasking
 
     pl = PromptLookupDrafter()
 

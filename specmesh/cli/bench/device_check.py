@@ -60,7 +60,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 WORKLOADS = ("open_writing", "chat_multiturn")
 
 
@@ -308,8 +308,8 @@ def render(result: dict) -> str:
 def main(args) -> int:
     import torch
 
-    from ..engine.device import resolve_device
-    from ..types import InvalidArgument
+    from ...engine.device import resolve_device
+    from ...types import InvalidArgument
 
     if not torch.cuda.is_available() and not args.allow_cpu:
         print(f"specmesh device-check: no CUDA device here (torch.cuda.is_available() is False; torch "
@@ -376,7 +376,7 @@ RUNTIME_S = 90.0  # what a Runtime's start-up may take on the GPU (kernel compil
 def _config_dir(model: str) -> Path:
     """Where the model's config.json and tokenizer are (the converted cache's folder; in a
     staged loan's first call ``scripts/gpu-assemble --no-model`` put them there without weights)."""
-    from ..models.loading import cache_root
+    from ...models.loading import cache_root
 
     d = cache_root() / "models" / model.lower()
     if (d / "config.json").is_file():
@@ -417,9 +417,9 @@ def model_free_phase(args, device, deadline: float, result: dict, log, save) -> 
     Each step checks the deadline first; ``result`` is saved after each."""
     import torch
 
-    from ..engine import LlamaEngine
-    from ..loop import generate_tokens
-    from ..runtime import Runtime
+    from ...engine import LlamaEngine
+    from ...loop import generate_tokens
+    from ...runtime import Runtime
 
     rand = random_model_dir(args.model, Path(os.environ.get("TMPDIR", "/tmp")) / "specmesh-random-model")
     result["notes"].append(f"model-free phase: random weights with {args.model}'s config ({rand})")
@@ -496,8 +496,8 @@ def model_free_phase(args, device, deadline: float, result: dict, log, save) -> 
 
 
 def _bench_phase(args, device, deadline: float, result: dict, log, ctx: dict) -> int:
-    from ..runtime import Runtime
-    from .. import workloads as wl
+    from ...runtime import Runtime
+    from ... import workloads as wl
     from .harness import Bench, BenchConfig
     from .peers import HFModels
 
@@ -532,7 +532,7 @@ def _bench_phase(args, device, deadline: float, result: dict, log, ctx: dict) ->
         except Exception as e:  # noqa: BLE001 - reported; the benchmark still runs
             result["notes"].append(f"forward timing on {type(rt.engine).__name__} failed: {type(e).__name__}: {e}")
     if device.type == "cuda":  # the batch-invariant graphs: every forward one bucket (4 slots x 64 tokens)
-        from ..engine.cudagraph import GraphedEngine
+        from ...engine.cudagraph import GraphedEngine
 
         try:
             inv = GraphedEngine.from_pretrained(str(g.model_dir), dtype="bf16", n_slots=4, max_seq_len=2048,
@@ -597,7 +597,7 @@ DIFFUSION_CONFIGS = ((5, 64), (7, 128))  # (block, guessed states of the tree)
 def diffusion_phase(rt, encoded: dict, new_tokens: int, deadline: float, log) -> list[dict]:
     """Plain unmasking vs the guess tree per (block, states) of ``DIFFUSION_CONFIGS``, on
     ``rt``'s engine with its mask-gated adapter: one row per decoder and block."""
-    from ..uno.diffusion import Unmasking
+    from ...uno.diffusion import Unmasking
 
     if rt.engine.adapter is None:
         log("device-check: no mask-gated adapter: diffusion phase skipped")

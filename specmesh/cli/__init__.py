@@ -1,26 +1,34 @@
-"""The ``specmesh`` command line.
+"""The ``specmesh`` command line, and every other command and composition root: this
+package is the top of the layers (docs/design.md, "Layering rules"). The library
+packages below it (``serving``, ``observability``, ``blockdraft``, ``uno`` ...) hold
+no entry points; ``python -m specmesh.cli`` is ``specmesh`` (``__main__``).
 
-Each subcommand registers its arguments here and runs code from the module that
-owns it (imported lazily so ``specmesh --help`` stays fast); ``specmesh --help``
-lists them in groups (``COMMAND_GROUPS``: serving, benchmarking, training and
-studies):
+Each subcommand registers its arguments here or in the module of this package that owns it
+(imported lazily so ``specmesh --help`` stays fast) and runs its code, which calls
+the library; ``specmesh --help`` lists them in groups (``COMMAND_GROUPS``: serving,
+benchmarking, training and studies). Beside them: ``stack`` (``LocalStack``, the
+three services in one process, for tests and the benchmarks) and ``serve_ray``
+(``specmesh serve --ray``).
 
-  demo               in-process demo: plain decoding vs each drafter, alternating passes (specmesh.demo)
+  demo               in-process demo: plain decoding vs each drafter, alternating passes (specmesh.cli.demo)
   convert            resolve/convert a model alias into the safetensors cache
   make-draft-model   write a draft LM made of a subset of the target's layers
-  serve              run the gRPC services (specmesh.serving.cli)
-  generate           stream a generation from a running router (specmesh.serving.cli)
-  bench              benchmarks (specmesh.bench)
-  trace, stats       trace timelines and acceptance histograms (specmesh.observability.cli)
-  calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.bench.calibrate)
-  bench-services     the same prompts in process and through `specmesh serve`, side by side (specmesh.bench.services)
-  bench-strategies   workloads x strategies through the services (specmesh.bench.strategies)
-  device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.bench.device_check)
-  costs              the speculation cost model measured on this device (specmesh.bench.costs)
-  quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD (specmesh.bench.quality)
-  train-specialist   LoRA-tune a domain specialist of the target for divergence decoding (specmesh.drafters.specialist)
-  train-uno          train the mask-gated adapter: the target drafting for itself (specmesh.uno.cli)
-  uno-study          its layouts (fused / separate) and diffusion mode side by side (specmesh.uno.study)
+  serve              run the gRPC services (specmesh.cli.serve)
+  generate           stream a generation from a running router (specmesh.cli.serve)
+  bench              benchmarks (specmesh.cli.bench)
+  trace, stats       trace timelines and acceptance histograms (specmesh.cli.observability)
+  calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.cli.bench.calibrate)
+  bench-services     the same prompts in process and through `specmesh serve`, side by side
+                     (specmesh.cli.bench.services)
+  bench-strategies   workloads x strategies through the services (specmesh.cli.bench.strategies)
+  device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.cli.bench.device_check)
+  costs              the speculation cost model measured on this device (specmesh.cli.bench.costs)
+  quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD
+                     (specmesh.cli.bench.quality)
+  train-specialist   LoRA-tune a domain specialist of the target for divergence decoding (specmesh.cli.specialist)
+  distill-data, train-drafter, accel-drafter, floor, tree-study  the block drafter (specmesh.cli.blockdraft)
+  train-uno          train the mask-gated adapter: the target drafting for itself (specmesh.cli.uno)
+  uno-study          its layouts (fused / separate) and diffusion mode side by side (specmesh.cli.uno_study)
 """
 
 from __future__ import annotations
@@ -83,7 +91,7 @@ def _grouped_commands(sub) -> str:
 
 
 def _draft_lm_note() -> str:
-    from .drafters.registry import DRAFT_LM_NOTE
+    from ..drafters.registry import DRAFT_LM_NOTE
 
     return DRAFT_LM_NOTE.replace("%", "%%")
 
@@ -106,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=int, default=8, help="draft tokens per round")
     p.add_argument("--fixed-budget", action="store_true", help="always draft --budget tokens (default: adaptive)")
     p.add_argument("--show-text", action="store_true")
-    p.set_defaults(module="specmesh.demo", func="main")
+    p.set_defaults(module="specmesh.cli.demo", func="main")
 
     p = sub.add_parser("convert", help="convert a model alias into the safetensors cache (one time)")
     p.add_argument("--model", default="smollm2-135m-instruct")
@@ -122,14 +130,14 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.device_check import add_arguments
 
     add_arguments(p)
-    p.set_defaults(module="specmesh.bench.device_check", func="main")
+    p.set_defaults(module="specmesh.cli.bench.device_check", func="main")
 
-    for mod, register in (("specmesh.serving.cli", "register"), ("specmesh.bench", "register"),
-                          ("specmesh.blockdraft.cli", "register"), ("specmesh.observability.cli", "register"),
-                          ("specmesh.bench.calibrate", "register"), ("specmesh.bench.strategies", "register"),
-                          ("specmesh.bench.costs", "register"), ("specmesh.bench.quality", "register"),
-                          ("specmesh.drafters.specialist", "register"), ("specmesh.uno.cli", "register"),
-                          ("specmesh.uno.study", "register")):
+    for mod, register in (("specmesh.cli.serve", "register"), ("specmesh.cli.bench", "register"),
+                          ("specmesh.cli.blockdraft", "register"), ("specmesh.cli.observability", "register"),
+                          ("specmesh.cli.bench.calibrate", "register"), ("specmesh.cli.bench.strategies", "register"),
+                          ("specmesh.cli.bench.costs", "register"), ("specmesh.cli.bench.quality", "register"),
+                          ("specmesh.cli.specialist", "register"), ("specmesh.cli.uno", "register"),
+                          ("specmesh.cli.uno_study", "register")):
         try:
             getattr(importlib.import_module(mod), register)(sub)
         except ModuleNotFoundError as e:
@@ -141,14 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def convert_main(args) -> int:
-    from .models.loading import resolve_model
+    from ..models.loading import resolve_model
 
     print(resolve_model(args.model))
     return 0
 
 
 def make_draft_main(args) -> int:
-    from .runtime import make_draft_model
+    from ..runtime import make_draft_model
 
     print(make_draft_model(args.model, [int(x) for x in args.layers.split(",")], args.out))
     return 0
@@ -168,7 +176,7 @@ SPINNING = frozenset({"demo", "bench", "distill-data", "train-drafter", "floor",
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if next((a for a in argv if not a.startswith("-")), None) in SPINNING:
-        from . import spin_threads
+        from .. import spin_threads
 
         spin_threads()  # before build_parser imports torch
     args = build_parser().parse_args(argv)
@@ -178,8 +186,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - one clear line for known user errors
-        from .models.loading import ModelNotFound
-        from .types import InvalidArgument
+        from ..models.loading import ModelNotFound
+        from ..types import InvalidArgument
 
         if isinstance(e, (InvalidArgument, ModelNotFound)):
             print(f"specmesh: error: {e}", file=sys.stderr)
@@ -189,6 +197,3 @@ def main(argv=None) -> int:
             return 2
         raise
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -40,9 +40,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..drafters import registry
-from ..loop import AdaptiveBudget, generate_tokens
-from ..types import GenerationStats, InvalidArgument
+from ...drafters import registry
+from ...loop import AdaptiveBudget, generate_tokens
+from ...types import GenerationStats, InvalidArgument
 
 OURS_STRATEGIES = ("ar", "prompt_lookup", "suffix", "draft_lm", "layerskip", "block", "block_tree")
 OURS_EXTRA = ("uno", "uno_tree", "uno_separate")  # valid names, in no default group
@@ -132,7 +132,7 @@ def expand(names: Sequence[str]) -> list[str]:
 def overlap_mode(name: str) -> str:
     """The draft-ahead mode of an ``ours_*`` system: its ``_overlap`` / ``_serial`` / ``_auto`` suffix,
     else ``ahead.AHEAD_DEFAULT``."""
-    from ..ahead import AHEAD_DEFAULT
+    from ...ahead import AHEAD_DEFAULT
 
     rest = name[len("ours_"):]
     for dt in DTYPES:
@@ -164,8 +164,8 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
         drafter = runtime.drafter(strategy)  # one instance for the whole run (suffix keeps its global tree)
     overlap = None
     if ahead:
-        from ..ahead import AheadDrafter, OverlapPolicy
-        from ..threads import ModelThread
+        from ...ahead import AheadDrafter, OverlapPolicy
+        from ...threads import ModelThread
 
         # every drafter call (ahead rounds and misses) on one thread of its own with its own torch
         # threads (half the process's), while this thread verifies (specmesh.threads: one team a thread)
@@ -177,8 +177,8 @@ def make_ours(name: str, runtime, budget: int, default_dtype: str, adaptive: boo
 
     kind, extra = AdaptiveBudget, {}
     if router_policy:
-        from ..drafters import registry
-        from ..strategies.adapt import TreeBudget
+        from ...drafters import registry
+        from ...strategies.adapt import TreeBudget
 
         kind, extra = TreeBudget, {"fixed_length": strategy in registry.FREE}
 

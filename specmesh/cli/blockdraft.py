@@ -1,4 +1,5 @@
-"""CLI for the block drafter: ``distill-data``, ``train-drafter``, ``floor``, ``accel-drafter``.
+"""CLI for the block drafter (``specmesh.blockdraft``): ``distill-data``, ``train-drafter``, ``floor``,
+``tree-study``, ``accel-drafter``.
 
 ``train-drafter`` prints per-slot accuracy, the held-out acceptance histogram
 with its ceiling bin and preflight verdict, expected τ, and writes the checkpoint
@@ -15,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-M = "specmesh.blockdraft.cli"
+M = "specmesh.cli.blockdraft"
 
 
 def register(sub) -> None:
@@ -159,7 +160,7 @@ def add_accel_arguments(ap: argparse.ArgumentParser) -> None:
 
 def distill_main(args) -> int:
     from ..runtime import Runtime
-    from .data import generate_shards
+    from ..blockdraft.data import generate_shards
 
     rt = Runtime(args.model, dtype=args.dtype, n_slots=args.slots, max_seq_len=1024, block_drafter=False)
     out = generate_shards(rt, Path(args.out), args.max_new_tokens, limit=args.limit, only_split=args.split)
@@ -175,8 +176,8 @@ def _examples(args, engine, layers):
 
     import torch
 
-    from .data import load_records
-    from .train import prepare, usable
+    from ..blockdraft.data import load_records
+    from ..blockdraft.train import prepare, usable
 
     train_recs = load_records(Path(args.data), "train")
     held = load_records(Path(args.data), "heldout")
@@ -220,9 +221,9 @@ def _calibrate(model, examples, width: int = 3, seed: int = 2):
     """(slot, prob, accepted | parent accepted) samples on held-out -> Calibration."""
     import torch
 
-    from .losses import IGNORE
-    from .train import _anchors, block_batch
-    from .tree import Calibration
+    from ..blockdraft.losses import IGNORE
+    from ..blockdraft.train import _anchors, block_batch
+    from ..blockdraft.tree import Calibration
 
     rng = random.Random(seed)
     samples = []
@@ -266,7 +267,7 @@ def train_main(args) -> int:
 
     from ..engine import LlamaEngine
     from ..models.loading import load_state_dict, resolve_model
-    from .model import load_block_drafter
+    from ..blockdraft.model import load_block_drafter
 
     if args.eval_only and not args.init:
         from ..types import InvalidArgument
@@ -304,8 +305,8 @@ def _initial_model(args, model, tsd, target_dir, layers, train_recs):
     """The model to train (a new one unless ``--init``), block-expanded with
     ``--expand-block``; and the curriculum's first new slot (None: no expansion)."""
     from ..models.loading import load_config
-    from .model import BlockDrafterConfig
-    from .train import expand_block, keep_ids_from, new_model
+    from ..blockdraft.model import BlockDrafterConfig
+    from ..blockdraft.train import expand_block, keep_ids_from, new_model
 
     if model is None:
         tcfg = load_config(target_dir)
@@ -329,7 +330,7 @@ def _compare_losses(args, model, tsd, train_ex, held_ex) -> int:
 
     import torch
 
-    from .train import evaluate, evaluate_by_kind, new_model, train
+    from ..blockdraft.train import evaluate, evaluate_by_kind, new_model, train
 
     rows = []
 
@@ -370,8 +371,8 @@ def _compare_losses(args, model, tsd, train_ex, held_ex) -> int:
 def _train_and_save(args, model, train_ex, held_ex, curriculum, t0: float) -> int:
     """Train (unless ``--eval-only``), evaluate on the held-out set, calibrate the
     tree, and write the checkpoint with its metrics and acceptance histogram."""
-    from .model import save_block_drafter
-    from .train import evaluate, evaluate_by_kind, train
+    from ..blockdraft.model import save_block_drafter
+    from ..blockdraft.train import evaluate, evaluate_by_kind, train
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -406,13 +407,13 @@ def floor_main(args) -> int:
     with ``--workloads``, one report per bench workload (contexts cut from the
     target's greedy answers to its prompts: ``treestudy.heldout_sequences``)."""
     from ..runtime import Runtime
-    from .data import load_records
+    from ..blockdraft.data import load_records
 
     rt = Runtime(args.model, dtype="fp32", n_slots=4, max_seq_len=1024, quiet=True, block_drafter=False,
                  specialist=None)
     drafter = None
     if args.drafter:
-        from .serve import BlockSelfDrafter
+        from ..blockdraft.serve import BlockSelfDrafter
 
         drafter = BlockSelfDrafter.from_checkpoint(rt.verifier, args.drafter)
     if not args.workloads:
@@ -424,7 +425,7 @@ def floor_main(args) -> int:
         _write_floor(res, plot_path)
         return 0
     from ..models.loading import cache_root
-    from .treestudy import heldout_sequences
+    from ..blockdraft.treestudy import heldout_sequences
 
     root = cache_root() / "tree-study"
     have = sorted(root.glob(f"{Path(rt.model_dir).name}-*.jsonl")) if root.exists() else []
@@ -469,7 +470,7 @@ def _floor_contexts(recs: list[dict], slots: int) -> list[list[int]]:
 
 
 def _write_floor(res: dict, png: Path, title=None) -> None:
-    from .floor import plot_floor
+    from ..blockdraft.floor import plot_floor
 
     plot_floor(res, png, title)
     png.with_suffix(".json").write_text(json.dumps(res, indent=2))
@@ -481,7 +482,7 @@ def _floor_report(rt, drafter, contexts: list[list[int]], args) -> dict:
     import torch
     from tqdm import tqdm
 
-    from .floor import EngineTarget, floors
+    from ..blockdraft.floor import EngineTarget, floors
 
     slots = args.slots
     drafts = None
@@ -542,9 +543,9 @@ def tree_study_main(args) -> int:
     """``treestudy``: held-out answers, drafts at every position, scorers and budgets compared."""
     from ..models.loading import cache_root
     from ..runtime import Runtime, block_drafter_path
-    from .serve import SCHEDULE_FILE, BlockSelfDrafter
-    from .treestudy import collect, evaluate, fit_scorers, forward_costs, heldout_sequences, plot, schedule_from, \
-        schedule_table, workload_table
+    from ..blockdraft.serve import SCHEDULE_FILE, BlockSelfDrafter
+    from ..blockdraft.treestudy import collect, evaluate, fit_scorers, forward_costs, heldout_sequences, plot, \
+        schedule_from, schedule_table, workload_table
 
     ckpt = Path(args.drafter) if args.drafter else block_drafter_path(args.model)
     if ckpt is None:
