@@ -68,7 +68,7 @@ class HFModels:
         self.forwards = 0
 
     def _load(self, path):
-        from ..models.loading import hf_model
+        from ...models.loading import hf_model
 
         return hf_model(path, self.dtype).to(self.device).eval()
 
