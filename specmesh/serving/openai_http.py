@@ -78,7 +78,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..client import AsyncClient
-from ..v1 import common_pb2
+from . import openai_fields
 from ..errors import (DeadlineExceededError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                       SpecmeshError, UnauthenticatedError, UnavailableError)
 
@@ -92,20 +92,22 @@ _PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sa
            "drafter": "drafter", "draft_budget": "draft_budget", "conversation_id": "conversation_id",
            "messages": "messages", "request": None}
 # the acceptance rules' parameters, taken as flat extra body fields like vLLM's extra sampling parameters
-# (lenience, accept_top_k, typical_epsilon, cd_alpha, ...): every SamplingParams field not mapped above
-_RULE_PARAMS = tuple(f for f in common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
-                     if f"sampling.{f}" not in _PARAMS)
+# (lenience, accept_top_k, typical_epsilon, cd_alpha, ...)
+_RULE_PARAMS = openai_fields.rule_params()
 _PARAMS.update({f"sampling.{f}": f for f in _RULE_PARAMS})
 
 
 # ---------------------------------------------------------------- request bodies
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: Optional[bool] = False
+    include_obfuscation: Optional[bool] = False  # a random ``obfuscation`` field on every chunk
 
 
 class _Body(BaseModel):
-    # unknown OpenAI fields (user, logit_bias, metadata, ...) are accepted and ignored, as vLLM does
+    # every field the body sets is judged by ``openai_fields.check``: implemented, or refused naming it
     model_config = ConfigDict(extra="allow")
 
     model: str = ""
@@ -119,6 +121,7 @@ class _Body(BaseModel):
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
+    user: Optional[str] = None
     # specmesh extras (extra_body)
     strategy: str = ""
     drafter: str = ""
@@ -136,7 +139,7 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")  # name, tool_calls, ...: refused until served (a 400 naming them)
 
     role: str
     content: Union[str, list[TextPart], None] = None
@@ -152,6 +155,7 @@ class ChatBody(_Body):
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    safety_identifier: Optional[str] = None
 
 
 class CompletionBody(_Body):
@@ -232,15 +236,21 @@ class Job:
     include_usage: bool
     params: dict = field(default_factory=dict)  # router field -> request parameter
     drawn_seed: Optional[int] = None
+    client: str = ""  # the end user (``user`` / ``safety_identifier``): the router's per-client key
+    obfuscate: bool = False  # stream_options.include_obfuscation
 
 
-def _check_common(b: _Body) -> None:
-    if b.n is not None and b.n != 1:
-        raise bad("n", f"only n=1 is supported, got {b.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(b, name)
-        if v not in (None, 0, 0.0):
-            raise bad(name, "penalties are not supported (speculative decoding keeps the target's distribution)")
+def _check_common(b: _Body, kind: str) -> None:
+    """Every field the body set is implemented or refused (``openai_fields``)."""
+    fields = {k: getattr(b, k) for k in b.model_fields_set if k not in (b.model_extra or {})}
+    fields.update(b.model_extra or {})
+    if isinstance(fields.get("stream_options"), BaseModel):
+        fields["stream_options"] = fields["stream_options"].model_dump(exclude_unset=True)
+    try:
+        openai_fields.check(fields, kind)
+    except openai_fields.FieldRefused as e:
+        raise bad(e.param, e.why, "unsupported_parameter" if "unknown" not in e.why else "unknown_parameter") \
+            from None
 
 
 def _stops(stop) -> list[str]:
@@ -251,7 +261,7 @@ def _stops(stop) -> list[str]:
 
 
 def build_job(b: _Body, kind: str, served_model: str) -> Job:
-    _check_common(b)
+    _check_common(b, kind)
     if b.model and b.model != served_model:
         raise ApiError(404, f"The model `{b.model}` does not exist; this server serves `{served_model}`.",
                        "invalid_request_error", "model", "model_not_found")
@@ -269,17 +279,11 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
             max_new, params["max_new_tokens"] = b.max_completion_tokens, "max_completion_tokens"
         if not b.messages:
             raise bad("messages", "must be a non-empty list")
-        kw["messages"] = [{"role": m.role, "content": m.text()} for m in b.messages]
+        # "developer" is OpenAI's newer name of the system role
+        kw["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                          for m in b.messages]
     else:
         assert isinstance(b, CompletionBody)
-        if b.echo:
-            raise bad("echo", "echo is not supported")
-        if b.suffix:
-            raise bad("suffix", "suffix is not supported")
-        if b.best_of not in (None, 1):
-            raise bad("best_of", "only best_of=1 is supported")
-        if b.logprobs:
-            raise bad("logprobs", "logprobs are not supported")
         prompt = b.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -302,7 +306,10 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
     stops = _stops(b.stop)
     kw["stop"] = stops  # the router applies them (finish_reason "stop", its stats count the kept tokens)
     include_usage = bool(b.stream_options and b.stream_options.include_usage)
-    return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn)
+    user = b.user or getattr(b, "safety_identifier", None) or ""
+    return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn,
+               client=f"user:{user}" if user else "",
+               obfuscate=bool(b.stream_options and b.stream_options.include_obfuscation))
 
 
 # ---------------------------------------------------------------- one generation
@@ -396,7 +403,7 @@ class Api:
     async def generate(self, job: Job, peer: str):
         rid = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        stream = self.client.stream(client_id=peer, **job.kwargs)
+        stream = self.client.stream(client_id=job.client or peer, **job.kwargs)
         run = Run(stream)
         pieces = run.pieces()
         try:  # the router validates when the call starts: its errors become HTTP statuses here
@@ -420,19 +427,19 @@ class Api:
         async def events():
             try:
                 if job.kind == "chat":
-                    yield _sse(self._chunk(job, rid, created, "", first=True))
+                    yield _sse(self._chunk(job, rid, created, "", first=True), job.obfuscate)
                 if first:
-                    yield _sse(self._chunk(job, rid, created, first))
+                    yield _sse(self._chunk(job, rid, created, first), job.obfuscate)
                 async for piece in pieces:
-                    yield _sse(self._chunk(job, rid, created, piece))
+                    yield _sse(self._chunk(job, rid, created, piece), job.obfuscate)
                 last = self._chunk(job, rid, created, None if job.kind == "chat" else "", run.finish_reason())
                 last["specmesh"] = self._stats(job, run)
                 if job.include_usage:
-                    yield _sse(last)
+                    yield _sse(last, job.obfuscate)
                     yield _sse({"id": rid, "object": last["object"], "created": created, "model": job.model,
                                 "choices": [], "usage": self._usage(job, run), "system_fingerprint": None})
                 else:
-                    yield _sse(last)
+                    yield _sse(last, job.obfuscate)
                 yield "data: [DONE]\n\n"
             except SpecmeshError as e:
                 yield _sse(from_specmesh(e, job.params).body())
@@ -444,7 +451,9 @@ class Api:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _sse(obj: dict) -> str:
+def _sse(obj: dict, obfuscate: bool = False) -> str:
+    if obfuscate:  # stream_options.include_obfuscation: random padding that hides the chunks' lengths
+        obj = dict(obj, obfuscation=secrets.token_urlsafe(secrets.randbelow(24) + 1))
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
