@@ -203,7 +203,8 @@ class Matcher:
             del self.consumed[-n:]
 
     def allowed(self) -> torch.Tensor:
-        """[V] bool: the tokens the grammar allows next (the stop ids once it may end)."""
+        """[V] bool: the tokens the grammar allows next (the stop ids once it may end, or
+        where the vocabulary has no token the grammar takes: never none)."""
         V = self.vocab.vocab_size
         if self.m.is_stopped():
             out = torch.zeros(V, dtype=torch.bool)
@@ -211,6 +212,8 @@ class Matcher:
             words = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.int32)
             out = ((words.to(torch.int64)[:, None] >> torch.arange(32)) & 1).reshape(-1)[:V].bool()
         out[self._stops] = bool(self.m.is_accepting())
+        if not out.any():  # the vocabulary cannot continue the grammar: the output ends (never a row of -inf)
+            out[self._stops] = True
         return out
 
     def forced(self, allowed: Optional[torch.Tensor] = None) -> Optional[int]:

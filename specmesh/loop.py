@@ -785,6 +785,7 @@ class _Generation:
             depth = max(rnd.tree.depths()) + 1 if len(rnd.tree) else res.drafted
             depth = max(depth, len(res.accepted))  # grammar-forced drafts (jump-forward) lengthen a chain
             st.record_round(res.drafted, len(res.accepted), depth)
+            st.forced_tokens += res.forced
             self.policy.observe_load(res.batch_size, self.o.self_draft is not None, res.batch_rows,
                                      res.verify_ms / 1e3)
             self.policy.update(res.drafted, len(res.accepted), res.entropy, rnd.draft_s + self_draft_s,

@@ -21,11 +21,13 @@ under speculation and SGLang's "relaxed" single vector per request are wrong her
   mask. A deterministic draft node whose token the grammar rejects ends its branch (it
   and its descendants are dropped: the exact rule would reject it with certainty and its
   residual is unchanged, so dropping it changes nothing); a node that carries a draft
-  distribution q is kept (its residual depends on q) but its descendants are dropped.
-  Jump-forward: along a chain, where the grammar allows exactly one token that token is
-  the draft (a drafter's token that differs from it ends the drafter's draft), and after
-  the chain the forced tokens follow, up to ``extend`` of them: free drafts, one-hot,
-  accepted with certainty.
+  distribution q is kept (its residual depends on q) but its descendants are dropped,
+  except at a row the grammar forces (one allowed token f: the target is one-hot on f,
+  so the residual after rejecting any other draft is one-hot on f too, and the node can
+  go). Jump-forward: along a chain, where the grammar allows exactly one token that token
+  is the draft (a drafter's token that differs from it ends the drafter's draft), and
+  after the chain the forced tokens follow, up to ``extend`` of them: free drafts,
+  one-hot, accepted with certainty.
 - ``token_logprobs(logits, tree, path, next_token, k)``: the target's log-probabilities
   (log-softmax of the raw logits) of the emitted tokens, from the rows that decided them.
 
@@ -121,7 +123,7 @@ def _chain(matcher, tree: TokenTree, extend: int) -> tuple[TokenTree, torch.Tens
             f = int(one[0, 0]) if one.shape[0] == 1 else None
             if own and i < len(tree):
                 t, q = tree.tokens[i], _q(tree, i)
-                if f is not None and t != f and not q[0]:
+                if f is not None and t != f:
                     own = False  # the grammar forces another token: the drafter's chain ends here
                     continue
                 i += 1
@@ -159,10 +161,11 @@ def _tree(matcher, tree: TokenTree) -> tuple[TokenTree, torch.Tensor, int]:
 
     def visit(node: int, new_parent: int, row: int) -> None:
         a = masks[row]
+        forced = int(a.sum()) == 1  # the row is one-hot: every other child is rejected, the residual unchanged
         for c in kids.get(node, []):
             t, q = tree.tokens[c], _q(tree, c)
             if not a[t]:
-                if q[0]:  # kept as a leaf: its residual depends on its q
+                if q[0] and not forced:  # kept as a leaf: its residual depends on its q
                     toks.append(t)
                     pars.append(new_parent)
                     qs.append(q)

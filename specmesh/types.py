@@ -455,6 +455,10 @@ class GenerationStats:
     ahead_hits: int = 0
     ahead_misses: int = 0
     ahead_wasted: int = 0
+    forced_tokens: int = 0  # drafted tokens a grammar forced (jump-forward), of drafted_tokens
+    # predicted outputs: predicted tokens drafted and accepted / drafted and rejected
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def tau(self) -> float:

@@ -49,3 +49,38 @@ class TextCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token spells (a byte-level BPE token may be part of a UTF-8
+        character, whose text alone would be U+FFFD): what logprobs report as ``bytes``."""
+        tok = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if tok is None:
+            return b""
+        if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):  # SentencePiece byte fallback
+            try:
+                return bytes([int(tok[3:5], 16)])
+            except ValueError:
+                pass
+        dec = _byte_decoder()
+        if all(c in dec for c in tok):  # GPT-2 byte-level BPE
+            return bytes(dec[c] for c in tok)
+        return self.tokenizer.convert_tokens_to_string([tok]).encode()
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level alphabet, inverted: the character each byte is written as -> the byte."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+            list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(bs, cs)}
+    return _BYTE_DECODER
+
+
+_BYTE_DECODER: Optional[dict] = None

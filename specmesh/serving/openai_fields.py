@@ -48,15 +48,15 @@ _COMMON: dict[str, Rule] = {
     "stream": IMPLEMENTED,
     "stream_options": IMPLEMENTED,  # include_usage, include_obfuscation
     "user": IMPLEMENTED,  # the end user: the router's per-client session key (max_sessions_per_client)
-    "n": _refuse("only n=1 is supported so far", lambda v: v in (None, 1)),
-    "presence_penalty": _refuse("penalties are not supported yet", _falsy),
-    "frequency_penalty": _refuse("penalties are not supported yet", _falsy),
-    "logit_bias": _refuse("logit_bias is not supported yet", _falsy),
-    "logprobs": _refuse("logprobs are not supported yet", _falsy),
+    "n": IMPLEMENTED,  # 1..8 choices, choice i seeded child_seed(seed, i)
+    "presence_penalty": IMPLEMENTED,
+    "frequency_penalty": IMPLEMENTED,
+    "logit_bias": IMPLEMENTED,
+    "logprobs": IMPLEMENTED,  # chat: bool; completions: 0..5
     # vLLM's extra sampling parameters
     "top_k": IMPLEMENTED,
-    "min_p": _refuse("min_p is not supported yet", _falsy),
-    "repetition_penalty": _refuse("repetition_penalty is not supported yet", lambda v: v in (None, 1, 1.0)),
+    "min_p": IMPLEMENTED,
+    "repetition_penalty": IMPLEMENTED,
     # specmesh's own extra fields
     "strategy": IMPLEMENTED,
     "drafter": IMPLEMENTED,
@@ -68,7 +68,7 @@ _COMMON: dict[str, Rule] = {
 CHAT: dict[str, Rule] = dict(_COMMON, **{
     "messages": IMPLEMENTED,
     "max_completion_tokens": IMPLEMENTED,
-    "top_logprobs": _refuse("logprobs are not supported yet", _falsy),
+    "top_logprobs": IMPLEMENTED,
     "safety_identifier": IMPLEMENTED,  # like user: the per-client session key
     "metadata": _refuse("metadata is kept only with stored completions, and this server stores none", _falsy),
     "store": _refuse("this server stores no completions (store must be false)", _falsy),
@@ -89,17 +89,17 @@ CHAT: dict[str, Rule] = dict(_COMMON, **{
     "moderation": _refuse("moderation is not available on this server"),
     "functions": _refuse("the deprecated functions field is not supported; send tools", _falsy),
     "function_call": _refuse("the deprecated function_call field is not supported; send tool_choice"),
-    "response_format": _refuse("structured outputs are not supported yet", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text")),
+    "response_format": IMPLEMENTED,  # text, json_object, json_schema
     "tools": _refuse("tools are not supported yet", _falsy),
     "tool_choice": _refuse("tools are not supported yet", lambda v: v in (None, "none")),
     "parallel_tool_calls": _refuse("tools are not supported yet"),
-    "prediction": _refuse("predicted outputs are not supported yet"),
+    "prediction": IMPLEMENTED,  # {type: content}: drafted through a lookup drafter
     # vLLM's structured-output extras (and their newer form)
-    "guided_json": _refuse("structured outputs are not supported yet"),
-    "guided_regex": _refuse("structured outputs are not supported yet"),
-    "guided_choice": _refuse("structured outputs are not supported yet"),
-    "guided_grammar": _refuse("structured outputs are not supported yet"),
-    "structured_outputs": _refuse("structured outputs are not supported yet"),
+    "guided_json": IMPLEMENTED,
+    "guided_regex": IMPLEMENTED,
+    "guided_choice": IMPLEMENTED,
+    "guided_grammar": IMPLEMENTED,
+    "structured_outputs": IMPLEMENTED,
 })
 
 COMPLETIONS: dict[str, Rule] = dict(_COMMON, **{
@@ -107,12 +107,12 @@ COMPLETIONS: dict[str, Rule] = dict(_COMMON, **{
     "echo": _refuse("echo is not supported (the prompt's tokens are not scored)", _falsy),
     "suffix": _refuse("suffix (fill-in-the-middle) is not supported", _falsy),
     "best_of": _refuse("only best_of=1 is supported (use n for several completions)", lambda v: v in (None, 1)),
-    "guided_json": _refuse("structured outputs are not supported yet"),
-    "guided_regex": _refuse("structured outputs are not supported yet"),
-    "guided_choice": _refuse("structured outputs are not supported yet"),
-    "guided_grammar": _refuse("structured outputs are not supported yet"),
-    "structured_outputs": _refuse("structured outputs are not supported yet"),
-    "response_format": _refuse("structured outputs are not supported yet", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text")),
+    "guided_json": IMPLEMENTED,
+    "guided_regex": IMPLEMENTED,
+    "guided_choice": IMPLEMENTED,
+    "guided_grammar": IMPLEMENTED,
+    "structured_outputs": IMPLEMENTED,
+    "response_format": IMPLEMENTED,  # text, json_object, json_schema
 })
 
 TABLES = {"chat": CHAT, "completion": COMPLETIONS}
@@ -123,7 +123,7 @@ def rule_params() -> tuple[str, ...]:
     from ..v1 import common_pb2
 
     skip = {"temperature", "top_p", "top_k", "seed", "acceptance", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "logit_bias", "min_p", "grammar", "logprobs"}
+            "repetition_penalty", "logit_bias", "min_p", "grammar", "grammar_kind", "logprobs"}
     return tuple(f for f in common_pb2.SamplingParams.DESCRIPTOR.fields_by_name if f not in skip)
 
 

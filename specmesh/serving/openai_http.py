@@ -59,6 +59,7 @@ internals: it speaks the SDK.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -79,6 +80,8 @@ from pydantic import BaseModel, ConfigDict
 
 from ..client import AsyncClient
 from . import openai_fields
+from .openai_outputs import (MAX_COMPLETION_LOGPROBS, MAX_N, MAX_TOP_LOGPROBS, FieldError, chat_logprobs, child_seed,
+                             completion_logprobs, grammar_of)
 from ..errors import (DeadlineExceededError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                       SpecmeshError, UnauthenticatedError, UnavailableError)
 
@@ -90,7 +93,10 @@ U64 = 1 << 64
 _PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
            "sampling.seed": "seed", "sampling.acceptance": "acceptance", "strategy": "strategy",
            "drafter": "drafter", "draft_budget": "draft_budget", "conversation_id": "conversation_id",
-           "messages": "messages", "request": None}
+           "messages": "messages", "request": None, "sampling.presence_penalty": "presence_penalty",
+           "sampling.frequency_penalty": "frequency_penalty", "sampling.repetition_penalty": "repetition_penalty",
+           "sampling.logit_bias": "logit_bias", "sampling.min_p": "min_p", "sampling.logprobs": "logprobs",
+           "prediction": "prediction"}
 # the acceptance rules' parameters, taken as flat extra body fields like vLLM's extra sampling parameters
 # (lenience, accept_top_k, typical_epsilon, cd_alpha, ...)
 _RULE_PARAMS = openai_fields.rule_params()
@@ -236,6 +242,8 @@ class Job:
     include_usage: bool
     params: dict = field(default_factory=dict)  # router field -> request parameter
     drawn_seed: Optional[int] = None
+    n: int = 1
+    top: int = -1  # logprobs: -1 none, else the top tokens per position
     client: str = ""  # the end user (``user`` / ``safety_identifier``): the router's per-client key
     obfuscate: bool = False  # stream_options.include_obfuscation
 
@@ -269,10 +277,18 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
     max_new = b.max_tokens
     params["max_new_tokens"] = "max_tokens"
     kw: dict[str, Any] = {}
+    fields = dict(b.model_extra or {})
+    top = -1
     if kind == "chat":
         assert isinstance(b, ChatBody)
-        if b.logprobs or b.top_logprobs:
-            raise bad("logprobs", "logprobs are not supported")
+        if b.top_logprobs is not None:
+            if not b.logprobs:
+                raise bad("top_logprobs", "needs logprobs: true")
+            if not 0 <= b.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise bad("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {b.top_logprobs}")
+        if b.logprobs:
+            top = b.top_logprobs or 0
+            params["sampling.logprobs"] = "top_logprobs" if b.top_logprobs else "logprobs"
         if b.max_completion_tokens is not None:
             if b.max_tokens is not None and b.max_tokens != b.max_completion_tokens:
                 raise bad("max_completion_tokens", "differs from max_tokens; give one")
@@ -284,6 +300,10 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
                           for m in b.messages]
     else:
         assert isinstance(b, CompletionBody)
+        if b.logprobs is not None:
+            if not 0 <= b.logprobs <= MAX_COMPLETION_LOGPROBS:
+                raise bad("logprobs", f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {b.logprobs}")
+            top = b.logprobs
         prompt = b.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -300,35 +320,94 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
         kw["seed"] = b.seed % U64
     elif temperature > 0:  # OpenAI samples differently on every call without a seed
         drawn = kw["seed"] = secrets.randbits(63)
-    rule = {k: v for k, v in (b.model_extra or {}).items() if k in _RULE_PARAMS and v is not None}
+    rule = {k: v for k, v in fields.items() if k in _RULE_PARAMS and v is not None}
     if rule:
         kw["acceptance_params"] = rule
+    _processors(b, fields, kw, params)
+    if top >= 0:
+        kw["logprobs"] = top
+    n = 1 if b.n is None else b.n
+    if not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise bad("n", f"must be in [1, {MAX_N}], got {n}")
     stops = _stops(b.stop)
     kw["stop"] = stops  # the router applies them (finish_reason "stop", its stats count the kept tokens)
     include_usage = bool(b.stream_options and b.stream_options.include_usage)
     user = b.user or getattr(b, "safety_identifier", None) or ""
-    return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn,
+    return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn, n=n, top=top,
                client=f"user:{user}" if user else "",
                obfuscate=bool(b.stream_options and b.stream_options.include_obfuscation))
+
+
+def _processors(b: _Body, fields: dict, kw: dict, params: dict) -> None:
+    """Penalties, logit_bias, min_p, the structured output and the prediction, as SDK arguments."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(b, name) is not None:
+            kw[name] = getattr(b, name)
+    for name in ("repetition_penalty", "min_p"):
+        v = fields.get(name)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad(name, f"must be a number, got {v!r}")
+            kw[name] = float(v)
+    lb = fields.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise bad("logit_bias", "must be an object mapping token ids to biases")
+        bias = {}
+        for k, v in lb.items():
+            try:
+                t = int(k)
+            except (TypeError, ValueError):
+                raise bad("logit_bias", f"key {k!r} is not a token id") from None
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise bad("logit_bias", f"bias of token {k} must be a number, got {v!r}")
+            bias[t] = float(v)
+        kw["logit_bias"] = bias
+    try:
+        g = grammar_of(fields)
+    except FieldError as e:
+        raise bad(e.param, e.why) from None
+    if g is not None:
+        params["sampling.grammar"] = params["sampling.grammar_kind"] = g[0]
+        kw.update(g[1])
+    pred = fields.get("prediction")
+    if pred is not None:
+        if not isinstance(pred, dict) or pred.get("type") != "content":
+            raise bad("prediction", "must be {\"type\": \"content\", \"content\": ...}")
+        c = pred.get("content")
+        if isinstance(c, list):  # content parts
+            if not all(isinstance(x, dict) and x.get("type") == "text" for x in c):
+                raise bad("prediction", "content parts must be text parts")
+            c = "".join(x.get("text", "") for x in c)
+        if not isinstance(c, str):
+            raise bad("prediction", "content must be a string or text parts")
+        kw["prediction"] = c
 
 
 # ---------------------------------------------------------------- one generation
 
 class Run:
-    """The text pieces of one SDK stream (the router has applied the stop strings)."""
+    """One choice: the text pieces of one SDK stream (the router has applied the stop
+    strings), with the logprobs that came with them."""
 
-    def __init__(self, stream):
-        self.s = stream
+    def __init__(self, stream, index: int = 0):
+        self.s, self.index = stream, index
         self.acc = ""
+        self.logprobs: list = []  # every token's, as they came
 
     async def pieces(self):
+        """(text, logprobs since the last piece) as they come; held-back text comes later."""
         agen = self.s.__aiter__()
         done = False
         try:
             async for piece in agen:
                 self.acc += piece
+                lps = self.s.take_logprobs()
+                self.logprobs += lps
                 if piece:
-                    yield piece
+                    yield piece, lps
+                elif lps:
+                    yield "", lps
             done = True
         finally:
             if not done:
@@ -359,96 +438,166 @@ class Api:
             raise ApiError(401, "missing or invalid bearer token", "invalid_request_error", None, "invalid_api_key")
 
     # ------------------------------------------------------------ results
-    def _usage(self, job: Job, run: Run) -> dict:
-        st = run.s.result.stats
-        prompt, completion = st.prompt_tokens, st.new_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    def _usage(self, job: Job, runs: list) -> dict:
+        sts = [r.s.result.stats for r in runs]
+        prompt, completion = sts[0].prompt_tokens, sum(st.new_tokens for st in sts)
+        u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion}
+        if "prediction" in job.kwargs:
+            u["completion_tokens_details"] = {
+                "accepted_prediction_tokens": sum(st.accepted_prediction_tokens for st in sts),
+                "rejected_prediction_tokens": sum(st.rejected_prediction_tokens for st in sts)}
+        return u
 
-    def _stats(self, job: Job, run: Run) -> dict:
-        r = run.s.result
-        d: dict[str, Any] = dict(r.stats.to_dict(), session_id=r.session_id)
+    def _stats(self, job: Job, runs: list) -> dict:
+        def one(run):
+            r = run.s.result
+            return dict(r.stats.to_dict(), session_id=r.session_id)
+
+        d: dict[str, Any] = one(runs[0])
         if job.drawn_seed is not None:
             d["seed"] = job.drawn_seed
+        if len(runs) > 1:
+            d["choices"] = [one(r) for r in runs]
         return d
 
-    def _body(self, job: Job, rid: str, created: int, run: Run) -> dict:
-        fr = run.finish_reason()
-        if job.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": run.text}, "logprobs": None,
-                      "finish_reason": fr}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": run.text, "logprobs": None, "finish_reason": fr}
-            obj = "text_completion"
-        return {"id": rid, "object": obj, "created": created, "model": job.model, "choices": [choice],
-                "usage": self._usage(job, run), "system_fingerprint": None, "specmesh": self._stats(job, run)}
+    def _logprobs(self, job: Job, lps: list, offset: int = 0) -> Optional[dict]:
+        if job.top < 0:
+            return None
+        return chat_logprobs(lps, job.top) if job.kind == "chat" else completion_logprobs(lps, job.top, offset)
+
+    def _body(self, job: Job, rid: str, created: int, runs: list) -> dict:
+        choices = []
+        for run in runs:
+            fr = run.finish_reason()
+            lp = self._logprobs(job, run.logprobs)
+            if job.kind == "chat":
+                choices.append({"index": run.index, "message": {"role": "assistant", "content": run.text},
+                                "logprobs": lp, "finish_reason": fr})
+            else:
+                choices.append({"index": run.index, "text": run.text, "logprobs": lp, "finish_reason": fr})
+        obj = "chat.completion" if job.kind == "chat" else "text_completion"
+        return {"id": rid, "object": obj, "created": created, "model": job.model, "choices": choices,
+                "usage": self._usage(job, runs), "system_fingerprint": None, "specmesh": self._stats(job, runs)}
 
     def _chunk(self, job: Job, rid: str, created: int, text: Optional[str], finish: Optional[str] = None,
-               first: bool = False) -> dict:
+               first: bool = False, index: int = 0, logprobs: Optional[dict] = None) -> dict:
         if job.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": created, "model": job.model, "choices": [choice],
                 "system_fingerprint": None}
 
     # ------------------------------------------------------------ generate
+    def _kwargs(self, job: Job, i: int) -> dict:
+        kw = dict(job.kwargs)
+        if i and "seed" in kw:
+            kw["seed"] = child_seed(kw["seed"], i)  # each choice its own draws, reproducible from the request's
+        return kw
+
     async def generate(self, job: Job, peer: str):
         rid = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        stream = self.client.stream(client_id=job.client or peer, **job.kwargs)
-        run = Run(stream)
-        pieces = run.pieces()
-        try:  # the router validates when the call starts: its errors become HTTP statuses here
-            first = await pieces.__anext__()
-        except StopAsyncIteration:
-            first = None
+        runs = [Run(self.client.stream(client_id=job.client or peer, **self._kwargs(job, i)), i)
+                for i in range(job.n)]
+        gens = [r.pieces() for r in runs]
+        firsts: list = []
+        try:  # the router validates when a call starts: its errors become HTTP statuses here
+            for g in gens:
+                try:
+                    firsts.append(await g.__anext__())
+                except StopAsyncIteration:
+                    firsts.append(None)
         except SpecmeshError as e:
-            await pieces.aclose()
+            for g in gens:
+                await g.aclose()
             raise from_specmesh(e, job.params) from None
         except BaseException:
-            await pieces.aclose()
+            for g in gens:
+                await g.aclose()
             raise
         if not job.stream:
             try:
-                async for _ in pieces:
-                    pass
+                await asyncio.gather(*[_drain(g) for g in gens])
             except SpecmeshError as e:
                 raise from_specmesh(e, job.params) from None
-            return JSONResponse(self._body(job, rid, created, run))
+            finally:
+                for g in gens:
+                    await g.aclose()
+            return JSONResponse(self._body(job, rid, created, runs))
 
         async def events():
+            sent = [0] * len(runs)  # characters of each choice sent (completions' text_offset)
+
+            def chunk(i, piece, lps):
+                c = self._chunk(job, rid, created, piece, index=i,
+                                logprobs=self._logprobs(job, lps, sent[i]) if lps else None)
+                sent[i] += len(piece)
+                return _sse(c, job.obfuscate)
+
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, g):
+                try:
+                    async for item in g:
+                        await queue.put((i, item))
+                    await queue.put((i, None))
+                except BaseException as e:  # noqa: BLE001 - delivered to the event loop below
+                    await queue.put((i, e))
+
+            tasks = []
             try:
-                if job.kind == "chat":
-                    yield _sse(self._chunk(job, rid, created, "", first=True), job.obfuscate)
-                if first:
-                    yield _sse(self._chunk(job, rid, created, first), job.obfuscate)
-                async for piece in pieces:
-                    yield _sse(self._chunk(job, rid, created, piece), job.obfuscate)
-                last = self._chunk(job, rid, created, None if job.kind == "chat" else "", run.finish_reason())
-                last["specmesh"] = self._stats(job, run)
+                for i in range(len(runs)):
+                    if job.kind == "chat":
+                        yield _sse(self._chunk(job, rid, created, "", first=True, index=i), job.obfuscate)
+                    if firsts[i] is not None:
+                        yield chunk(i, *firsts[i])
+                tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens) if firsts[i] is not None]
+                left = len(tasks)
+                while left:
+                    i, item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        left -= 1
+                        continue
+                    yield chunk(i, *item)
+                stats = self._stats(job, runs)
+                for run in runs:
+                    last = self._chunk(job, rid, created, None if job.kind == "chat" else "", run.finish_reason(),
+                                       index=run.index)
+                    if run.index == len(runs) - 1:
+                        last["specmesh"] = stats
+                    yield _sse(last, job.obfuscate)
                 if job.include_usage:
-                    yield _sse(last, job.obfuscate)
-                    yield _sse({"id": rid, "object": last["object"], "created": created, "model": job.model,
-                                "choices": [], "usage": self._usage(job, run), "system_fingerprint": None})
-                else:
-                    yield _sse(last, job.obfuscate)
+                    yield _sse({"id": rid, "object": "chat.completion.chunk" if job.kind == "chat" else
+                                "text_completion", "created": created, "model": job.model, "choices": [],
+                                "usage": self._usage(job, runs), "system_fingerprint": None}, job.obfuscate)
                 yield "data: [DONE]\n\n"
             except SpecmeshError as e:
                 yield _sse(from_specmesh(e, job.params).body())
                 yield "data: [DONE]\n\n"
             finally:
-                await pieces.aclose()
+                for t in tasks:
+                    t.cancel()
+                for g in gens:
+                    await g.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _drain(g) -> None:
+    async for _ in g:
+        pass
 
 
 def _sse(obj: dict, obfuscate: bool = False) -> str:

@@ -74,7 +74,7 @@ def test_check_refuses_unknown_fields_and_names_them():
 
 @pytest.fixture(scope="module")
 def front():
-    f = Front()
+    f = Front(chars=True)
     yield f
     f.close()
 

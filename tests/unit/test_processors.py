@@ -192,9 +192,12 @@ def test_constrain_ends_a_rejected_draft_and_jumps_forward():
     assert tree.tokens == [0, 1, 2, 3] and forced == 3 and m.consumed == []
     tree, _, forced = processors.constrain(m, TokenTree(), extend=8)  # plain round: the forced run is the draft
     assert tree.tokens == [0, 1, 2, 3] and forced == 4
+    m2 = Matcher(vocab(), "regex", "a(b|c)d")
     q = TokenTree.chain([0, 3], [[0, 1], [3, 2]], [[0.5, 0.5], [0.6, 0.4]])  # a node with q stays, as a leaf
-    tree, _, _ = processors.constrain(m, q, extend=0)
+    tree, _, _ = processors.constrain(m2, q, extend=0)
     assert tree.tokens == [0, 3] and tree.q_ids[1] == [3, 2]
+    tree, _, forced = processors.constrain(m, q, extend=4)  # ... but not at a forced row: "b" replaces it
+    assert tree.tokens == [0, 1, 2, 3] and forced == 3 and not tree.q_ids[1]
     tree, _, _ = processors.constrain(m, TokenTree([0, 2, 1], [-1, -1, 0]), extend=0)  # a tree: c pruned
     assert tree.tokens == [0, 1] and tree.parents == [-1, 0]
 
@@ -248,15 +251,17 @@ def exact_processed_joint(sampling: SamplingParams, n: int, grammar: bool = Fals
 
 N_SAMPLES = 2000
 SAMPLED = {"pen_t1": replace(PEN, temperature=1.0, min_p=0.05),
-           "grammar_t1": replace(PEN, temperature=1.0, grammar_kind="regex", grammar="(a|b|c)(b|d)(a|b|c|d|e)")}
+           "grammar_t1": replace(PEN, temperature=1.0, grammar_kind="regex", grammar="(a|b|c)(b|d)(a|b|c|d|e)"),
+           # a forced row in the middle: drafted tokens there are replaced by the forced one (jump-forward)
+           "forced_t1": SamplingParams(temperature=1.0, grammar_kind="regex", grammar="(a|b|d)c(a|b|d|e)")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["pen_t1", "grammar_t1"])
+@pytest.mark.parametrize("case", ["pen_t1", "grammar_t1", "forced_t1"])
 @pytest.mark.parametrize("name", ["prompt_lookup", "draft_lm", "layerskip"])
 def test_sampled_speculation_draws_the_processed_distribution(case, name):
     sampling = SAMPLED[case]
-    grammar = case.startswith("grammar")
+    grammar = sampling.constrained
     ver = verifier(grammar)
     d, sd = drafters(ver)[name]
     c: Counter = Counter()
