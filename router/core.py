@@ -84,6 +84,7 @@ class GenerateSpec:
     stop: tuple[str, ...] = ()  # stop strings on the output text
     resume: Optional["Resume"] = None  # continue an interrupted stream of this request
     draft_ahead: str = ""  # "" (the router's setting) | "on" | "off" | "auto" (specmesh.ahead)
+    prediction: str = ""  # predicted output (OpenAI's predicted outputs): drafted by a lookup drafter
 
 
 @dataclass
@@ -99,6 +100,20 @@ class Resume:
 class Delta:
     token_ids: list[int]
     text: str
+    logprobs: Optional[list] = None  # sampling.logprobs set: a ``TokenLogprob`` per token id, with its text
+
+
+@dataclass
+class TokenText:
+    """A ``TokenLogprob`` with the text and bytes of its token and of its top tokens."""
+
+    token_id: int
+    logprob: float
+    top: list  # (token id, logprob)
+    token: str = ""
+    token_bytes: bytes = b""
+    top_tokens: tuple = ()
+    top_token_bytes: tuple = ()
 
 
 @dataclass
@@ -129,6 +144,7 @@ class Plan:
     resume_chars: int = 0  # ... and the characters of their text the caller has
     draft_ahead: str = ""  # the request's draft-ahead mode ("": the router's setting)
     budget_pinned: bool = False  # the request set draft_budget: every round drafts ``budget``
+    prediction: tuple[int, ...] = ()  # predicted output tokens (drafted through a lookup drafter)
 
 
 class TextStream:
@@ -331,6 +347,7 @@ class Router:
                 raise InvalidArgument("stop", f"stop string {i} must have 1..{MAX_STOP_CHARS} characters, "
                                       f"got {len(x)}")
         reasoning = spec.reasoning or spec.strategy == "ssr"
+        self._check_processors(spec, reasoning)
         ids = self._prompt_ids(spec, reasoning)
         if len(ids) + n + 1 > self.s.max_seq_len:
             raise InvalidArgument("max_new_tokens", f"prompt ({len(ids)} tokens) + {n} new tokens exceed the "
@@ -338,10 +355,36 @@ class Router:
         strategy, reason, drafter, self_draft = self._strategy(spec, ids, reasoning)
         messages = spec.messages or ([{"role": "user", "content": spec.prompt}] if not spec.raw_prompt else None)
         resume = self._resume(spec, n)
+        prediction: tuple[int, ...] = ()
+        if spec.prediction:
+            if len(spec.prediction) > 32 * self.s.max_prompt_tokens:
+                raise InvalidArgument("prediction", f"{len(spec.prediction)} characters is far over "
+                                      f"max_prompt_tokens {self.s.max_prompt_tokens}")
+            prediction = tuple(self.codec.encode(spec.prediction, None, chat=False))
+            if len(prediction) > self.s.max_prompt_tokens:
+                raise InvalidArgument("prediction", f"{len(prediction)} tokens exceed max_prompt_tokens "
+                                      f"{self.s.max_prompt_tokens}")
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
                     reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
-                    draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None)
+                    draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None, prediction=prediction)
+
+    def _check_processors(self, spec: GenerateSpec, reasoning: bool) -> None:
+        """Logits processors, logprobs and grammars: the values the sampling cannot judge alone."""
+        sp = spec.sampling
+        for t, _ in sp.logit_bias:
+            if t >= self.vocab_size:
+                raise InvalidArgument("sampling.logit_bias", f"token id {t} outside [0, {self.vocab_size})")
+        if sp.constrained:
+            from specmesh.grammar import GrammarError, check
+
+            try:
+                check(sp.grammar_kind, sp.grammar)
+            except GrammarError as e:
+                raise InvalidArgument("sampling.grammar", str(e)) from None
+        if reasoning and (sp.processed or sp.logprobs >= 0):
+            raise InvalidArgument("reasoning", "a reasoning request takes no penalties, logit_bias, grammar or "
+                                  "logprobs (its thinking phase is not constrained)")
 
     def _resume(self, spec: GenerateSpec, n: int) -> Optional[Resume]:
         """Validate ``spec.resume`` against the request it continues (INVALID_ARGUMENT naming the field)."""
@@ -386,6 +429,20 @@ class Router:
             if not self._clients[client]:
                 del self._clients[client]
 
+    def _token_text(self, t: int) -> tuple[str, bytes]:
+        tb = getattr(self.codec, "token_bytes", None)
+        b = tb(t) if tb is not None else self.codec.decode([t]).encode()
+        return b.decode("utf-8", errors="replace"), b
+
+    def _token_texts(self, lps: list) -> list:
+        out = []
+        for x in lps:
+            tok, tb = self._token_text(x.token_id)
+            tops = [self._token_text(t) for t, _ in x.top]
+            out.append(TokenText(x.token_id, x.logprob, list(x.top), tok, tb, tuple(a for a, _ in tops),
+                                 tuple(b for _, b in tops)))
+        return out
+
     def _drafter_error(self, e: Exception):
         what, down = drafter_failure(e)
         log.warning("drafter failed (%s); falling back to plain decoding", what)
@@ -401,7 +458,7 @@ class Router:
             run = self.runner.prepare(plan, sid, calls)  # adapters of the strategy; enters the idle-work gate
             sid, verifier, drafter = run.sid, run.verifier, run.drafter
             stats = RouterStats(strategy=plan.strategy, strategy_reason=plan.reason,
-                                drafter=plan.drafter or plan.self_draft or "")
+                                drafter=plan.drafter or plan.self_draft or ("prediction" if plan.prediction else ""))
             text = TextStream(self.codec.decode)
             stop = StopText(plan.stop) if plan.stop else None
             out_ids: list[int] = list(plan.resume)
@@ -415,7 +472,9 @@ class Router:
             obs = self.observer.request(plan, sid, stats, verifier, drafter)
             if owed:
                 yield Delta([], owed)
-            rounds = run.rounds(stats, self._drafter_error, round_scope=obs.round_scope)
+            lps: list = []
+            rounds = run.rounds(stats, self._drafter_error, round_scope=obs.round_scope,
+                                on_logprobs=lps.extend if plan.sampling.logprobs >= 0 else None)
             try:
                 for chunk in rounds:
                     first = len(out_ids)
@@ -428,7 +487,8 @@ class Router:
                             chunk = out_ids[first:]
                     pieces.append(piece)
                     piece, skip = piece[skip:], max(0, skip - len(piece))  # text the caller already has
-                    yield Delta(chunk, piece)
+                    got, lps[:] = lps[: len(chunk)], []
+                    yield Delta(chunk, piece, self._token_texts(got) if plan.sampling.logprobs >= 0 else None)
                     if cancelled.is_set():
                         return
                     if stop is not None and stop.matched is not None:

@@ -21,11 +21,10 @@ the tokens the grammar allows next, ``advance(t)`` / ``back(n)`` walk a draft an
 draft: jump-forward). JSON is compact (no whitespace between tokens): every key,
 separator and bracket that the schema fixes is then a forced token.
 
-Mask cost on this project's 2-core CPU (AMD EPYC; ``scripts/grammar_mask_bench.py``,
-SmolLM2's 49k vocabulary, a 51-token JSON object with six keys): llguidance 3 ms a
-request for compiling the schema and every mask (0.02 ms a token warm), xgrammar 11 ms
-(0.005 ms a token once its per-grammar caches are warm); against a forward of ~10-20 ms
-a token either is small. llguidance was picked: it compiles a new grammar at once
+Mask cost on this project's 2-core CPU (AMD EPYC; ``scripts/grammar_mask_bench.py``, best of 12 alternating rounds,
+SmolLM2's 49k vocabulary, a 51-token JSON object with six keys): llguidance 2.7 ms a
+request for compiling the schema and every mask (0.03 ms a token warm), xgrammar 11.8 ms
+(0.006 ms a token warm); against a forward of ~10-20 ms a token either is small. llguidance was picked: it compiles a new grammar at once
 (requests bring their own schemas), takes Lark, GBNF, regex, JSON schema and choice
 natively, rolls back, and needs nothing but itself (xgrammar pulls in triton).
 

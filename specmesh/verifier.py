@@ -114,10 +114,16 @@ class EngineVerifier:
         self.matchers: dict = {}
 
     def set_grammar_vocab(self, vocab) -> None:
-        """Serve grammars (``SamplingParams.grammar_kind``) over this ``grammar.Vocab``."""
-        if vocab.vocab_size != self.vocab_size:
+        """Serve grammars (``SamplingParams.grammar_kind``) over this ``grammar.Vocab``, or
+        over the one a zero-argument factory builds at the first grammar request."""
+        if not callable(vocab) and vocab.vocab_size != self.vocab_size:
             raise InvalidArgument("grammar_vocab", f"{vocab.vocab_size} tokens, the model has {self.vocab_size}")
         self.grammar_vocab = vocab
+
+    def _vocab(self):
+        if callable(self.grammar_vocab):
+            self.grammar_vocab = self.grammar_vocab()
+        return self.grammar_vocab
 
     def host_context_drafters(self, drafters: dict) -> None:
         """Host these context-only drafters (name -> a ``drafters.base.Drafter``: prompt
@@ -435,7 +441,7 @@ class EngineVerifier:
         sp = req.sampling
         m = self.matchers.get(req.session_id)
         if m is None or m.key != (sp.grammar_kind, sp.grammar):
-            m = self.matchers[req.session_id] = Matcher(self.grammar_vocab, sp.grammar_kind, sp.grammar)
+            m = self.matchers[req.session_id] = Matcher(self._vocab(), sp.grammar_kind, sp.grammar)
         h = self.history.get(req.session_id)
         tokens = (h[1][:req.keep_len] if req.keep_len else []) + list(req.append_tokens)
         if not m.sync(tokens[req.prompt_len:]):

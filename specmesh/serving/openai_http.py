@@ -10,7 +10,11 @@ client (or any OpenAI-compatible client) works unchanged:
   not; ``temperature`` (OpenAI's default 1.0 when omitted), ``top_p``,
   ``max_tokens`` / ``max_completion_tokens``, ``seed`` (a random one when a
   sampled request gives none, reported back), ``stop`` (strings, applied by the router:
-  the output ends just before the first one, finish reason ``stop``), ``n`` (1 only), ``usage``;
+  the output ends just before the first one, finish reason ``stop``), ``n`` (1..8
+  choices, one SDK stream each, seeded ``child_seed(seed, i)``; usage summed), ``usage``,
+  ``logprobs`` / ``top_logprobs``, penalties, ``logit_bias``, structured outputs and
+  predicted outputs (``openai_outputs``); every other field is implemented or refused
+  naming it (``openai_fields``);
 - extra body fields, the way vLLM takes extra sampling parameters (the
   ``openai`` client sends them with ``extra_body={...}``): ``strategy``,
   ``drafter``, ``acceptance`` (``exact`` or an opt-in rule: ``typical``, ``lenient``,
@@ -29,8 +33,8 @@ Errors have the OpenAI shape ``{"error": {"message", "type", "param",
 "code"}}``: the router's INVALID_ARGUMENT is HTTP 400 ``invalid_request_error``
 with ``param`` the OpenAI name of the field the router named
 (``sampling.top_p`` -> ``top_p``, ``max_new_tokens`` -> ``max_tokens``, ...),
-and so are malformed bodies and options this API does not offer (``n`` > 1,
-``logprobs``, penalties, ``echo``, ...); a missing or wrong bearer token is 401
+and so are malformed bodies and the fields ``openai_fields`` refuses (``echo``,
+``audio``, ``tools`` for now, unknown fields, ...); a missing or wrong bearer token is 401
 (when the server has a token); RESOURCE_EXHAUSTED 429; UNAVAILABLE 503;
 DEADLINE_EXCEEDED 504. An error after a stream has started arrives as a last
 ``data: {"error": ...}`` event.

@@ -177,3 +177,53 @@ def test_prediction_drafts_and_reports_accepted_tokens(front):
     with pytest.raises(openai.BadRequestError) as e:
         chat(front, {"prediction": {"type": "content", "content": ref}, "strategy": "self"})
     assert e.value.body["param"] == "prediction"
+
+
+# ---------------------------------------------------------------- the real model (slow)
+
+@pytest.mark.slow
+def test_real_model_json_schema_logprobs_and_penalties(runtime):
+    """SmolLM2 behind the real services: a json_schema request is valid JSON of the schema,
+    the same with plain decoding and self speculation (which drafts the forced keys for
+    free: fewer target forwards), logprobs and penalised output equal across strategies."""
+    from tests.support import RuntimeStack
+
+    from specmesh.serving.openai_http import start_http
+
+    stack = RuntimeStack(runtime=runtime, n_slots=4)
+    http = None
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20},
+                                               "population_millions": {"type": "number"},
+                                               "continent": {"enum": ["Africa", "Asia", "Europe", "North America",
+                                                                      "South America", "Oceania"]}},
+              "required": ["city", "country", "population_millions", "continent"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Give me the capital of France as JSON."}]
+    try:
+        http = start_http(stack.rs, stack.address, port=0)
+        with openai.OpenAI(base_url=http.url, api_key="unused", max_retries=0, timeout=300) as oa:
+            rs = {}
+            for strategy in ("autoregressive", "self", "auto"):
+                rs[strategy] = oa.chat.completions.create(
+                    model="smollm2-135m-instruct", messages=msgs, temperature=0, max_tokens=80, logprobs=True,
+                    response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},
+                    extra_body={"strategy": strategy})
+            pen = [oa.chat.completions.create(model="smollm2-135m-instruct", messages=msgs, temperature=0,
+                                              max_tokens=24, frequency_penalty=1.0, presence_penalty=0.5,
+                                              extra_body={"strategy": s}).choices[0].message.content
+                   for s in ("autoregressive", "self")]
+        texts = {k: r.choices[0].message.content for k, r in rs.items()}
+        assert len(set(texts.values())) == 1, texts
+        jsonschema.validate(json.loads(texts["self"]), schema)
+        lps = {k: [(x.token, x.logprob) for x in r.choices[0].logprobs.content] for k, r in rs.items()}
+        for k in lps:
+            assert [t for t, _ in lps[k]] == [t for t, _ in lps["autoregressive"]]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(lps[k], lps["autoregressive"])) < 1e-3
+        sm = {k: r.model_extra["specmesh"] for k, r in rs.items()}
+        assert sm["self"]["forced_tokens"] > 0 and sm["auto"]["forced_tokens"] > 0
+        assert sm["self"]["target_forwards"] < sm["autoregressive"]["target_forwards"]
+        assert pen[0] == pen[1]
+    finally:
+        if http is not None:
+            http.stop()
+        stack.close()
