@@ -62,7 +62,7 @@ from .strategies import (EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STR
 
 log = logging.getLogger("specmesh.router")
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
 
 
@@ -85,6 +85,9 @@ class GenerateSpec:
     resume: Optional["Resume"] = None  # continue an interrupted stream of this request
     draft_ahead: str = ""  # "" (the router's setting) | "on" | "off" | "auto" (specmesh.ahead)
     prediction: str = ""  # predicted output (OpenAI's predicted outputs): drafted by a lookup drafter
+    tools: list = field(default_factory=list)  # specmesh.tools.Tool the model may call
+    tool_choice: str = ""  # "" | auto | none | required | function:NAME
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -122,6 +125,7 @@ class Final:
     token_ids: list[int]
     stats: RouterStats
     session_id: str
+    tool_calls: list = field(default_factory=list)  # specmesh.tools.ToolCall parsed from the text
 
 
 @dataclass
@@ -145,6 +149,7 @@ class Plan:
     draft_ahead: str = ""  # the request's draft-ahead mode ("": the router's setting)
     budget_pinned: bool = False  # the request set draft_budget: every round drafts ``budget``
     prediction: tuple[int, ...] = ()  # predicted output tokens (drafted through a lookup drafter)
+    parse_tools: bool = False  # the output's tool calls are parsed (tools given, tool_choice not none)
 
 
 class TextStream:
@@ -305,12 +310,20 @@ class Router:
         for i, m in enumerate(spec.messages or []):
             if m.get("role") not in ROLES:
                 raise InvalidArgument("messages", f"entry {i} has role {m.get('role')!r}; use one of {list(ROLES)}")
-        chars = len(spec.prompt) + sum(len(m.get("content", "")) for m in spec.messages or [])
+        chars = len(spec.prompt) + sum(len(m.get("content") or "") for m in spec.messages or [])
         if chars > 32 * limit:  # cheap guard before tokenizing
             raise InvalidArgument("prompt", f"{chars} characters is far over max_prompt_tokens {limit}")
         if reasoning and not spec.raw_prompt:  # system instruction + an opened thinking section
             msgs = reasoning_messages(spec.messages or [{"role": "user", "content": spec.prompt}])
             ids = list(self.codec.encode(None, msgs)) + list(self.runner.think_format().open_ids)
+        elif spec.tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in spec.messages or []):
+            from specmesh import tools as tl
+
+            msgs = spec.messages or [{"role": "user", "content": spec.prompt}]
+            if getattr(self.codec, "renders_tools", False):  # the chat template renders them itself
+                ids = self.codec.encode(None, tl.template_messages(msgs), tools=spec.tools)
+            else:
+                ids = self.codec.encode(None, tl.fallback_messages(msgs, spec.tools))
         else:
             ids = self.codec.encode(spec.prompt or None, spec.messages, chat=not spec.raw_prompt)
             if reasoning:
@@ -321,9 +334,29 @@ class Router:
             raise InvalidArgument("prompt", f"{len(ids)} tokens exceed max_prompt_tokens {limit}")
         return ids
 
+    def _tools(self, spec: GenerateSpec) -> GenerateSpec:
+        """Validate the tools; ``required`` or a named function becomes the request's grammar."""
+        from dataclasses import replace
+
+        from specmesh import tools as tl
+
+        if not spec.tools and not spec.tool_choice:
+            return spec
+        tl.check_tools(spec.tools, spec.tool_choice)
+        if spec.raw_prompt:
+            raise InvalidArgument("tools", "tools are rendered into a chat; not with raw_prompt")
+        g = tl.grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls)
+        if g is not None:
+            if spec.sampling.constrained:
+                raise InvalidArgument("tool_choice", f"{spec.tool_choice!r} is enforced by a grammar; the request "
+                                      "has a structured output of its own")
+            spec = replace(spec, sampling=replace(spec.sampling, grammar_kind="lark", grammar=g))
+        return spec
+
     def plan(self, spec: GenerateSpec) -> Plan:
         """Validate every field (INVALID_ARGUMENT naming it); nothing changes."""
         self.runner.check(spec)
+        spec = self._tools(spec)
         if spec.draft_ahead:
             check_mode(spec.draft_ahead)
         if spec.resume is not None and (spec.resume.token_ids or spec.resume.text_chars) and (
@@ -367,7 +400,8 @@ class Router:
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
                     reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
-                    draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None, prediction=prediction)
+                    draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None, prediction=prediction,
+                    parse_tools=bool(spec.tools) and spec.tool_choice != "none")
 
     def _check_processors(self, spec: GenerateSpec, reasoning: bool) -> None:
         """Logits processors, logprobs and grammars: the values the sampling cannot judge alone."""
@@ -512,7 +546,14 @@ class Router:
             stats.verifier, stats.reprefills = verifier.address, verifier.reprefills
             run.finish(stats, "".join(pieces), cancelled.is_set())
             obs.finish(stats)
-            yield Final("".join(pieces), out_ids, stats, sid)
+            final, calls = "".join(pieces), []
+            if plan.parse_tools:
+                from specmesh.tools import parse
+
+                final, calls = parse(final)
+                if calls:
+                    stats.finish_reason = "tool_calls"
+            yield Final(final, out_ids, stats, sid, calls)
         except BaseException as e:
             err = e
             raise

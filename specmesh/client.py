@@ -108,6 +108,7 @@ class Result:
     stats: RouterStats
     session_id: str = ""
     logprobs: Optional[list] = None  # ``TokenLogprob`` per token id, when asked for
+    tool_calls: Optional[list] = None  # dicts of id, name, arguments (JSON text), when the model called tools
 
     @property
     def finish_reason(self) -> str:
@@ -126,7 +127,8 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
                   logit_bias: Optional[dict] = None, min_p: Optional[float] = None, logprobs: Optional[int] = None,
                   json_schema=None, json_object: bool = False, regex: Optional[str] = None,
                   choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None,
-                  prediction: str = "") -> router_pb2.GenerateRequest:
+                  prediction: str = "", tools: Optional[Sequence[dict]] = None, tool_choice: str = "",
+                  parallel_tool_calls: Optional[bool] = None) -> router_pb2.GenerateRequest:
     """A GenerateRequest; unset options take the router's defaults (the router validates).
     ``acceptance_params``: the rule's parameters by their SamplingParams names
     (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur, jsd_threshold).
@@ -135,7 +137,10 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     ``logprobs``: 0 = each token's log-probability, 1..20 = and that many top tokens
     (``Result.logprobs``). Structured output, at most one of: ``json_schema`` (a dict or its
     JSON text), ``json_object``, ``regex``, ``choice`` (strings), ``grammar`` (Lark or GBNF).
-    ``prediction``: the expected output (predicted outputs): drafted through a lookup drafter."""
+    ``prediction``: the expected output (predicted outputs): drafted through a lookup drafter.
+    ``tools``: functions the model may call (dicts of name, description, parameters: a JSON
+    schema, or OpenAI's ``{"type": "function", "function": {...}}``); ``tool_choice`` "auto",
+    "none", "required" or "function:NAME"; calls come back in ``Result.tool_calls``."""
     import json as _json
 
     sp = common_pb2.SamplingParams()
@@ -173,6 +178,14 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     if thinking_budget is not None:
         req.thinking_budget = thinking_budget
     req.stop.extend([stop] if isinstance(stop, str) else list(stop))  # the output ends before the first one
+    for t in tools or []:
+        f = t.get("function", t)
+        params = f.get("parameters") or {"type": "object"}
+        req.tools.add(name=str(f.get("name", "")), description=str(f.get("description") or ""),
+                      parameters=params if isinstance(params, str) else _json.dumps(params))
+    req.tool_choice = tool_choice
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
     if max_new_tokens is not None:
         req.max_new_tokens = max_new_tokens
     if draft_budget is not None:
@@ -199,7 +212,9 @@ class _Collector:
         if resp.HasField("final"):
             f = resp.final
             self.result = Result(f.text, list(f.token_ids), stats_from_proto(f.stats), f.session_id,
-                                 self.logprobs[: len(f.token_ids)] if self.logprobs is not None else None)
+                                 self.logprobs[: len(f.token_ids)] if self.logprobs is not None else None,
+                                 [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in f.tool_calls]
+                                 or None)
             return ""
         self.token_ids += resp.delta.token_ids
         if len(resp.delta.logprobs):

@@ -29,9 +29,16 @@ class TextCodec:
         d = resolve_model(model, quiet=True)
         return cls(load_tokenizer(d), int(load_config(d)["vocab_size"]))
 
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template renders tools (``tools=``; Qwen2.5's does, SmolLM2's does not)."""
+        t = getattr(self.tokenizer, "chat_template", None) or ""
+        return isinstance(t, str) and "tools" in t
+
     def encode(self, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
-               chat: bool = True) -> list[int]:
-        """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages."""
+               chat: bool = True, tools: Optional[list] = None) -> list[int]:
+        """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages;
+        ``tools`` (``specmesh.tools.Tool``) for a template that renders them."""
         if messages is None:
             if not prompt:
                 raise InvalidArgument("prompt", "is empty")
@@ -43,8 +50,14 @@ class TextCodec:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidArgument("messages", f"entry {i} needs 'role' and 'content'")
+        kw = {}
+        if tools:
+            import json
+
+            kw["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                             "parameters": json.loads(t.parameters)}} for t in tools]
         enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)
+                                                 return_dict=True, **kw)
         return list(enc["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -226,13 +226,40 @@ _LIST_FIELDS = frozenset(("accept_hist", "position_drafted", "position_accepted"
 # ---------------------------------------------------------------- chat
 
 def messages_from_proto(ms) -> Optional[list[dict]]:
-    return [{"role": m.role, "content": m.content} for m in ms] or None
+    out = []
+    for m in ms:
+        d = {"role": m.role, "content": m.content}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if len(m.tool_calls):
+            d["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+        out.append(d)
+    return out or None
 
 
 def messages_to_proto(messages: Optional[Sequence[dict]]) -> list[common_pb2.ChatMessage]:
+    """Chat turns: ``role`` and ``content`` (``None`` for an assistant turn that only
+    calls tools), and optionally ``name``, ``tool_call_id``, ``tool_calls`` (dicts of
+    id, name, arguments)."""
     out = []
     for i, m in enumerate(messages or []):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise InvalidArgument("messages", f"entry {i} needs 'role' and 'content'")
-        out.append(common_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"])))
+        calls = [common_pb2.ToolCall(id=str(c.get("id", "")), name=str(c["name"]), arguments=str(c["arguments"]))
+                 for c in m.get("tool_calls") or []]
+        out.append(common_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"] or ""),
+                                          name=str(m.get("name") or ""), tool_call_id=str(m.get("tool_call_id") or ""),
+                                          tool_calls=calls))
     return out
+
+
+def tools_to_proto(tools) -> list:
+    return [common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in tools]
+
+
+def tools_from_proto(ms) -> list:
+    from ..tools import Tool
+
+    return [Tool(m.name, m.description, m.parameters or '{"type": "object"}') for m in ms]

@@ -90,9 +90,9 @@ CHAT: dict[str, Rule] = dict(_COMMON, **{
     "functions": _refuse("the deprecated functions field is not supported; send tools", _falsy),
     "function_call": _refuse("the deprecated function_call field is not supported; send tool_choice"),
     "response_format": IMPLEMENTED,  # text, json_object, json_schema
-    "tools": _refuse("tools are not supported yet", _falsy),
-    "tool_choice": _refuse("tools are not supported yet", lambda v: v in (None, "none")),
-    "parallel_tool_calls": _refuse("tools are not supported yet"),
+    "tools": IMPLEMENTED,  # rendered by the chat template, else a documented system message
+    "tool_choice": IMPLEMENTED,  # none, auto, required, a named function (the last two by a grammar)
+    "parallel_tool_calls": IMPLEMENTED,
     "prediction": IMPLEMENTED,  # {type: content}: drafted through a lookup drafter
     # vLLM's structured-output extras (and their newer form)
     "guided_json": IMPLEMENTED,

@@ -83,6 +83,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from ..client import AsyncClient
+from ..tools import ToolStream
 from . import openai_fields
 from .openai_outputs import (MAX_COMPLETION_LOGPROBS, MAX_N, MAX_TOP_LOGPROBS, FieldError, chat_logprobs, child_seed,
                              completion_logprobs, grammar_of)
@@ -100,7 +101,7 @@ _PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sa
            "messages": "messages", "request": None, "sampling.presence_penalty": "presence_penalty",
            "sampling.frequency_penalty": "frequency_penalty", "sampling.repetition_penalty": "repetition_penalty",
            "sampling.logit_bias": "logit_bias", "sampling.min_p": "min_p", "sampling.logprobs": "logprobs",
-           "prediction": "prediction"}
+           "prediction": "prediction", "tools": "tools", "tool_choice": "tool_choice"}
 # the acceptance rules' parameters, taken as flat extra body fields like vLLM's extra sampling parameters
 # (lenience, accept_top_k, typical_epsilon, cd_alpha, ...)
 _RULE_PARAMS = openai_fields.rule_params()
@@ -148,11 +149,29 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    arguments: str
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # name, tool_calls, ...: refused until served (a 400 naming them)
+    model_config = ConfigDict(extra="forbid")  # refusal, audio, ...: a 400 naming them
 
     role: str
     content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None  # an assistant turn's calls
+    tool_call_id: Optional[str] = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -300,8 +319,8 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
         if not b.messages:
             raise bad("messages", "must be a non-empty list")
         # "developer" is OpenAI's newer name of the system role
-        kw["messages"] = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                          for m in b.messages]
+        kw["messages"] = [_message(m) for m in b.messages]
+        _tools(fields, kw)
     else:
         assert isinstance(b, CompletionBody)
         if b.logprobs is not None:
@@ -340,6 +359,44 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
     return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn, n=n, top=top,
                client=f"user:{user}" if user else "",
                obfuscate=bool(b.stream_options and b.stream_options.include_obfuscation))
+
+
+def _message(m: ChatMessage) -> dict:
+    d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.name:
+        d["name"] = m.name
+    if m.tool_call_id:
+        d["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        d["tool_calls"] = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                           for c in m.tool_calls]
+    return d
+
+
+def _tools(fields: dict, kw: dict) -> None:
+    """tools / tool_choice / parallel_tool_calls as SDK arguments (the router validates the rest)."""
+    tools = fields.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
+                                                  and isinstance(t.get("function"), dict) for t in tools):
+            raise bad("tools", "a list of {\"type\": \"function\", \"function\": {name, description, parameters}}")
+        kw["tools"] = [t["function"] for t in tools]
+    choice = fields.get("tool_choice")
+    if choice is not None:
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise bad("tool_choice", "an object names a function: {\"type\": \"function\", \"function\": "
+                          "{\"name\": ...}}")
+            choice = f"function:{name}"
+        elif choice not in ("none", "auto", "required"):
+            raise bad("tool_choice", f"must be none, auto, required or a function, got {choice!r}")
+        kw["tool_choice"] = choice
+    ptc = fields.get("parallel_tool_calls")
+    if ptc is not None:
+        if not isinstance(ptc, bool):
+            raise bad("parallel_tool_calls", "must be true or false")
+        kw["parallel_tool_calls"] = ptc
 
 
 def _processors(b: _Body, fields: dict, kw: dict, params: dict) -> None:
@@ -423,7 +480,19 @@ class Run:
         return self.acc
 
     def finish_reason(self) -> str:
-        return "length" if self.s.result.stats.finish_reason == "length" else "stop"
+        fr = self.s.result.stats.finish_reason
+        return fr if fr in ("length", "tool_calls") else "stop"
+
+
+def _calls(calls, start: int = 0) -> list:
+    """OpenAI's tool_calls (with ``index`` from ``start`` for stream deltas when start >= 0)."""
+    out = []
+    for k, c in enumerate(calls):
+        d = {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        if start >= 0:
+            d["index"] = start + k
+        out.append(d)
+    return out
 
 
 class Api:
@@ -476,8 +545,12 @@ class Api:
             fr = run.finish_reason()
             lp = self._logprobs(job, run.logprobs)
             if job.kind == "chat":
-                choices.append({"index": run.index, "message": {"role": "assistant", "content": run.text},
-                                "logprobs": lp, "finish_reason": fr})
+                msg: dict[str, Any] = {"role": "assistant", "content": run.s.result.text}
+                calls = run.s.result.tool_calls
+                if calls:
+                    msg["tool_calls"] = _calls(calls, -1)
+                    msg["content"] = run.s.result.text or None
+                choices.append({"index": run.index, "message": msg, "logprobs": lp, "finish_reason": fr})
             else:
                 choices.append({"index": run.index, "text": run.text, "logprobs": lp, "finish_reason": fr})
         obj = "chat.completion" if job.kind == "chat" else "text_completion"
@@ -540,12 +613,26 @@ class Api:
 
         async def events():
             sent = [0] * len(runs)  # characters of each choice sent (completions' text_offset)
+            tools = job.kind == "chat" and bool(job.kwargs.get("tools")) and job.kwargs.get("tool_choice") != "none"
+            parsers = [ToolStream() for _ in runs] if tools else None
 
             def chunk(i, piece, lps):
+                out = ""
+                if parsers is not None:  # text that may begin a call is held back; a closed call is a delta
+                    p = parsers[i]
+                    piece = p.push(piece)
+                    for call in p.new:
+                        c = self._chunk(job, rid, created, None, index=i)
+                        c["choices"][0]["delta"]["tool_calls"] = _calls(
+                            [{"id": call.id, "name": call.name, "arguments": call.arguments}],
+                            len(p.calls) - len(p.new) + p.new.index(call))
+                        out += _sse(c, job.obfuscate)
+                    if not piece and not lps:
+                        return out
                 c = self._chunk(job, rid, created, piece, index=i,
                                 logprobs=self._logprobs(job, lps, sent[i]) if lps else None)
                 sent[i] += len(piece)
-                return _sse(c, job.obfuscate)
+                return _sse(c, job.obfuscate) + out
 
             queue: asyncio.Queue = asyncio.Queue()
 
@@ -576,6 +663,9 @@ class Api:
                     yield chunk(i, *item)
                 stats = self._stats(job, runs)
                 for run in runs:
+                    if parsers is not None and parsers[run.index].buf:  # held back, and no call after all
+                        yield _sse(self._chunk(job, rid, created, parsers[run.index].flush(), index=run.index),
+                                   job.obfuscate)
                     last = self._chunk(job, rid, created, None if job.kind == "chat" else "", run.finish_reason(),
                                        index=run.index)
                     if run.index == len(runs) - 1:

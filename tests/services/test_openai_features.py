@@ -34,7 +34,7 @@ IDS = ["plain", "prompt_lookup", "layerskip", "suffix"]
 
 @pytest.fixture(scope="module")
 def front():
-    f = Front(chars=True)
+    f = Front(chars=True, max_seq_len=1024, max_prompt_tokens=800, max_new_tokens=160)
     yield f
     f.close()
 
@@ -227,3 +227,61 @@ def test_real_model_json_schema_logprobs_and_penalties(runtime):
         if http is not None:
             http.stop()
         stack.close()
+
+
+# ---------------------------------------------------------------- tools
+
+LOOKUP = {"type": "function", "function": {"name": "lookup", "description": "look a word up", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string", "maxLength": 8}}, "required": ["word"],
+    "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "description": "the time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("s", STRATEGIES, ids=IDS)
+def test_required_and_named_tool_calls_parse_and_hold_the_schema(front, s):
+    for temperature in (0.0, 1.0):
+        r = chat(front, s, tools=[LOOKUP, CLOCK], tool_choice="required", max_tokens=120, temperature=temperature,
+                 seed=5, parallel_tool_calls=False)
+        (choice,) = r.choices
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+        for c in choice.message.tool_calls:
+            args = json.loads(c.function.arguments)
+            schema = {"lookup": LOOKUP, "clock": CLOCK}[c.function.name]["function"]["parameters"]
+            jsonschema.validate(args, schema)
+            assert c.id.startswith("call_") and c.type == "function"
+    r = chat(front, s, tools=[LOOKUP, CLOCK], tool_choice={"type": "function", "function": {"name": "clock"}},
+             max_tokens=120)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "clock" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+
+def test_tool_calls_stream_as_deltas_and_a_tool_result_is_the_next_turn(front):
+    chunks = list(chat(front, STRATEGIES[1], tools=[CLOCK], tool_choice="required", max_tokens=120, stream=True,
+                       parallel_tool_calls=False))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].function.name == "clock"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    ref = chat(front, STRATEGIES[1], tools=[CLOCK], tool_choice="required", max_tokens=120,
+               parallel_tool_calls=False).choices[0].message.tool_calls[0]
+    assert (ref.function.name, ref.function.arguments) == (deltas[0].function.name, deltas[0].function.arguments)
+    # the agent's next turn: the call, the tool's result, and an answer (tool_choice none: text)
+    msgs = CHAT + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": ref.id, "type": "function", "function": {"name": "clock", "arguments": ref.function.arguments}}]},
+        {"role": "tool", "tool_call_id": ref.id, "content": "12:00"}]
+    r = front.oa.chat.completions.create(model=MODEL, messages=msgs, tools=[CLOCK], tool_choice="none",
+                                         max_tokens=12, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].message.tool_calls is None
+
+
+def test_bad_tools_are_refused_naming_the_field(front):
+    for kw, param in [(dict(tools=[LOOKUP], tool_choice={"type": "function", "function": {"name": "nope"}}),
+                       "tool_choice"),
+                      (dict(tool_choice="required"), "tool_choice"),
+                      (dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]), "tools"),
+                      (dict(tools=[LOOKUP], tool_choice="required", response_format=RF), "tool_choice")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(front, **kw)
+        assert e.value.body["param"] == param, (kw, e.value.body)

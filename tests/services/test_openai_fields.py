@@ -74,7 +74,7 @@ def test_check_refuses_unknown_fields_and_names_them():
 
 @pytest.fixture(scope="module")
 def front():
-    f = Front(chars=True)
+    f = Front(chars=True, max_seq_len=1024, max_prompt_tokens=800, max_new_tokens=160)
     yield f
     f.close()
 

@@ -48,15 +48,17 @@ class Front:
     """A tiny-model stack with metrics, its OpenAI HTTP API on a free port, an
     ``openai.OpenAI`` client and a gRPC SDK client, both to the same router."""
 
-    def __init__(self, token=None, chars: bool = False):
-        """``chars``: the ``CharCodec`` (JSON can be spelled) and a verifier serving grammars."""
+    def __init__(self, token=None, chars: bool = False, **overrides):
+        """``chars``: the ``CharCodec`` (JSON can be spelled) and a verifier serving grammars;
+        ``overrides``: settings (a longer ``max_seq_len`` goes to the verifier too)."""
         from specmesh.drafters import PromptLookupDrafter, SuffixDrafter
 
-        kw = dict(TRACED_SETTINGS, model=MODEL)
+        kw = dict(TRACED_SETTINGS, model=MODEL, **overrides)
         if token:
             kw["auth_token"] = token
         codec = CharCodec() if chars else TokenizerCodec()
-        self.stack = LocalStack([tiny_grammar_verifier if chars else tiny_layerskip_verifier], codec, V,
+        make = tiny_grammar_verifier if chars else tiny_layerskip_verifier
+        self.stack = LocalStack([lambda: make(max_seq_len=kw["max_seq_len"])], codec, V,
                                 settings=functools.partial(settings, kw),
                                 drafters={"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter},
                                 metrics=True)
