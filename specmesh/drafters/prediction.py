@@ -27,10 +27,10 @@ from .base import DrafterBase
 class PredictionDrafter(DrafterBase):
     name = "prediction"
 
-    def __init__(self, prediction: Sequence[int], fallback=None, max_ngram: int = 8):
+    def __init__(self, prediction: Sequence[int], fallback=None, max_ngram: int = 8, min_ngram: int = 2):
         self.pred = list(prediction)
         self.fallback = fallback
-        self.max_ngram = max_ngram
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.at = 0  # where in the prediction the output was last aligned
         self._last: Optional[tuple[int, list[int]]] = None  # (output length, predicted tokens drafted)
         self.accepted = self.rejected = 0
@@ -53,7 +53,7 @@ class PredictionDrafter(DrafterBase):
         """The prediction index the output continues at, or None."""
         if not out:
             return 0
-        for k in range(min(self.max_ngram, len(out)), 0, -1):
+        for k in range(min(self.max_ngram, len(out)), self.min_ngram - 1, -1):
             tail = list(out[-k:])
             hits = [j + k for j in range(len(self.pred) - k + 1) if self.pred[j:j + k] == tail]
             if hits:

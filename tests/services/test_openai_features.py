@@ -212,6 +212,18 @@ def test_real_model_json_schema_logprobs_and_penalties(runtime):
                                               max_tokens=24, frequency_penalty=1.0, presence_penalty=0.5,
                                               extra_body={"strategy": s}).choices[0].message.content
                    for s in ("autoregressive", "self")]
+            # tools on a template without them (the system-message rendering): required calls always parse
+            weather = {"type": "function", "function": {"name": "get_weather", "description": "current weather",
+                                                        "parameters": {"type": "object", "properties": {
+                                                            "city": {"type": "string", "maxLength": 30}},
+                                                            "required": ["city"], "additionalProperties": False}}}
+            for q, temp in (("What is the weather in Paris?", 0.0), ("Is it raining in Tokyo?", 0.8)):
+                r = oa.chat.completions.create(model="smollm2-135m-instruct", temperature=temp, seed=1,
+                                               max_tokens=60, tools=[weather], tool_choice="required",
+                                               parallel_tool_calls=False, messages=[{"role": "user", "content": q}])
+                (call,) = r.choices[0].message.tool_calls
+                assert call.function.name == "get_weather" and r.choices[0].finish_reason == "tool_calls"
+                jsonschema.validate(json.loads(call.function.arguments), weather["function"]["parameters"])
         texts = {k: r.choices[0].message.content for k, r in rs.items()}
         assert len(set(texts.values())) == 1, texts
         jsonschema.validate(json.loads(texts["self"]), schema)
