@@ -489,6 +489,10 @@ class Strategies:
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
                 self.book.skip(key, c.switched_from)
+            if spec.sampling.constrained:  # every choice of auto drafts the grammar's forced tokens too
+                from dataclasses import replace as _replace
+
+                c = _replace(c, reason=f"{c.reason}; grammar-forced tokens drafted free (jump-forward)")
             if c.strategy == "external" and self.in_verifier(c.drafter):
                 return Resolved(c.strategy, f"{c.reason}; {c.drafter} drafted in the verifier", None, c.drafter)
             return Resolved(c.strategy, c.reason, c.drafter if c.strategy in ("external", "proactive", "ssr") else None,

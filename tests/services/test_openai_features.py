@@ -135,6 +135,10 @@ def test_json_schema_outputs_hold_the_schema_for_every_strategy(front, temperatu
             assert st["forced_tokens"] > 0  # keys, separators, enum tails: free drafts
     if temperature == 0:
         assert len(set(outs)) == 1, outs
+        r = chat(front, {"strategy": "auto"}, response_format=RF, max_tokens=60, temperature=0)
+        assert r.choices[0].message.content == outs[0]
+        st = r.model_extra["specmesh"]
+        assert "jump-forward" in st["strategy_reason"] and st["forced_tokens"] > 0, st
 
 
 def test_regex_choice_and_grammar(front):
