@@ -147,15 +147,24 @@ def alias_gguf(key: str, quiet: bool = False) -> Path:
 
 
 def _prepared(out: Path, gguf: Path) -> bool:
-    """Whether ``out`` holds the config and tokenizer of ``gguf`` (this cache format)."""
+    """Whether ``out`` holds the config and tokenizer of ``gguf`` (this cache format, a file of
+    that name and size). The same GGUF may sit elsewhere for another environment sharing the
+    cache (a package in another virtualenv): then only the recorded path is updated."""
     from .gguf import CACHE_FORMAT
 
     try:
         cfg = load_config(out)
     except (OSError, ValueError):
         return False
-    return cfg.get("_specmesh_cache") == CACHE_FORMAT and cfg.get("_source_gguf") == str(gguf.resolve()) \
-        and any(out.glob("tokenizer*"))
+    src, where = cfg.get("_source_gguf") or "", str(gguf.resolve())
+    if cfg.get("_specmesh_cache") != CACHE_FORMAT or Path(src).name != gguf.name \
+            or cfg.get("_gguf_size") != gguf.stat().st_size or not any(out.glob("tokenizer*")):
+        return False
+    if src != where:
+        tmp = out / f"config.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(dict(cfg, _source_gguf=where), indent=2))
+        os.replace(tmp, out / "config.json")
+    return True
 
 
 def _prepare(gguf: Path, out: Path, quiet: bool) -> Path:
