@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from ..types import (FeatureRows, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, TokenTree,
-                     VerifyRequest, VerifyResult)
+from ..types import (FeatureRows, GenerationStats, InvalidArgument, SamplingParams, SelfDraft, TokenLogprob,
+                     TokenTree, VerifyRequest, VerifyResult)
 from ..v1 import common_pb2, drafter_pb2, verifier_pb2
 
 U64 = (1 << 64) - 1
@@ -57,7 +57,11 @@ def sampling_to_proto(s: SamplingParams) -> common_pb2.SamplingParams:
         temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p), seed=int(s.seed) & U64,
         acceptance=s.acceptance, typical_epsilon=float(s.typical_epsilon), typical_delta=float(s.typical_delta),
         lenience=float(s.lenience), accept_top_k=int(s.accept_top_k), cd_alpha=float(s.cd_alpha),
-        cd_beta=float(s.cd_beta), cd_amateur=s.cd_amateur, jsd_threshold=float(s.jsd_threshold))
+        cd_beta=float(s.cd_beta), cd_amateur=s.cd_amateur, jsd_threshold=float(s.jsd_threshold),
+        presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty),
+        repetition_penalty=float(s.repetition_penalty), logit_bias={int(t): float(b) for t, b in s.logit_bias},
+        min_p=float(s.min_p), logprobs=int(s.logprobs) if s.logprobs >= 0 else None,
+        grammar_kind=s.grammar_kind, grammar=s.grammar)
 
 
 def sampling_from_proto(m: common_pb2.SamplingParams, prefix: str = "sampling") -> SamplingParams:
@@ -72,7 +76,12 @@ def sampling_from_proto(m: common_pb2.SamplingParams, prefix: str = "sampling") 
             accept_top_k=m.accept_top_k if m.HasField("accept_top_k") else d.accept_top_k,
             cd_alpha=m.cd_alpha if m.HasField("cd_alpha") else d.cd_alpha,
             cd_beta=m.cd_beta if m.HasField("cd_beta") else d.cd_beta, cd_amateur=m.cd_amateur or d.cd_amateur,
-            jsd_threshold=m.jsd_threshold if m.HasField("jsd_threshold") else d.jsd_threshold)
+            jsd_threshold=m.jsd_threshold if m.HasField("jsd_threshold") else d.jsd_threshold,
+            presence_penalty=m.presence_penalty, frequency_penalty=m.frequency_penalty,
+            repetition_penalty=m.repetition_penalty if m.HasField("repetition_penalty") else d.repetition_penalty,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in m.logit_bias.items())), min_p=m.min_p,
+            logprobs=m.logprobs if m.HasField("logprobs") else d.logprobs, grammar_kind=m.grammar_kind,
+            grammar=m.grammar)
     except InvalidArgument as e:
         raise InvalidArgument(f"{prefix}.{e.field}", e.message) from None
 
@@ -136,7 +145,9 @@ def verify_request_to_proto(r: VerifyRequest) -> verifier_pb2.VerifyRequest:
     m = verifier_pb2.VerifyRequest(
         session_id=r.session_id, sync=sync_to_proto(r.keep_len, r.append_tokens), tree=tree_to_proto(r.tree),
         sampling=sampling_to_proto(r.sampling), round_seed=int(r.round_seed) & U64, want_entropy=r.want_entropy,
-        feature_layers=list(r.feature_layers))
+        feature_layers=list(r.feature_layers), jump_forward=r.jump_forward)
+    if r.prompt_len >= 0:
+        m.prompt_len = r.prompt_len
     if r.self_draft is not None:
         m.self_draft.method, m.self_draft.budget = r.self_draft.method, r.self_draft.budget
     return m
@@ -147,14 +158,27 @@ def verify_request_from_proto(m: verifier_pb2.VerifyRequest) -> VerifyRequest:
     if sd is not None and len(m.tree.tokens):
         raise InvalidArgument("tree", "must be empty when self_draft is set")
     return VerifyRequest(m.session_id, m.sync.keep_len, list(m.sync.append_tokens), tree_from_proto(m.tree),
-                         sampling_from_proto(m.sampling), m.round_seed, sd, m.want_entropy, tuple(m.feature_layers))
+                         sampling_from_proto(m.sampling), m.round_seed, sd, m.want_entropy, tuple(m.feature_layers),
+                         prompt_len=m.prompt_len if m.HasField("prompt_len") else -1, jump_forward=m.jump_forward)
+
+
+def logprobs_to_proto(lps) -> list:
+    return [common_pb2.TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_ids=[t for t, _ in x.top],
+                                    top_logprobs=[v for _, v in x.top]) for x in lps]
+
+
+def logprobs_from_proto(ms) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token_id, m.logprob, list(zip(m.top_ids, m.top_logprobs))) for m in ms]
 
 
 def verify_result_to_proto(r: VerifyResult, server_ms: float = 0.0) -> verifier_pb2.VerifyResponse:
     m = verifier_pb2.VerifyResponse(
         accepted=r.accepted, next_token=r.next_token, drafted=r.drafted, tree_size=r.tree_size,
         accepted_nodes=r.accepted_nodes, entropy=r.entropy, draft_ms=r.draft_ms, verify_ms=r.verify_ms,
-        cache_len=r.cache_len, batch_size=r.batch_size, server_ms=server_ms, batch_rows=r.batch_rows)
+        cache_len=r.cache_len, batch_size=r.batch_size, server_ms=server_ms, batch_rows=r.batch_rows,
+        forced=r.forced)
+    if r.logprobs is not None:
+        m.logprobs.extend(logprobs_to_proto(r.logprobs))
     if r.features is not None:
         m.features.CopyFrom(features_to_proto(r.features))
     return m
@@ -164,7 +188,8 @@ def verify_result_from_proto(m: verifier_pb2.VerifyResponse) -> VerifyResult:
     return VerifyResult(list(m.accepted), m.next_token, m.drafted, m.tree_size, list(m.accepted_nodes), m.entropy,
                         m.draft_ms, m.verify_ms, m.cache_len, m.batch_size,
                         features_from_proto(m.features) if m.HasField("features") else None,
-                        batch_rows=m.batch_rows)
+                        batch_rows=m.batch_rows, forced=m.forced,
+                        logprobs=logprobs_from_proto(m.logprobs) if len(m.logprobs) else None)
 
 
 # ---------------------------------------------------------------- stats
@@ -174,7 +199,8 @@ _STAT_FIELDS = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_
                 "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "finish_reason", "lossy",
                 "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens",
                 "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens",
-                "acceptance", "resumed_tokens", "ahead_hits", "ahead_misses", "ahead_wasted")
+                "acceptance", "resumed_tokens", "ahead_hits", "ahead_misses", "ahead_wasted", "forced_tokens",
+                "accepted_prediction_tokens", "rejected_prediction_tokens")
 
 
 def stats_to_proto(s: GenerationStats) -> common_pb2.GenerationStats:
@@ -200,13 +226,40 @@ _LIST_FIELDS = frozenset(("accept_hist", "position_drafted", "position_accepted"
 # ---------------------------------------------------------------- chat
 
 def messages_from_proto(ms) -> Optional[list[dict]]:
-    return [{"role": m.role, "content": m.content} for m in ms] or None
+    out = []
+    for m in ms:
+        d = {"role": m.role, "content": m.content}
+        if m.name:
+            d["name"] = m.name
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if len(m.tool_calls):
+            d["tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls]
+        out.append(d)
+    return out or None
 
 
 def messages_to_proto(messages: Optional[Sequence[dict]]) -> list[common_pb2.ChatMessage]:
+    """Chat turns: ``role`` and ``content`` (``None`` for an assistant turn that only
+    calls tools), and optionally ``name``, ``tool_call_id``, ``tool_calls`` (dicts of
+    id, name, arguments)."""
     out = []
     for i, m in enumerate(messages or []):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise InvalidArgument("messages", f"entry {i} needs 'role' and 'content'")
-        out.append(common_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"])))
+        calls = [common_pb2.ToolCall(id=str(c.get("id", "")), name=str(c["name"]), arguments=str(c["arguments"]))
+                 for c in m.get("tool_calls") or []]
+        out.append(common_pb2.ChatMessage(role=str(m["role"]), content=str(m["content"] or ""),
+                                          name=str(m.get("name") or ""), tool_call_id=str(m.get("tool_call_id") or ""),
+                                          tool_calls=calls))
     return out
+
+
+def tools_to_proto(tools) -> list:
+    return [common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in tools]
+
+
+def tools_from_proto(ms) -> list:
+    from ..tools import Tool
+
+    return [Tool(m.name, m.description, m.parameters or '{"type": "object"}') for m in ms]
