@@ -316,6 +316,9 @@ class VerifyRequest:
     self_draft: Optional[SelfDraft] = None
     want_entropy: bool = False
     feature_layers: tuple[int, ...] = ()
+    # set by the verifier on the last step of a prefill it ran in chunks: the keep_len of the
+    # request this step ends (its features start there; a fused drafter's first round is decided by it)
+    first_keep_len: Optional[int] = None
 
 
 @dataclass
@@ -339,6 +342,7 @@ class VerifyResult:
     # of each): with verify_ms, a point of the forward's cost line (loop.ForwardCosts);
     # 0: unknown
     batch_rows: int = 0
+    cached_tokens: int = 0  # a new session's first tokens served from the verifier's prefix cache
     # where the round's answer came from: "verify" (a Verify call, or in process) or
     # "decode_stream" (a step the verifier decoded ahead on a Decode stream: plain decoding)
     source: str = "verify"

@@ -40,12 +40,12 @@ BARE = ("router", "drafter_service", "verifier_service", "kernels")
 LAYERS = [
     ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees",
                 "specmesh.errors", "specmesh.workloads", "specmesh.results", "specmesh.threads",
-                "specmesh.kernels", "specmesh.v1"]),
+                "specmesh.kernels", "specmesh.v1", "specmesh.prefix_cache"]),
     # the engine package: its forward, the CUDA-graph engine, the device choice, the CPU
     # kernels and rowops (specmesh/engine/__init__.py)
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.models"]),
-    ("contracts", ["specmesh.verifier", "specmesh.drafters", "specmesh.loop", "specmesh.contrastive",
-                   "specmesh.ahead"]),
+    ("contracts", ["specmesh.verifier", "specmesh.prefix_reuse", "specmesh.drafters", "specmesh.loop",
+                   "specmesh.contrastive", "specmesh.ahead"]),
     ("above the loop", ["specmesh.blockdraft", "specmesh.strategies", "specmesh.uno"]),
     ("in-process assembly", ["specmesh.runtime"]),
     ("observability", ["specmesh.observability"]),
@@ -65,8 +65,8 @@ ROOT_PACKAGE_LAYER = "gRPC layer"  # ``specmesh`` itself: it re-exports the SDK 
 ALLOWED_UPWARD = {
     ("specmesh.blockdraft.accel", "specmesh.blockdraft.cli"),  # accel.main, `python -m specmesh.blockdraft.accel`
 }
-CORE = ("specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees",
-        "specmesh.acceptance",
+CORE = ("specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees", "specmesh.prefix_cache",
+        "specmesh.acceptance", "specmesh.prefix_reuse",
         "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters", "specmesh.contrastive",
         "specmesh.ahead")
 CORE_MUST_NOT_REACH = ("grpc", "google.protobuf", "specmesh.v1", "specmesh.serving", "specmesh.client",
