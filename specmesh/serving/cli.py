@@ -50,6 +50,14 @@ _FLAGS = [
     ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false | "
      "invariant (one bucket shape for every forward: bf16 greedy identity)"),
     ("--n-slots", "n_slots", int, "KV slots of the verifier"),
+    ("--prefix-cache", "prefix_cache", str, "verifier: reuse the KV of earlier requests' common prefixes: true | "
+     "false (default true)"),
+    ("--prefix-cache-mib", "prefix_cache_mib", float, "verifier: the prefix cache's budget in MiB (default 512)"),
+    ("--prefix-block", "prefix_block", int, "verifier: tokens per prefix-cache block (default 16)"),
+    ("--prefill-chunk", "prefill_chunk", int, "verifier: a prompt's tokens per forward at most, between the running "
+     "streams' rounds (default 256; 0 = a prompt in one forward)"),
+    ("--prefill-stall-ratio", "prefill_stall_ratio", float, "verifier: while streams run, a forward with a prefill "
+     "chunk costs at most this many times theirs (default 2; 0 = off)"),
     ("--max-seq-len", "max_seq_len", int, "longest sequence per slot"),
     ("--draft-model", "draft_model", str, "drafter: the draft LM's alias or directory (default: the target's "
      "paired draft model, else a subset of its layers)"),
