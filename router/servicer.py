@@ -91,7 +91,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 def _service(router: Router) -> Service:
     return Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
-                   router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router))
+                   router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), readiness=router.readiness)
 
 
 def _codec(settings: ServeSettings, codec):

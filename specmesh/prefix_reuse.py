@@ -61,10 +61,10 @@ class PrefixReuse:
         need = min_budget(self.engine, self.block_size, feature_dim)
         if self.budget < need:
             raise InvalidArgument(
-                "prefix_cache_mib", f"{self.budget / MiB:.1f} MiB cannot hold one request of the configured maximum "
-                f"({self.engine.max_seq_len} tokens x {kv_bytes_per_token(self.engine) + 2 * feature_dim} bytes of KV"
-                f"{' and features' if feature_dim else ''} a token need {need / MiB:.1f} MiB): raise it, lower "
-                "max_seq_len, or turn the prefix cache off (prefix_cache false)")
+                "prefix_cache_mib", f"{self.budget / MiB:.1f} MiB cannot hold one request of the configured maximum: "
+                f"{self.engine.max_seq_len} tokens (max_seq_len) of {kv_bytes_per_token(self.engine) + 2 * feature_dim}"
+                f" bytes each (KV{' and kept hidden features' if feature_dim else ''}) need {need / MiB:.1f} MiB; "
+                "raise it, lower max_seq_len, or turn the prefix cache off (prefix_cache false)")
 
     def _build(self, feature_dim: int) -> None:
         per = KVBlockStore.bytes_per_block(self.engine, self.block_size, feature_dim)

@@ -377,6 +377,7 @@ class GenerationStats:
     cache_drafted_tokens: int = 0
     cache_accepted_tokens: int = 0
     warm_prefix_tokens: int = 0  # prompt tokens whose KV was already warm (not prefilled by this request)
+    cached_tokens: int = 0  # prompt tokens the verifier's prefix cache held (not computed by this request)
     # reasoning requests: the answer phase (after the end of thinking) and SSR side branches
     thinking_tokens: int = 0
     answer_tokens: int = 0

@@ -155,6 +155,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         b = self.batcher.info()
         m.batches, m.batched_requests, m.max_batch_seen = b["batches"], b["batched_requests"], b["max_batch_seen"]
         m.decode_steps = self.decode_steps
+        m.prefill_steps = b.get("prefill_steps", 0)
         return m
 
 

@@ -89,7 +89,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_tokens", "rounds", "target_forwards", "drafted_tokens", "accepted_tokens", "tau", "accept_hist", "position_drafted", "position_accepted", "position_acceptance", "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "tokens_per_s", "finish_reason", "lossy", "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens", "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens", "acceptance", "resumed_tokens", "ahead_hits", "ahead_misses", "ahead_wasted")
+    __slots__ = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_tokens", "rounds", "target_forwards", "drafted_tokens", "accepted_tokens", "tau", "accept_hist", "position_drafted", "position_accepted", "position_acceptance", "draft_s", "verify_s", "prefill_s", "network_s", "total_s", "ttft_s", "tokens_per_s", "finish_reason", "lossy", "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens", "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens", "acceptance", "resumed_tokens", "ahead_hits", "ahead_misses", "ahead_wasted", "cached_tokens")
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_REASON_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class GenerationStats(_message.Message):
     AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     AHEAD_WASTED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     strategy: str
     strategy_reason: str
     drafter: str
@@ -170,7 +171,8 @@ class GenerationStats(_message.Message):
     ahead_hits: int
     ahead_misses: int
     ahead_wasted: int
-    def __init__(self, strategy: _Optional[str] = ..., strategy_reason: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., accept_hist: _Optional[_Iterable[int]] = ..., position_drafted: _Optional[_Iterable[int]] = ..., position_accepted: _Optional[_Iterable[int]] = ..., position_acceptance: _Optional[_Iterable[float]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., network_s: _Optional[float] = ..., total_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., lossy: _Optional[bool] = ..., fallbacks: _Optional[int] = ..., verifier: _Optional[str] = ..., reprefills: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., cache_drafted_tokens: _Optional[int] = ..., cache_accepted_tokens: _Optional[int] = ..., warm_prefix_tokens: _Optional[int] = ..., thinking_tokens: _Optional[int] = ..., answer_tokens: _Optional[int] = ..., answer_s: _Optional[float] = ..., side_branches: _Optional[int] = ..., side_tokens: _Optional[int] = ..., acceptance: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., ahead_misses: _Optional[int] = ..., ahead_wasted: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, strategy: _Optional[str] = ..., strategy_reason: _Optional[str] = ..., drafter: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., new_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., target_forwards: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., tau: _Optional[float] = ..., accept_hist: _Optional[_Iterable[int]] = ..., position_drafted: _Optional[_Iterable[int]] = ..., position_accepted: _Optional[_Iterable[int]] = ..., position_acceptance: _Optional[_Iterable[float]] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., network_s: _Optional[float] = ..., total_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., finish_reason: _Optional[str] = ..., lossy: _Optional[bool] = ..., fallbacks: _Optional[int] = ..., verifier: _Optional[str] = ..., reprefills: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., cache_drafted_tokens: _Optional[int] = ..., cache_accepted_tokens: _Optional[int] = ..., warm_prefix_tokens: _Optional[int] = ..., thinking_tokens: _Optional[int] = ..., answer_tokens: _Optional[int] = ..., answer_s: _Optional[float] = ..., side_branches: _Optional[int] = ..., side_tokens: _Optional[int] = ..., acceptance: _Optional[str] = ..., resumed_tokens: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., ahead_misses: _Optional[int] = ..., ahead_wasted: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
