@@ -550,6 +550,7 @@ class Strategies:
                                   stop_ids=r.codec.stop_ids,
                                   decode_after=1 if plain or plan.self_draft else DECODE_AFTER,
                                   decode_lead=0 if plain else DECODE_LEAD, decode_self=plan.self_draft or None)
+        verifier.conversation = plan.conversation_id  # routing: a conversation stays on its replica
         drafter, loop_v, meter, resumed = None, verifier, None, None
         # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
         # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed

@@ -75,7 +75,8 @@ _FLAGS = [
     ("--verifier-drafters", "verifier_drafters", str, "verifier: comma-separated context-only drafters it runs "
      "for external requests (default prompt_lookup,suffix; '' = none)"),
     ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
-    ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
+    ("--replica-choice", "replica_choice", str, "router: a new session's verifier replica: prefix (default: by cached "
+     "prefix and conversation, unless much busier) | least_loaded | hash"),
     ("--router-addresses", "router_addresses", str, "openai: comma-separated router host:port list (or one DNS "
      "name with several records); a stream whose router dies is resumed on the next"),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens, after the chat template (default "

@@ -43,7 +43,10 @@ class ServeSettings(BaseSettings):
     drafter_address: str = Field("", description="router -> drafter; empty = host:drafter_port, 'none' = no drafter")
     verifier_addresses: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="router -> verifier replicas; empty = [host:verifier_port]")
-    replica_choice: Literal["least_loaded", "hash"] = "least_loaded"
+    replica_choice: Literal["prefix", "least_loaded", "hash"] = Field(
+        "prefix", description="router: a new session's verifier replica: prefix (its conversation's replica, else the "
+        "one whose prefix cache likely holds the longest prefix of its prompt unless much busier, else the least "
+        "loaded), least_loaded, or hash (of the session id)")
     router_addresses: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="OpenAI front (`serve openai`) -> routers: host:port list, or one DNS name "
         "with several records; a stream is resumed on the next one when its router dies; empty = "
