@@ -31,7 +31,7 @@ from .engine.device import resolve_device
 from .loop import VerifyCosts
 from .models.codec import TextCodec
 from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, cache_root, freed_memory_returned, load_config,
-                             load_state_dict, load_tokenizer, resolve_model)
+                             load_state_dict, load_tokenizer, resolve_model, source_gguf)
 from .types import InvalidArgument
 from .verifier import EngineVerifier
 
@@ -74,6 +74,14 @@ def make_draft_model(target: str, layers: Sequence[int], out_dir: Path) -> Path:
     layers = list(layers)
     if not layers or any(not 0 <= i < n for i in layers):
         raise InvalidArgument("layers", f"must be indices in [0, {n})")
+    out_dir = Path(out_dir)
+    gguf = source_gguf(src)
+    if gguf is not None:  # the target's own blocks, read from its GGUF: a config naming the layers, no copy
+        out_dir.mkdir(parents=True, exist_ok=True)
+        cfg = dict(cfg, num_hidden_layers=len(layers), _draft_of=str(src), _draft_layers=layers, _gguf_layers=layers)
+        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+        load_tokenizer(src).save_pretrained(out_dir)
+        return out_dir
     sd = load_state_dict(src)
     out: dict = {}
     for k, v in sd.items():
@@ -84,7 +92,6 @@ def make_draft_model(target: str, layers: Sequence[int], out_dir: Path) -> Path:
                 out[f"{pre}.layers.{layers.index(int(idx))}.{tail}"] = v.contiguous()
         else:
             out[k] = v.contiguous()
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(out, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(cfg, num_hidden_layers=len(layers), _draft_of=str(src), _draft_layers=layers)
@@ -98,8 +105,8 @@ def default_draft_model(target: str = DEFAULT_MODEL) -> Path:
     (``PAIRED_DRAFT_MODELS``: Qwen2.5-Coder 1.5B -> 0.5B), else a layer subset of it."""
     if target.lower() in PAIRED_DRAFT_MODELS:
         return resolve_model(PAIRED_DRAFT_MODELS[target.lower()])
-    d = cache_root() / "models" / (Path(target).name.lower() + "-draft-" + "-".join(map(str, DEFAULT_DRAFT_LAYERS)))
-    if not (d / "config.json").exists():
+    d = cache_root() / "models-gguf" / (Path(target).name.lower() + "-draft-" + "-".join(map(str, DEFAULT_DRAFT_LAYERS)))
+    if not (d / "config.json").exists() or (source_gguf(d) is None and not any(d.glob("*.safetensors"))):
         make_draft_model(target, DEFAULT_DRAFT_LAYERS, d)
     return d
 

@@ -67,6 +67,30 @@ def kernel_or_skip(module, what: str):
     return k
 
 
+def random_blocks(name: str, n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """n rows of valid random GGUF blocks of type ``name`` (raw bytes)."""
+    from specmesh.engine import qmatmul as qm
+
+    tid = qm.TYPE_IDS[name]
+    _, qk, rb, _ = qm.TYPES[tid]
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    b = rng.integers(0, 256, size=(n, k // qk, rb), dtype=np.uint8)
+
+    def halves(at: int, lo: float, hi: float):
+        v = rng.uniform(lo, hi, size=(n, k // qk)).astype(np.float16)
+        b[..., at: at + 2] = v.view(np.uint8).reshape(n, k // qk, 2)
+
+    if name == "Q6_K":
+        halves(208, 0.001, 0.01)
+    else:
+        halves(0, -0.05, 0.05)
+        if name in ("Q4_1", "Q4_K"):
+            halves(2, 0.0, 0.05)
+    return torch.from_numpy(b.reshape(-1).copy())
+
+
 def tiny_hf(kind: str = "llama", seed: int = 0):
     """A random-weight Hugging Face model (fp32, eval) and its config dict."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM

@@ -60,6 +60,9 @@ def register(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="passes over every prompt and system (each rotated once more, our systems built afresh); "
                         "each (system, prompt) keeps its fastest run: filters a shared machine's bursts")
+    p.add_argument("--no-probe", dest="probe", action="store_false",
+                   help="with llama.cpp in the run, skip the engine probe (forward cost by scored rows, prefill, "
+                        "memory and teacher-forced agreement, ours and llama.cpp side by side in child processes)")
     p.set_defaults(module="specmesh.bench", func="main")
 
     s = subparsers.add_parser("bench-sweep", help="concurrency sweep through the gRPC services (1/4/8 streams)",
@@ -87,7 +90,8 @@ def config_from_args(args):
                        budget=args.budget, adaptive=not args.fixed_budget, out=args.out, model=args.model, workloads_dir=args.workloads_dir,
                        slots=args.slots, max_seq_len=args.max_seq_len, threads=args.threads,
                        progress=not args.no_progress, charts=not args.no_charts, device=args.device,
-                       cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype, repeats=args.repeats)
+                       cuda_graphs=args.cuda_graphs, hf_dtype=args.hf_dtype, repeats=args.repeats,
+                       probe=getattr(args, "probe", True))
 
 
 def run(cfg, log=print, runtimes=None) -> dict:
@@ -106,7 +110,7 @@ def run(cfg, log=print, runtimes=None) -> dict:
     if cfg.charts:
         from . import charts
 
-        charts.write_all(result["records"], out)
+        charts.write_all(result["records"], out, result["meta"])
     return result
 
 

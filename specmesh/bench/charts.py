@@ -5,6 +5,8 @@
   acceptance.png    accepted-length histograms, one panel per speculative ours_*
                     system (rounds summed over prompts, per workload), with the
                     ceiling bin (whole draft budget accepted) marked
+  forward_costs.png the engine probe: a forward's cost by scored rows, ours and
+                    llama.cpp, in one-row forwards and in ms (``meta["vs_llamacpp"]``)
 
 This module knows nothing about how the numbers were measured.
 """
@@ -91,10 +93,33 @@ def acceptance(records: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_all(records: list[dict], out_dir: Path) -> list[Path]:
+def forward_costs(probe: dict, path: Path) -> None:
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for side, label in (("ours", "specmesh"), ("llamacpp", "llama.cpp")):
+        f = (probe.get(side) or {}).get("forward_ms") or {}
+        ms = [m for m in probe.get("rows", []) if f.get(str(m))]
+        if ms and f.get("1"):
+            a1.plot(ms, [f[str(m)] / f["1"] for m in ms], marker="o", label=label)
+            a2.plot(ms, [f[str(m)] for m in ms], marker="o", label=label)
+    a1.plot([1, max(probe.get("rows", [1]))], [1, 1], color="grey", linestyle=":", linewidth=1)
+    a1.set_title("forward cost / one-row forward")
+    a2.set_title("forward ms")
+    for ax in (a1, a2):
+        ax.set_xlabel("scored rows")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_all(records: list[dict], out_dir: Path, meta: dict = None) -> list[Path]:
     out_dir = Path(out_dir)
     paths = [out_dir / "speedup.png", out_dir / "tokens_per_s.png", out_dir / "acceptance.png"]
     speedup(records, paths[0])
     tokens_per_s(records, paths[1])
     acceptance(records, paths[2])
+    if meta and meta.get("vs_llamacpp"):
+        paths.append(out_dir / "forward_costs.png")
+        forward_costs(meta["vs_llamacpp"], paths[-1])
     return paths

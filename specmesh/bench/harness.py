@@ -61,6 +61,9 @@ class BenchConfig:
     cuda_graphs: bool = True  # on CUDA: GraphedEngine (False: the eager engine)
     hf_dtype: str = "fp32"  # the HF peers' dtype (fp32 | bf16)
     repeats: int = 1  # passes over every prompt and system; each (system, prompt) keeps its fastest
+    # with llama.cpp in the run: both engines below the loop (forward cost by scored rows, prefill,
+    # memory, teacher-forced agreement on our plain decoding's outputs; ``engine_probe``)
+    probe: bool = True
 
 
 def rotated(systems: list, k: int) -> list:
@@ -145,7 +148,7 @@ class Bench:
             elif n.startswith("hf_"):
                 self.systems.append(make_hf(n, hf, main.stop_ids))
             else:
-                why = llamacpp_unavailable(self.cfg.model, main.model_dir)
+                why = llamacpp_unavailable(self.cfg.model, main.model_dir, n)
                 if why:
                     self.skipped[n] = why
                     self.log(f"note: skipping {n}: {why}")
@@ -260,6 +263,7 @@ class Bench:
             if close is not None:
                 close()
         self._stage("end of run")
+        probe = self._probe(cfg, main, encoded, runs) if cfg.probe else None
         records = self.aggregate(list(encoded), runs)
         outputs = [{"system": s, "workload": w, "id": pid, "tokens": o.tokens, "seconds": round(o.seconds, 4),
                     "seconds_all": [round(t, 4) for t in times.get((s, w, pid), [])],
@@ -277,7 +281,27 @@ class Bench:
             "unstable_outputs": unstable,
             "cuda_graphs": type(main.engine).__name__ == "GraphedEngine",
         }
+        if probe is not None:
+            meta["vs_llamacpp"] = probe
         return {"meta": meta, "records": records, "outputs": outputs}
+
+    def _probe(self, cfg: BenchConfig, main, encoded: dict, runs: dict) -> Optional[dict]:
+        """``engine_probe.vs_llamacpp`` where llama.cpp ran in this run: the agreement on the
+        prompts with our plain decoding's outputs (at most 2 sequences per workload, 256
+        positions each)."""
+        if "llamacpp_ar" not in [s.name for s in self.systems] or _device_of(main).type != "cpu":
+            return None
+        from .engine_probe import vs_llamacpp
+
+        ref = f"ours_ar_{cfg.dtype}" if any(n == f"ours_ar_{cfg.dtype}" for n, _ in runs) else "ours_ar"
+        seqs = []
+        for w, items in encoded.items():
+            outs = {pid: o.tokens for pid, o, _ in runs.get((ref, w), [])}
+            for p, ids in items[:2]:
+                if p.id in outs:
+                    seqs.append((list(ids) + list(outs[p.id]))[:256])
+        return vs_llamacpp(cfg.model, cfg.dtype, main.model_dir, cfg.threads or _torch_threads(), seqs,
+                           Path(cfg.out), log=self.log)
 
     def aggregate(self, workloads: list[str], runs: dict) -> list[dict]:
         by_name = {s.name: s for s in self.systems}

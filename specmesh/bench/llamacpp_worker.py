@@ -50,12 +50,17 @@ class LlamaCppWorker:
     """Parent side: one child process holding one ``llama_cpp.Llama``."""
 
     def __init__(self, gguf: str, threads: int, n_ctx: int, pld_tokens: int = 0, timeout_s: float = 600.0,
-                 argv: Optional[Sequence[str]] = None):
+                 argv: Optional[Sequence[str]] = None, draft_gguf: Optional[str] = None, draft_tokens: int = 0,
+                 logits_all: bool = False):
         """``argv``: the child's command line before its JSON config (default: this module
-        under the running interpreter; tests put a stand-in child there)."""
+        under the running interpreter; tests put a stand-in child there). ``draft_gguf``:
+        llama.cpp's speculative decoding with that model drafting ``draft_tokens`` greedy
+        tokens a round (``DraftLM``). ``logits_all``: keep every position's logits (the
+        probe's agreement run)."""
         self.argv = list(argv) if argv else [sys.executable, "-m", "specmesh.bench.llamacpp_worker"]
         self.cfg = {"gguf": str(gguf), "threads": int(threads), "n_ctx": int(n_ctx), "pld_tokens": int(pld_tokens),
-                    "extra_bufts": True}
+                    "extra_bufts": True, "draft_gguf": draft_gguf, "draft_tokens": int(draft_tokens),
+                    "logits_all": bool(logits_all)}
         self.timeout_s = timeout_s
         self.proc: Optional[subprocess.Popen] = None
         self.info: dict = {}
@@ -112,8 +117,21 @@ class LlamaCppWorker:
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int]) -> tuple[list[int], float]:
         """(tokens without the stop token, seconds measured in the child). Raises
         ``PeerFailed`` when the child dies (after the one fallback restart)."""
-        req = json.dumps({"ids": [int(t) for t in prompt_ids], "max_new": int(max_new_tokens),
-                          "stops": [int(t) for t in stop_ids]})
+        ans = self._ask({"ids": [int(t) for t in prompt_ids], "max_new": int(max_new_tokens),
+                         "stops": [int(t) for t in stop_ids]})
+        return ans["tokens"], float(ans["seconds"])
+
+    def probe(self, ctx: Sequence[int], rows: Sequence[int], reps: int, prefill: Sequence[int],
+              sequences: Optional[list] = None, logits_file: Optional[str] = None) -> dict:
+        """The engine probe's measures (``specmesh.bench.engine_probe``) in the child: forward ms
+        per scored row count after ``ctx``, the prefill rate of ``prefill``, memory, and the
+        logits of ``sequences`` into ``logits_file`` (needs ``logits_all``)."""
+        return self._ask({"probe": {"ctx": list(map(int, ctx)), "rows": list(map(int, rows)), "reps": int(reps),
+                                    "prefill": list(map(int, prefill)), "sequences": sequences,
+                                    "logits_file": logits_file}})["probe"]
+
+    def _ask(self, msg: dict) -> dict:
+        req = json.dumps(msg)
         while True:
             try:
                 if self.proc is None:
@@ -135,7 +153,7 @@ class LlamaCppWorker:
                 raise PeerFailed(why) from None
             if "error" in ans:
                 raise PeerFailed(f"llama.cpp: {ans['error']}")
-            return ans["tokens"], float(ans["seconds"])
+            return ans
 
 
 class _Died(Exception):
@@ -145,6 +163,111 @@ class _Died(Exception):
 
 
 # ---------------------------------------------------------------- child side
+def _truncate(llm, n: int) -> None:
+    """Drop a Llama's tokens after the first n (its KV cache too)."""
+    if llm.n_tokens > n:
+        ctx = llm._ctx
+        rm = getattr(ctx, "memory_seq_rm", None) or getattr(ctx, "kv_cache_seq_rm")
+        rm(-1, n, -1)
+        llm.n_tokens = n
+
+
+def _draft_model(cfg: dict):
+    """llama-cpp-python's draft-model hook (``LlamaDraftModel``) run by a second Llama on the
+    draft GGUF: it follows the target's tokens (the longest common prefix kept, the rest
+    evaluated) and drafts ``draft_tokens`` greedy tokens; llama-cpp-python's ``generate``
+    verifies them with the target in one batch (its speculative decoding)."""
+    import numpy as np
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaDraftModel
+
+    class DraftLM(LlamaDraftModel):
+        def __init__(self):
+            self.llm = Llama(model_path=cfg["draft_gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
+                             n_threads_batch=cfg["threads"], seed=0, verbose=False)
+            self.n = cfg["draft_tokens"]
+
+        def __call__(self, input_ids, /, **kwargs):
+            ids = [int(t) for t in input_ids]
+            have = [int(t) for t in self.llm.input_ids[: self.llm.n_tokens]]
+            keep = 0
+            while keep < min(len(have), len(ids) - 1) and have[keep] == ids[keep]:
+                keep += 1
+            _truncate(self.llm, keep)
+            self.llm.eval(ids[keep:])
+            out = []
+            for _ in range(self.n):
+                tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+                out.append(tok)
+                self.llm.eval([tok])
+            return np.array(out, dtype=np.intc)
+
+    return DraftLM()
+
+
+def _mem() -> dict:
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(("VmHWM:", "VmRSS:")):
+                    k, v = line.split(":", 1)
+                    out[k] = round(int(v.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return {"peak_rss_mb": out.get("VmHWM"), "rss_mb": out.get("VmRSS")}
+
+
+def _probe(llm, req: dict) -> dict:
+    """Forward ms per row count after a context (median of ``reps``), prefill tok/s,
+    memory, and the logits of given sequences into a .npy file."""
+    import statistics
+    import time
+
+    def median_ms(fn, reps):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return round(statistics.median(ts) * 1e3, 3)
+
+    llm.reset()
+    llm.eval(req["ctx"])
+    n0 = llm.n_tokens
+    fwd = {}
+    for m in req["rows"]:
+        toks = [(7 * i + 11) % llm.n_vocab() for i in range(m)]
+
+        def step(toks=toks):
+            _truncate(llm, n0)
+            llm.eval(toks)
+
+        fwd[str(m)] = median_ms(step, req["reps"])
+    pre = req["prefill"]
+
+    def prefill():
+        llm.reset()
+        _truncate(llm, 0)
+        llm.eval(pre)
+
+    res = {"forward_ms": fwd,
+           "prefill_tok_s": round(len(pre) / (median_ms(prefill, max(1, req["reps"] // 8)) / 1e3), 1)}
+    if req.get("sequences") and req.get("logits_file"):
+        import numpy as np
+
+        rows = []
+        for seq in req["sequences"]:
+            llm.reset()
+            _truncate(llm, 0)
+            llm.eval(seq)
+            rows.append(np.array(llm.scores[: len(seq)], dtype=np.float32))
+        np.save(req["logits_file"], np.concatenate(rows))
+    res.update(_mem())
+    return res
+
+
 def _child(cfg: dict) -> int:
     import time
 
@@ -167,8 +290,11 @@ def _child(cfg: dict) -> int:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
             kw["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=cfg["pld_tokens"])
+        elif cfg.get("draft_gguf"):
+            kw["draft_model"] = _draft_model(cfg)
         llm = Llama(model_path=cfg["gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"],
-                    n_threads_batch=cfg["threads"], seed=0, verbose=False, **kw)
+                    n_threads_batch=cfg["threads"], seed=0, verbose=False, logits_all=bool(cfg.get("logits_all")),
+                    **kw)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
         return 1
@@ -178,6 +304,13 @@ def _child(cfg: dict) -> int:
         if not line.strip():
             continue
         req = json.loads(line)
+        if "probe" in req:
+            try:
+                ans = {"probe": _probe(llm, req["probe"])}
+            except Exception as e:  # noqa: BLE001 - reported to the parent
+                ans = {"error": f"{type(e).__name__}: {e}"}
+            print(json.dumps(ans), flush=True)
+            continue
         stops, out = set(req["stops"]), []
         try:
             t0 = time.perf_counter()

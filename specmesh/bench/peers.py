@@ -210,12 +210,31 @@ def gguf_path(model_name: str, model_dir: Path) -> Optional[Path]:
     return Path(src) if src and Path(src).exists() else None
 
 
-def llamacpp_unavailable(model_name: str, model_dir: Path) -> Optional[str]:
-    """Why llama.cpp systems cannot run here (None when they can)."""
+# llama.cpp's speculative decoding with the paired draft model: greedy draft tokens a round
+LLAMACPP_DRAFT_TOKENS = 5
+
+
+def draft_gguf(model_name: str) -> Optional[Path]:
+    """The GGUF of the target's paired draft model (``PAIRED_DRAFT_MODELS``), or None."""
+    from ..models.loading import PAIRED_DRAFT_MODELS, ModelNotFound, resolve_model
+
+    pair = PAIRED_DRAFT_MODELS.get(model_name.lower())
+    if pair is None:
+        return None
+    try:
+        return gguf_path(pair, resolve_model(pair, quiet=True))
+    except ModelNotFound:
+        return None
+
+
+def llamacpp_unavailable(model_name: str, model_dir: Path, name: str = "llamacpp_ar") -> Optional[str]:
+    """Why llama.cpp system ``name`` cannot run here (None when it can)."""
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed (optional extra: pip install 'specmesh[bench-peers]')"
     if gguf_path(model_name, model_dir) is None:
         return f"no GGUF found for model {model_name!r}"
+    if name == "llamacpp_draft_lm" and draft_gguf(model_name) is None:
+        return f"model {model_name!r} has no paired draft model with a GGUF (PAIRED_DRAFT_MODELS)"
     return None
 
 
@@ -226,9 +245,13 @@ def make_llamacpp(name: str, model_name: str, model_dir: Path, stop_ids: Sequenc
     from .llamacpp_worker import LlamaCppWorker
 
     gguf = gguf_path(model_name, model_dir)
-    worker = LlamaCppWorker(str(gguf), threads, max_seq_len, pld_tokens=HF_PLD_TOKENS if name == "llamacpp_pld" else 0)
+    draft = draft_gguf(model_name) if name == "llamacpp_draft_lm" else None
+    worker = LlamaCppWorker(str(gguf), threads, max_seq_len, pld_tokens=HF_PLD_TOKENS if name == "llamacpp_pld" else 0,
+                            draft_gguf=None if draft is None else str(draft), draft_tokens=LLAMACPP_DRAFT_TOKENS)
     stops = list(stop_ids)
     info = {"gguf": str(gguf), "threads": threads, "process": "child (specmesh.bench.llamacpp_worker)"}
+    if draft is not None:
+        info.update(draft_gguf=str(draft), draft_tokens=LLAMACPP_DRAFT_TOKENS)
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         out, secs = worker.generate(list(prompt_ids), max_new_tokens, stops)
@@ -238,7 +261,7 @@ def make_llamacpp(name: str, model_name: str, model_dir: Path, stop_ids: Sequenc
         return RunOutput(out, secs)
 
     system = System(name, "llamacpp", "llamacpp_ar", run, dtype="gguf",
-                    budget=HF_PLD_TOKENS if name == "llamacpp_pld" else None, speculative=name != "llamacpp_ar",
-                    info=info)
+                    budget=HF_PLD_TOKENS if name == "llamacpp_pld" else LLAMACPP_DRAFT_TOKENS if draft else None,
+                    speculative=name != "llamacpp_ar", info=info)
     system.close = worker.close  # type: ignore[attr-defined]
     return system

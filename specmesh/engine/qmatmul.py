@@ -1,0 +1,242 @@
+"""GGUF block-quantized weights, as shipped, times int8-rounded activation rows on the
+CPU: integer dot products whose cost grows slowly with the number of rows.
+
+Why it exists: the int4 engine re-quantised a dequantised fp32 copy of the GGUF to its
+own grid (the user's Q4_K_M weights passed through a second quantisation, via a 7 GB fp32
+cache), and its kernels multiplied in fp32, so scoring 8 rows cost 2.3 one-row steps on
+Qwen2.5-Coder-1.5B and speculation did not pay. Here the GGUF's own blocks (Q4_0, Q4_1,
+Q5_0, Q8_0, Q4_K, Q6_K) are kept bit for bit, only rearranged ("tiles": 8 output rows side
+by side, so one 256-bit vector holds 4 inputs of each and one integer multiply-add serves
+8 outputs; ``csrc/qmm_layout.h``), and each activation row is rounded to int8 blocks the
+way llama.cpp pairs the types (per 32 inputs for the 32-blocks, per 256 with sums per 16
+and 32 for the K types). On AVX2 the codes meet the rows in ``vpmaddubsw``, whose 16-bit
+pair sums are added for a whole sub-block before one ``vpmaddwd`` applies its scale (a
+4-bit code times an int8 input fits 8 chunks in 16 bits): about one multiply per 32
+products, so 8 rows cost little more than reading the weights once. Without AVX2 a
+scalar path takes exactly the same steps (same bits: tested).
+
+The arithmetic (``csrc/qmm.c``): per row and block the integer sums are exact; the fp32
+steps per block are fixed (e.g. Q4_K: ``acc = fma(S, d dx, acc); acc = fma(-Mn, dmin dx,
+acc)``), so a row's result depends on that row alone, not on the other rows of the call
+or on the thread that computed it: the batch-invariant engine needs that, and greedy
+speculation then returns exactly this engine's plain decoding.
+
+``QMatrix``: one matrix of segments along the outputs (a layer's q, k and v may be
+Q4_K, Q4_K and Q6_K), each a GGUF tensor's raw bytes repacked once at load.
+``mm(x)``: bf16 or fp32 rows in, bf16 or fp32 out. ``rows(idx)``: weight rows as values
+(an embedding lookup, a screen's refinement). ``round_rows``: activations rounded as the
+kernel rounds them (for tests' references).
+
+Knows nothing about models or files: types, bytes and rows. ``SPECMESH_Q_KERNEL``
+(``specmesh``, ``avx2``, ``generic``) chooses the path; the library is built like the other
+kernels (``keylist_attention.compile_library``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .keylist_attention import c_source
+
+_SOURCE = c_source("qmm.c")
+_FLAGS = ("-ffp-contract=off",)  # the scalar path's fp32 steps exactly as written (the vector path's order)
+
+_lock = threading.Lock()
+_state: dict = {}
+
+# GGML type id -> (name, inputs per block, GGUF bytes per block, our bytes per tile-block of 8 rows)
+TYPES = {2: ("Q4_0", 32, 18, 144), 3: ("Q4_1", 32, 20, 160), 6: ("Q5_0", 32, 22, 176), 8: ("Q8_0", 32, 34, 272),
+         12: ("Q4_K", 256, 144, 1184), 14: ("Q6_K", 256, 210, 1680)}
+TYPE_IDS = {v[0]: k for k, v in TYPES.items()}
+KERNEL_CHOICES = ("specmesh", "avx2", "generic")
+
+
+def type_id(t) -> int:
+    """A type given as a GGML id, a name ("Q4_K") or a ``gguf.GGMLQuantizationType``."""
+    if isinstance(t, str):
+        if t.upper() not in TYPE_IDS:
+            raise ValueError(f"unknown quantization type {t!r}; the q kernels take {', '.join(TYPE_IDS)}")
+        return TYPE_IDS[t.upper()]
+    return int(t)
+
+
+def supported(t, out_features: int, in_features: int) -> bool:
+    """Whether the kernels take a [out, in] tensor of GGML type ``t``."""
+    tid = type_id(t)
+    return tid in TYPES and out_features % 8 == 0 and in_features % TYPES[tid][1] == 0
+
+
+class _Seg(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int64), ("n", ctypes.c_int64), ("off", ctypes.c_int64)]
+
+
+class _Mat(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("K", ctypes.c_int64), ("nseg", ctypes.c_int64),
+                ("seg", ctypes.POINTER(_Seg))]
+
+
+class QKernel:
+    """The loaded library (``load()``)."""
+
+    def __init__(self, lib: ctypes.CDLL, path, isa: int):
+        self.lib, self.path = lib, path
+        P, I = ctypes.c_void_p, ctypes.c_int64
+        for name, args in (("qmm", [P, I, I, P, I, P, P]), ("qrepack", [I, P, I, I, P]),
+                           ("qrows", [I, P, I, P, I, I, P]), ("qround", [P, I, I, I, P, P])):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, ctypes.c_int
+        lib.qmm_scratch_bytes.argtypes, lib.qmm_scratch_bytes.restype = [I, I], I
+        lib.qmm_path.argtypes, lib.qmm_path.restype = [ctypes.c_int], ctypes.c_int
+        lib.qmm_path(isa)
+        self.isa = "avx2" if lib.qmm_path(-2) == 1 else "generic"
+        self.mm_addr = ctypes.cast(lib.qmm_bf16, ctypes.c_void_p).value  # the layer stack's entry point
+
+    def use_path(self, isa: Optional[str] = None) -> str:
+        """The path in use ("avx2" or "generic"); sets it first where ``isa`` is given (process-wide;
+        for tests and measurements: both give the same bits)."""
+        if isa is not None:
+            if isa == "avx2" and not self.lib.qmm_has_avx2():
+                raise RuntimeError("this build of the q kernels has no AVX2 path")
+            self.lib.qmm_path({"avx2": 1, "generic": 0}[isa])
+        return "avx2" if self.lib.qmm_path(-2) == 1 else "generic"
+
+    def scratch(self, M: int, K: int) -> torch.Tensor:
+        return torch.empty(int(self.lib.qmm_scratch_bytes(M, K)), dtype=torch.uint8)
+
+    def repack(self, t, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+        """A GGUF tensor's bytes (rows of blocks, [n, k / QK * block bytes] or flat) -> tiles."""
+        tid = type_id(t)
+        name, qk, rb, tb = TYPES[tid]
+        raw = raw.contiguous().view(torch.uint8)
+        if raw.numel() != n * (k // qk) * rb or not supported(tid, n, k):
+            raise ValueError(f"{name} tensor [{n}, {k}]: {raw.numel()} bytes, expected {n * (k // qk) * rb} "
+                             f"(rows a multiple of 8, inputs of {qk})")
+        out = torch.empty(n // 8 * (k // qk) * tb, dtype=torch.uint8)
+        if self.lib.qrepack(tid, raw.data_ptr(), n, k, out.data_ptr()):
+            raise ValueError(f"q repack refused a {name} tensor [{n}, {k}]")
+        return out
+
+
+def load() -> Optional[QKernel]:
+    """The kernel, built on first use; None where there is no compiler (``load_error()``)."""
+    from .keylist_attention import cached_load, compile_library, kernel_choice
+
+    def make() -> QKernel:
+        choice = kernel_choice("SPECMESH_Q_KERNEL", KERNEL_CHOICES)
+        lib, path = compile_library("qmm", _SOURCE, _FLAGS)
+        k = QKernel(lib, path, {"specmesh": -1, "avx2": 1, "generic": 0}[choice])
+        if choice == "avx2" and k.isa != "avx2":
+            raise RuntimeError("SPECMESH_Q_KERNEL=avx2: this CPU or build has no AVX2 with FMA and F16C")
+        return k
+
+    return cached_load(_state, _lock, make)
+
+
+def load_error() -> str:
+    return _state.get("error", "")
+
+
+def require() -> QKernel:
+    k = load()
+    if k is None:
+        raise RuntimeError(f"the q kernels are not available here: {load_error()}")
+    return k
+
+
+@dataclass
+class Part:
+    """One GGUF tensor's rows: its type, shape [n, k] and raw bytes (uint8)."""
+
+    type: int
+    n: int
+    k: int
+    raw: torch.Tensor
+
+
+class QMatrix:
+    """A weight [N, K] of GGUF blocks, one segment per part along the outputs (``Part``s of the
+    same K), repacked into the kernel's tiles once."""
+
+    def __init__(self, parts: Sequence[Part], kernel: Optional[QKernel] = None):
+        k = kernel or require()
+        if not parts or any(p.k != parts[0].k for p in parts):
+            raise ValueError("QMatrix: parts must share their input size")
+        self.kernel = k
+        self.in_features = parts[0].k
+        self.out_features = sum(p.n for p in parts)
+        tiles = [k.repack(p.type, p.raw, p.n, p.k) for p in parts]
+        self.types = [type_id(p.type) for p in parts]
+        self.seg_rows = [p.n for p in parts]
+        self.data = torch.cat(tiles) if len(tiles) > 1 else tiles[0]
+        offs = [0]
+        for t in tiles[:-1]:
+            offs.append(offs[-1] + t.numel())
+        self.offsets = offs
+        self._bind()
+
+    def _bind(self) -> None:
+        self._segs = (_Seg * len(self.types))(*[_Seg(t, n, o) for t, n, o in zip(self.types, self.seg_rows,
+                                                                                    self.offsets)])
+        self.struct = _Mat(self.data.data_ptr(), self.in_features, len(self.types), self._segs)
+        self.addr = ctypes.addressof(self.struct)
+
+    @property
+    def type_names(self) -> list[str]:
+        return [TYPES[t][0] for t in self.types]
+
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def mm(self, x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """x [M, K] bf16 or fp32 times the weight: [M, N] of ``out_dtype`` (bf16 or fp32)."""
+        M, K = x.shape
+        if K != self.in_features or x.dtype not in (torch.bfloat16, torch.float32) or \
+                out_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"q mm: unsupported input {tuple(x.shape)} {x.dtype} -> {out_dtype} for a "
+                             f"[{self.out_features}, {self.in_features}] weight")
+        x = x.contiguous()
+        y = torch.empty(M, self.out_features, dtype=out_dtype)
+        if M:
+            s = self.kernel.scratch(M, K)
+            if self.kernel.lib.qmm(x.data_ptr(), int(x.dtype == torch.bfloat16), M, self.addr,
+                                   int(out_dtype == torch.bfloat16), s.data_ptr(), y.data_ptr()):
+                raise ValueError(f"q mm refused the weight ({self.type_names})")
+        return y
+
+    def rows(self, idx: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Weight rows ``idx`` [...] as values [..., K] (fp32 or bf16)."""
+        flat = idx.reshape(-1).to(torch.int64).contiguous()
+        K = self.in_features
+        out = torch.empty(flat.numel(), K, dtype=dtype)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"row index out of range for {self.out_features} rows")
+        base = 0
+        for t, n, off in zip(self.types, self.seg_rows, self.offsets):
+            sel = ((flat >= base) & (flat < base + n)).nonzero().reshape(-1)
+            if sel.numel():
+                loc = (flat[sel] - base).contiguous()
+                part = torch.empty(sel.numel(), K, dtype=dtype)
+                if self.kernel.lib.qrows(t, self.data.data_ptr() + off, K, loc.data_ptr(), loc.numel(),
+                                         int(dtype == torch.bfloat16), part.data_ptr()):
+                    raise ValueError("q rows refused the weight")
+                out[sel] = part if len(self.types) > 1 else part
+            base += n
+        return out.reshape(*idx.shape, K)
+
+
+def round_rows(x: torch.Tensor, form: str, kernel: Optional[QKernel] = None) -> torch.Tensor:
+    """x [M, K] fp32 rounded to int8 blocks as the kernels round activations and back to
+    values: ``form`` "32" (the 32-block types') or "256" (the K types')."""
+    k = kernel or require()
+    x = x.float().contiguous()
+    M, K = x.shape
+    out = torch.empty_like(x)
+    s = k.scratch(M, K)
+    if k.lib.qround(x.data_ptr(), M, K, {"32": 1, "256": 2}[form], s.data_ptr(), out.data_ptr()):
+        raise ValueError(f"round_rows: K {K} is not a multiple of the {form}-input block")
+    return out

@@ -1,0 +1,125 @@
+"""The GGUF block kernels (specmesh/engine/qmatmul.py, csrc/qmm.c) against plain references.
+
+Blocks are random but valid (random code bytes, small fp16 scales), so every code value
+occurs, including Q8_0's -128. For each type and several row counts (across the kernel's
+64-row passes): the tiles give back gguf-py's dequantised values exactly; a matmul equals
+the float64 product of those values with the activations as the kernel rounds them; the
+AVX2 and the scalar path give the same bits; and a row's bits do not depend on the other
+rows of the call (the batch-invariant engine and greedy identity rest on that).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specmesh.engine import qmatmul as qm
+
+from tests.support import kernel_or_skip, random_blocks
+
+K_OF = {"Q4_0": 96, "Q4_1": 128, "Q5_0": 160, "Q8_0": 64, "Q4_K": 512, "Q6_K": 768}
+ROWS = (1, 2, 3, 8, 16, 65)
+
+
+def dequant(name: str, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(dequantize(raw.numpy().reshape(n, -1), GGMLQuantizationType[name]).astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    return kernel_or_skip(qm, "the q block kernels")
+
+
+def paths(kernel):
+    return ["generic"] + (["avx2"] if kernel.lib.qmm_has_avx2() else [])
+
+
+@pytest.mark.parametrize("name", list(K_OF))
+def test_tiles_hold_the_gguf_values(kernel, name):
+    n, k = 24, K_OF[name]
+    raw = random_blocks(name, n, k)
+    W = qm.QMatrix([qm.Part(qm.TYPE_IDS[name], n, k, raw)], kernel)
+    assert torch.equal(W.rows(torch.arange(n)), dequant(name, raw, n, k))
+    idx = torch.tensor([[5, 0], [23, 7]])
+    assert torch.equal(W.rows(idx), dequant(name, raw, n, k)[idx])
+    assert torch.equal(W.rows(idx, torch.bfloat16), dequant(name, raw, n, k)[idx].to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("name", list(K_OF))
+def test_matmul_equals_the_exact_product_on_every_path_and_row_count(kernel, name):
+    n, k = 40, K_OF[name]
+    raw = random_blocks(name, n, k, seed=1)
+    W = qm.QMatrix([qm.Part(qm.TYPE_IDS[name], n, k, raw)], kernel)
+    w = dequant(name, raw, n, k).double()
+    form = "256" if name.endswith("_K") else "32"
+    x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(2)) * 3
+    ref = qm.round_rows(x, form, kernel).double() @ w.T
+    prev = kernel.use_path()
+    try:
+        outs = {}
+        for p in paths(kernel):
+            kernel.use_path(p)
+            for m in ROWS:
+                y = W.mm(x[:m], torch.float32)
+                err = (y.double() - ref[:m]).abs().max() / ref[:m].abs().max()
+                assert err < 1e-5, (p, m, float(err))
+                outs[(p, m)] = y
+        for (p, m), y in outs.items():  # one row's bits: the same alone, in any batch, on any path
+            assert torch.equal(y, outs[("generic", max(ROWS))][:m]), (p, m)
+    finally:
+        kernel.use_path(prev)
+
+
+def test_bf16_rows_in_and_out(kernel):
+    n, k = 16, 256
+    raw = random_blocks("Q4_K", n, k, seed=3)
+    W = qm.QMatrix([qm.Part(qm.TYPE_IDS["Q4_K"], n, k, raw)], kernel)
+    x = torch.randn(5, k).to(torch.bfloat16)
+    y32 = W.mm(x.float(), torch.float32)
+    assert torch.equal(W.mm(x, torch.float32), y32)  # bf16 rows are read exactly
+    assert torch.equal(W.mm(x), y32.to(torch.bfloat16))  # rounded to nearest even at the end
+
+
+def test_segments_of_different_types_are_their_concatenation(kernel):
+    k = 512
+    parts = [qm.Part(qm.TYPE_IDS[t], n, k, random_blocks(t, n, k, seed=i))
+             for i, (t, n) in enumerate([("Q4_K", 24), ("Q6_K", 8), ("Q8_0", 16)])]
+    W = qm.QMatrix(parts, kernel)
+    assert W.type_names == ["Q4_K", "Q6_K", "Q8_0"] and W.out_features == 48
+    x = torch.randn(7, k)
+    whole = W.mm(x, torch.float32)
+    alone = torch.cat([qm.QMatrix([p], kernel).mm(x, torch.float32) for p in parts], 1)
+    assert torch.equal(whole, alone)
+    rows = torch.tensor([0, 30, 47, 24])
+    assert torch.equal(W.rows(rows), torch.cat([qm.QMatrix([p], kernel).rows(torch.arange(p.n)) for p in parts])[rows])
+
+
+def test_activations_round_like_llama_cpp(kernel):
+    """d = max|x| / 127 per block, codes round(x / d) to nearest even, within +-127."""
+    x = torch.randn(3, 512) * torch.tensor([0.01, 1.0, 100.0])[:, None]
+    x[0, :32] = 0.0  # an all-zero block
+    for form, qk in (("32", 32), ("256", 256)):
+        got = qm.round_rows(x, form, kernel)
+        b = x.reshape(3, -1, qk)
+        d = b.abs().amax(-1, keepdim=True) / 127
+        q = torch.where(d > 0, torch.round(b * torch.where(d > 0, 1 / d, 0)), 0)
+        assert torch.equal(got, (q * d).reshape(3, -1)), form
+
+
+def test_shapes_the_kernels_cannot_take_are_refused(kernel):
+    with pytest.raises(ValueError, match="rows a multiple of 8"):
+        qm.QMatrix([qm.Part(qm.TYPE_IDS["Q4_K"], 12, 256, random_blocks("Q4_K", 12, 256))], kernel)
+    with pytest.raises(ValueError, match="expected"):
+        qm.QMatrix([qm.Part(qm.TYPE_IDS["Q4_0"], 8, 64, torch.zeros(10, dtype=torch.uint8))], kernel)
+    with pytest.raises(ValueError, match="unknown quantization type"):
+        qm.type_id("Q3_K")
+    assert not qm.supported("Q4_K", 16, 200) and qm.supported("Q4_0", 16, 224)
+    W = qm.QMatrix([qm.Part(qm.TYPE_IDS["Q4_0"], 8, 64, random_blocks("Q4_0", 8, 64))], kernel)
+    with pytest.raises(ValueError, match="unsupported input"):
+        W.mm(torch.zeros(2, 32))
+    with pytest.raises(IndexError):
+        W.rows(torch.tensor([8]))
