@@ -14,6 +14,7 @@ studies):
   trace, stats       trace timelines and acceptance histograms (specmesh.observability.cli)
   calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.bench.calibrate)
   bench-services     the same prompts in process and through `specmesh serve`, side by side (specmesh.bench.services)
+  bench-serving      serving workloads through the OpenAI API beside llama-cpp-python's server (specmesh.bench.serving)
   bench-strategies   workloads x strategies through the services (specmesh.bench.strategies)
   device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.bench.device_check)
   costs              the speculation cost model measured on this device (specmesh.bench.costs)
@@ -52,7 +53,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 # subcommand registered but named in no group is listed under "other".
 COMMAND_GROUPS = (
     ("serving", ("serve", "generate", "demo", "stats", "trace", "convert", "make-draft-model")),
-    ("benchmarking", ("bench", "bench-services", "bench-strategies", "bench-sweep", "costs", "quality",
+    ("benchmarking", ("bench", "bench-services", "bench-serving", "bench-strategies", "bench-sweep", "costs", "quality",
                       "calibrate-layerskip", "device-check")),
     ("training and studies", ("distill-data", "train-drafter", "accel-drafter", "floor", "tree-study",
                               "train-specialist", "train-uno", "uno-study")),
