@@ -24,7 +24,7 @@ answers ``Partial``, whose ``rest`` goes back to the front of the queue with the
 caller. While streams are running the budget is also held to what keeps a forward within
 ``stall_ratio`` times the streams' own forward, from a line fitted to the measured
 forwards (``loop.ForwardCosts``: seconds = a + b rows), so a long prompt never stalls the
-streams by more than that factor; before a fit, ``MIN_CHUNK`` tokens a forward. A
+streams by more than that factor; before a fit, ``MIN_CHUNK`` and twice it in turn. A
 chunked result equals the unchunked one (the verifier's steps are the same tokens in
 the same positions).
 
@@ -78,6 +78,7 @@ class VerifyBatcher:
         self.stall_ratio = float(stall_ratio)
         self.costs = ForwardCosts()  # this verifier's forward: seconds against scored rows
         self.prefill_steps = 0  # chunked prefills' steps that left work for a later forward
+        self._explore = False
         self._queue: deque[_Job] = deque()
         self._recent: dict[str, float] = {}  # session id -> last submit (monotonic)
         self._cv = threading.Condition()
@@ -257,8 +258,9 @@ class VerifyBatcher:
         if not streams or self.stall_ratio <= 0:
             return self.prefill_chunk
         fit = self.costs.fit()
-        if fit is None:
-            return min(self.prefill_chunk, MIN_CHUNK)
+        if fit is None:  # MIN_CHUNK and twice it in turn: forwards of two sizes give the line its slope
+            self._explore = not self._explore
+            return min(self.prefill_chunk, MIN_CHUNK * (1 + self._explore))
         a, b = fit
         if b <= 0:
             return self.prefill_chunk

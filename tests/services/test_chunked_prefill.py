@@ -103,7 +103,7 @@ def test_the_budget_keeps_a_forward_within_the_stall_ratio():
     streams = [type("J", (), {"req": VerifyRequest(f"s{k}", 5, [1])})() for k in range(8)]
     try:
         assert b._budget([]) == 256  # nothing running: the chunk
-        assert b._budget(streams) == MIN_CHUNK  # no cost line yet
+        assert {b._budget(streams), b._budget(streams)} == {MIN_CHUNK, 2 * MIN_CHUNK}  # no cost line yet: two sizes
         for rows, t in [(8, 0.018), (24, 0.034), (8, 0.018), (40, 0.050)] * 3:  # t = 0.010 + 0.001 rows
             b.costs.observe(rows, t)
         assert b._budget(streams) == 18  # (2 - 1) * (10 ms + 8 rows * 1 ms) / 1 ms
