@@ -16,7 +16,11 @@ the block after the node where it stopped: the next round's draft. The verifier
 keeps each session's committed token ids (``history``: prompt_len, tokens) beside its
 KV, so a context-only drafter it hosts for external requests
 (``host_context_drafters``: prompt lookup, suffix decoding; ``drafters.in_verifier``)
-drafts from them in the verifier's own turn, with no hop a round.
+drafts from them in the verifier's own turn, with no hop a round. The prefix cache
+(``prefix_reuse``, on by default) starts a new session from the longest cached prefix
+of its tokens and stores the committed blocks of every session; ``verify_batch``'s
+``limits`` cut a long prefill into steps (``Partial``: the rest continues in a later
+forward, the session pinned in the pool meanwhile) for the batcher's chunked prefill.
 
 The ``Verifier`` protocol is what the draft–verify loop calls; gRPC adapters
 implement the same protocol. This module knows nothing about gRPC, tokenizers or

@@ -14,9 +14,9 @@ a storage id; which tokens it holds is the index's business (``specmesh.prefix_c
 Why copies, not a block table the forward reads: every attention path of the engine
 (the key-list kernel, the SDPA tiles, the ragged forward, the CUDA graphs) reads a
 slot's keys as one contiguous run, and a copy of a cached prefix costs what a memory
-copy costs (about 8 ms for 1,500 SmolLM2 positions on 2 CPU cores) against the prefill
-it replaces (seconds). The cost is memory: a prefix a session holds is in its slot and
-in the store.
+copy costs (about 8 ms for the K of 1,500 SmolLM2 positions, as much again for V, on 2
+busy CPU cores) against the prefill it replaces (seconds there). The cost is memory: a
+prefix a session holds is in its slot and in the store.
 
 The storage is allocated once, uninitialised, at its full size: on the CPU its pages
 are taken from the system as blocks are first written, so the process's memory grows

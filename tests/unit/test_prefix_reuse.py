@@ -16,7 +16,7 @@ from specmesh.types import InvalidArgument, SamplingParams, TokenTree, VerifyReq
 from specmesh.verifier import EngineVerifier, Partial
 from support import V, shared_tiny_weights, tiny_block_model
 
-INVARIANT = ["bf16", "int8"]  # the tiny shapes' row-invariant dtypes (int4 needs wider matrices: int8 there)
+INVARIANT = ["bf16", "int8", "int4"]  # row-invariant dtypes on the CPU (fp32 runs the ragged forward: not)
 
 
 def verifier(dtype: str, cache: bool, budget: int = 8 * MiB, block: int = 4, drafters: tuple = ()) -> EngineVerifier:
