@@ -8,7 +8,9 @@ Info could not be read is asked again at the next check).
 
 ``Readiness`` checks that on a thread of its own (every ``interval_s``, a quarter of it
 while not ready) and tells its listeners when it changes: the router's server turns its
-``specmesh.v1.Router`` health status SERVING / NOT_SERVING with it (Kubernetes readiness
+``specmesh.v1.Router`` health status SERVING / NOT_SERVING with it (once ready, only after
+``down_after`` checks in a row found none: a verifier busy with a long forward may miss a
+probe) (Kubernetes readiness
 probes and ``AsyncClient.ready`` read that; the process's overall status "" stays
 SERVING: it is alive). ``require()`` (each request) passes at once when ready, else
 checks once more and raises UNAVAILABLE with the reason (no verifier registered, none
@@ -48,9 +50,10 @@ class Readiness:
     was read (reading the missing ones)."""
 
     def __init__(self, replicas: ReplicaSet, info_read: Callable[[Iterable[str]], set], interval_s: float = 1.0,
-                 probe_timeout_s: float = 1.0):
+                 probe_timeout_s: float = 3.0, down_after: int = 3):
         self.replicas, self.info_read = replicas, info_read
-        self.interval_s, self.probe_timeout_s = interval_s, probe_timeout_s
+        self.interval_s, self.probe_timeout_s, self.down_after = interval_s, probe_timeout_s, down_after
+        self._misses = 0  # checks in a row that found no verifier serving, while ready
         self._ready = False
         self.reason = "the router has not checked its verifiers yet"
         self._listeners: list[Callable[[bool], None]] = []
@@ -82,6 +85,11 @@ class Readiness:
 
     def _publish(self, ok: bool, why: str) -> None:
         with self._lock:
+            if self._ready and not ok:  # a busy replica may miss a probe: down after ``down_after`` in a row
+                self._misses += 1
+                if self._misses < self.down_after:
+                    return
+            self._misses = 0
             changed = ok != self._ready
             self._ready, self.reason = ok, why
             listeners = list(self._listeners) if changed else []
