@@ -65,6 +65,12 @@ def type_id(t) -> int:
     return int(t)
 
 
+def tile_bytes(t, n: int, k: int) -> int:
+    """Bytes of an [n, k] tensor of type ``t`` in the kernels' tiles."""
+    _, qk, _, tb = TYPES[type_id(t)]
+    return n // 8 * (k // qk) * tb
+
+
 def supported(t, out_features: int, in_features: int) -> bool:
     """Whether the kernels take a [out, in] tensor of GGML type ``t``."""
     tid = type_id(t)
@@ -108,16 +114,25 @@ class QKernel:
     def scratch(self, M: int, K: int) -> torch.Tensor:
         return torch.empty(int(self.lib.qmm_scratch_bytes(M, K)), dtype=torch.uint8)
 
-    def repack(self, t, raw: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """A GGUF tensor's bytes (rows of blocks, [n, k / QK * block bytes] or flat) -> tiles."""
+    def repack(self, t, raw, n: int, k: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A GGUF tensor's bytes (a uint8 tensor or numpy array, e.g. a view of the mapped
+        file: rows of blocks, [n, k / QK * block bytes] or flat) -> tiles (into ``out``,
+        a uint8 tensor of ``tile_bytes(t, n, k)``, where given)."""
         tid = type_id(t)
         name, qk, rb, tb = TYPES[tid]
-        raw = raw.contiguous().view(torch.uint8)
-        if raw.numel() != n * (k // qk) * rb or not supported(tid, n, k):
-            raise ValueError(f"{name} tensor [{n}, {k}]: {raw.numel()} bytes, expected {n * (k // qk) * rb} "
+        if isinstance(raw, torch.Tensor):
+            raw = raw.contiguous().view(torch.uint8)
+            size, ptr = raw.numel(), raw.data_ptr()
+        else:
+            import numpy as np
+
+            raw = np.ascontiguousarray(raw).reshape(-1)
+            size, ptr = raw.nbytes, raw.ctypes.data
+        if size != n * (k // qk) * rb or not supported(tid, n, k):
+            raise ValueError(f"{name} tensor [{n}, {k}]: {size} bytes, expected {n * (k // qk) * rb} "
                              f"(rows a multiple of 8, inputs of {qk})")
-        out = torch.empty(n // 8 * (k // qk) * tb, dtype=torch.uint8)
-        if self.lib.qrepack(tid, raw.data_ptr(), n, k, out.data_ptr()):
+        out = torch.empty(tile_bytes(tid, n, k), dtype=torch.uint8) if out is None else out
+        if self.lib.qrepack(tid, ptr, n, k, out.data_ptr()):
             raise ValueError(f"q repack refused a {name} tensor [{n}, {k}]")
         return out
 
@@ -150,12 +165,13 @@ def require() -> QKernel:
 
 @dataclass
 class Part:
-    """One GGUF tensor's rows: its type, shape [n, k] and raw bytes (uint8)."""
+    """One GGUF tensor's rows: its type, shape [n, k] and raw bytes (a uint8 tensor, or a
+    numpy array such as a view of the mapped file)."""
 
     type: int
     n: int
     k: int
-    raw: torch.Tensor
+    raw: object
 
 
 class QMatrix:
@@ -169,14 +185,16 @@ class QMatrix:
         self.kernel = k
         self.in_features = parts[0].k
         self.out_features = sum(p.n for p in parts)
-        tiles = [k.repack(p.type, p.raw, p.n, p.k) for p in parts]
         self.types = [type_id(p.type) for p in parts]
         self.seg_rows = [p.n for p in parts]
-        self.data = torch.cat(tiles) if len(tiles) > 1 else tiles[0]
-        offs = [0]
-        for t in tiles[:-1]:
-            offs.append(offs[-1] + t.numel())
-        self.offsets = offs
+        for p in parts:
+            if type_id(p.type) not in TYPES:
+                raise ValueError(f"the q kernels take {', '.join(TYPE_IDS)}, not GGML type {p.type}")
+        sizes = [tile_bytes(p.type, p.n, p.k) for p in parts]
+        self.offsets = [sum(sizes[:i]) for i in range(len(parts))]
+        self.data = torch.empty(sum(sizes), dtype=torch.uint8)
+        for p, off, size in zip(parts, self.offsets, sizes):  # each part repacked into its place
+            k.repack(p.type, p.raw, p.n, p.k, self.data[off: off + size])
         self._bind()
 
     def _bind(self) -> None:

@@ -132,7 +132,7 @@ class GGUFWeights(Mapping):
         k = qmatmul.load()
         if k is not None and qmatmul.supported(part.type, part.n, part.k):
             return qmatmul.QMatrix([part], k).rows(torch.arange(part.n))
-        w = dequantize(np.asarray(part.raw.numpy()).reshape(part.n, -1), gt)
+        w = dequantize(np.asarray(part.raw).reshape(part.n, -1), gt)
         return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).reshape(part.n, part.k)
 
     def __iter__(self):
@@ -169,7 +169,8 @@ class GGUFWeights(Mapping):
 
     def part(self, key: str):
         """Tensor ``key`` as ``qmatmul.Part``: its GGML type, [n, k] and raw bytes (rows in
-        Hugging Face order; a copy, the mapping is not kept)."""
+        Hugging Face order: a read-only view of the mapped file, a copy where llama.cpp's
+        q/k interleave is undone)."""
         from ..engine.qmatmul import Part
 
         from .gguf_file import tensor_bytes
@@ -179,8 +180,8 @@ class GGUFWeights(Mapping):
         n, k = (shape[0], shape[1]) if len(shape) == 2 else (1, shape[0])
         rows = tensor_bytes(self.path, t).reshape(n, -1)
         perm = self._perm(key)
-        rows = rows[perm] if perm is not None else rows
-        return Part(int(t.type), n, k, torch.from_numpy(np.array(rows, copy=True)).reshape(-1))
+        # the mapped file's bytes themselves (read by the repack), or rows in Hugging Face order (a copy)
+        return Part(int(t.type), n, k, rows if perm is None else np.ascontiguousarray(rows[perm]))
 
 
 def read_config(path: Path) -> dict:

@@ -146,7 +146,7 @@ def test_int4_engine_runs_the_files_blocks(tiny_gguf):
     assert eng.layers[0].qkv.qm.type_names == ["Q4_K", "Q4_K", "Q6_K"]
     assert eng.layers[1].gate_up.qm.type_names == ["Q4_0", "Q4_1"] and eng.layers[1].down.qm.type_names == ["Q5_0"]
     # the bytes held are the file's, not a copy at another precision
-    sizes = sum(w.part(k).raw.numel() for k in w if w.type_name(k) != "F32")
+    sizes = sum(np.asarray(w.part(k).raw).nbytes for k in w if w.type_name(k) != "F32")
     assert eng.weight_bytes() <= 1.05 * sizes
     ref = LlamaEngine(CFG, {k: w[k] for k in w}, dtype="fp32", n_slots=1, max_seq_len=64)
     ids = list(range(3, 40))
@@ -202,3 +202,35 @@ def test_quantizers_write_blocks_gguf_reads_back():
         assert torch.equal(qm.QMatrix([qm.Part(t, 16, 512, raw.reshape(-1))]).rows(torch.arange(16)), back)
         rel = ((back - w).pow(2).mean() / w.pow(2).mean()).sqrt()
         assert rel < bound, (t, float(rel))
+
+
+def test_a_safetensors_model_is_quantized_once_into_a_packed_cache(tmp_path, monkeypatch):
+    """A Hugging Face directory in int4: Q4_K where the input size is a multiple of 256
+    (Q4_1 where only 32 divides it), Q8_0 head and table; the blocks kept in the cache
+    and read from there the next time (no second quantization)."""
+    from safetensors.torch import save_file
+
+    from specmesh.engine import LlamaEngine
+    from specmesh.models import quantize as Q
+
+    from tests.support import random_llama
+
+    cfg, sd = random_llama(3, 0.05, 128, layers=2, hidden=256, heads=4, kv=2, inter=96)
+    d = tmp_path / "model"
+    d.mkdir()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(d / "model.safetensors"))
+    (d / "config.json").write_text(__import__("json").dumps(cfg))
+    monkeypatch.setenv("SPECMESH_CACHE", str(tmp_path / "cache"))
+    eng = LlamaEngine.from_pretrained(str(d), dtype="int4", n_slots=1, max_seq_len=32, quiet=True)
+    L = eng.layers[0]
+    assert L.qkv.qm.type_names == ["Q4_K"] * 3 and L.gate_up.qm.type_names == ["Q4_K"] * 2
+    assert L.down.qm.type_names == ["Q4_1"] and eng.head.qm.type_names == ["Q8_0"]
+    packed = list((tmp_path / "cache" / "packed").glob("*.safetensors"))
+    assert len(packed) == 1
+    calls = []
+    real = Q.quantize
+    monkeypatch.setattr(Q, "quantize", lambda *a: calls.append(a) or real(*a))
+    again = LlamaEngine.from_pretrained(str(d), dtype="int4", n_slots=1, max_seq_len=32, quiet=True)
+    assert not calls  # every block read from the cache
+    assert torch.equal(again.layers[1].down.qm.data, eng.layers[1].down.qm.data)
+    assert torch.equal(again.prefill(0, [1, 2, 3]), eng.prefill(0, [1, 2, 3]))

@@ -65,10 +65,6 @@ static inline int q_nib(const uint8_t* v, int c, int o, int e) {
     const uint8_t b = v[32 * (c & 3) + 4 * o + e];
     return c < 4 ? (b & 15) : (b >> 4);
 }
-static inline void q_put_nib(uint8_t* v, int c, int o, int e, int q) {
-    uint8_t* b = v + 32 * (c & 3) + 4 * o + e;
-    *b = (uint8_t)(c < 4 ? ((*b & 0xF0) | q) : ((*b & 0x0F) | (q << 4)));
-}
 
 /* Q4_K's 6-bit scale and min of sub-block j from the 12 packed bytes */
 static inline void q4k_scale_min(const uint8_t* s, int j, int* sc, int* m) {
@@ -118,45 +114,56 @@ static void q_raw_codes(int64_t t, const uint8_t* b, uint8_t* q, int* sc, int* m
     }
 }
 
-/* the GGUF tensor src [N rows][K / QK blocks] into tiles dst (N % 8 == 0, K % QK == 0) */
+/* the GGUF tensor src [8 rows][K / QK blocks] into one tile's tile-blocks dst: each byte
+   written once, from the 8 rows' codes of the block (unpacked first) */
 static void q_repack_tile(int64_t t, const uint8_t* src, int64_t K, uint8_t* dst) {
     const int64_t qk = q_qk(t), nb = K / qk, rb = q_raw_bytes(t), tb = q_tile_bytes(t);
-    uint8_t q[256]; int sc[16], mn[16];
+    uint8_t q[8][256]; int sc[8][16], mn[8][16];
     for (int64_t b = 0; b < nb; b++) {
         uint8_t* T = dst + b * tb;
-        memset(T, 0, (size_t)tb);
+        for (int o = 0; o < 8; o++) q_raw_codes(t, src + (o * nb + b) * rb, q[o], sc[o], mn[o]);
+        /* the nibble vectors: per group of 32 inputs, vector v holds chunk v (low) and v + 4 (high) */
+        const int groups = (int)(qk / 32), nib = t != QT_Q8_0;
+        for (int g = 0; g < groups && nib; g++)
+            for (int v = 0; v < 4; v++)
+                for (int o = 0; o < 8; o++)
+                    for (int e = 0; e < 4; e++)
+                        T[128 * g + 32 * v + 4 * o + e] = (uint8_t)((q[o][32 * g + 4 * v + e] & 15)
+                                                                  | ((q[o][32 * g + 16 + 4 * v + e] & 15) << 4));
         for (int o = 0; o < 8; o++) {
             const uint8_t* B = src + (o * nb + b) * rb;
-            q_raw_codes(t, B, q, sc, mn);
             switch (t) {
                 case QT_Q4_0: case QT_Q4_1: case QT_Q5_0:
-                    for (int i = 0; i < 32; i++) {
-                        q_put_nib(T, i / 4, o, i % 4, q[i] & 15);
-                        if (t == QT_Q5_0 && (q[i] & 16)) T[128 + 4 * o + i % 4] |= (uint8_t)(1 << (i / 4));
-                    }
+                    if (t == QT_Q5_0)
+                        for (int e = 0; e < 4; e++) {
+                            uint8_t h = 0;
+                            for (int c = 0; c < 8; c++) h |= (uint8_t)(((q[o][4 * c + e] >> 4) & 1) << c);
+                            T[128 + 4 * o + e] = h;
+                        }
                     memcpy(T + (t == QT_Q5_0 ? 160 : 128) + 2 * o, B, 2);                 /* d */
                     if (t == QT_Q4_1) memcpy(T + 144 + 2 * o, B + 2, 2);                  /* m */
                     break;
                 case QT_Q8_0:
-                    for (int i = 0; i < 32; i++) T[32 * (i / 4) + 4 * o + i % 4] = q[i];
+                    for (int c = 0; c < 8; c++) memcpy(T + 32 * c + 4 * o, q[o] + 4 * c, 4);
                     memcpy(T + 256 + 2 * o, B, 2);
                     break;
                 case QT_Q4_K:
-                    for (int i = 0; i < 256; i++) q_put_nib(T + 128 * (i / 32), (i % 32) / 4, o, i % 4, q[i]);
                     for (int j = 0; j < 8; j++) {
-                        T[1024 + 8 * j + o] = (uint8_t)sc[j];
-                        T[1088 + 16 * (j / 2) + 2 * o + (j & 1)] = (uint8_t)mn[j];
+                        T[1024 + 8 * j + o] = (uint8_t)sc[o][j];
+                        T[1088 + 16 * (j / 2) + 2 * o + (j & 1)] = (uint8_t)mn[o][j];
                     }
                     memcpy(T + 1152 + 2 * o, B, 2);
                     memcpy(T + 1168 + 2 * o, B + 2, 2);
                     break;
                 case QT_Q6_K:
-                    for (int i = 0; i < 256; i++) {
-                        const int g = i / 32, c = (i % 32) / 4, e = i % 4;
-                        q_put_nib(T + 128 * g, c, o, e, q[i] & 15);
-                        T[1024 + 64 * g + 32 * (c / 4) + 4 * o + e] |= (uint8_t)((q[i] >> 4) << (2 * (c % 4)));
-                    }
-                    for (int s = 0; s < 16; s++) T[1536 + 16 * (s / 2) + 2 * o + (s & 1)] = (uint8_t)(int8_t)sc[s];
+                    for (int g = 0; g < 8; g++)
+                        for (int u = 0; u < 2; u++)
+                            for (int e = 0; e < 4; e++) {
+                                uint8_t h = 0;
+                                for (int k = 0; k < 4; k++) h |= (uint8_t)(((q[o][32 * g + 4 * (4 * u + k) + e] >> 4) & 3) << (2 * k));
+                                T[1024 + 64 * g + 32 * u + 4 * o + e] = h;
+                            }
+                    for (int s = 0; s < 16; s++) T[1536 + 16 * (s / 2) + 2 * o + (s & 1)] = (uint8_t)(int8_t)sc[o][s];
                     memcpy(T + 1664 + 2 * o, B + 208, 2);
                     break;
             }
