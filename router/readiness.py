@@ -13,8 +13,9 @@ while not ready) and tells its listeners when it changes: the router's server tu
 probe) (Kubernetes readiness
 probes and ``AsyncClient.ready`` read that; the process's overall status "" stays
 SERVING: it is alive). ``require()`` (each request) passes at once when ready, else
-checks once more and raises UNAVAILABLE with the reason (no verifier registered, none
-serving yet, Info not read), so a request never waits on a verifier that is still
+checks again for up to the replica set's ``wait_s`` (10 s; a loaded machine may answer a
+probe late) and raises UNAVAILABLE with the reason (no verifier registered, none
+serving yet, Info not read), so a request never waits long on a verifier that is still
 loading.
 
 Knows nothing about strategies or decoding: peers and a function that reads Info.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable, Iterable
 
 import grpc
@@ -39,7 +41,7 @@ def serving(peer: Peer, timeout_s: float = 1.0) -> bool:
     """Whether the replica answers its health check SERVING for the Verifier service."""
     try:
         r = health_pb2_grpc.HealthStub(peer.channel).Check(health_pb2.HealthCheckRequest(service=VERIFIER_SERVICE),
-                                                          timeout=timeout_s)
+                                                          timeout=timeout_s, wait_for_ready=True)
     except (grpc.RpcError, ValueError):  # ValueError: its channel was closed (the replica left)
         return False
     return r.status == health_pb2.HealthCheckResponse.SERVING
@@ -54,6 +56,7 @@ class Readiness:
         self.replicas, self.info_read = replicas, info_read
         self.interval_s, self.probe_timeout_s, self.down_after = interval_s, probe_timeout_s, down_after
         self._misses = 0  # checks in a row that found no verifier serving, while ready
+        self.grace_s = float(getattr(replicas, "wait_s", 0.0))
         self._ready = False
         self.reason = "the router has not checked its verifiers yet"
         self._listeners: list[Callable[[bool], None]] = []
@@ -106,10 +109,15 @@ class Readiness:
         fn(now)
 
     def require(self) -> None:
-        """Pass when ready (checking once more when not); else UNAVAILABLE with the reason."""
-        if self._ready or self.check():
+        """Pass when ready; else check again for up to ``grace_s`` (the replica set's
+        ``wait_s``: a busy machine may answer a probe late), then UNAVAILABLE with the reason."""
+        if self._ready:
             return
-        raise Unavailable(f"not ready: {self.reason}; retry shortly")
+        end = time.monotonic() + self.grace_s
+        while not self.check():
+            if time.monotonic() >= end or self._stop.is_set():
+                raise Unavailable(f"not ready: {self.reason}; retry shortly")
+            self._stop.wait(0.25)
 
     def start(self) -> "Readiness":
         if self._thread is None:
