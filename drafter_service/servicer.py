@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Optional
 
-from specmesh.serving import convert
-from specmesh.serving.convert import check_session_id
+from specmesh.wire import convert
+from specmesh.wire.convert import check_session_id
 from specmesh.serving.server import Service, time_left
 from specmesh.serving.settings import ServeSettings
 from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc

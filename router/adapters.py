@@ -62,7 +62,7 @@ import grpc
 
 from specmesh.ahead import AheadInfo, main_path, truncate
 from specmesh.seqs import common_prefix_len
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.types import FEATURE_DTYPE, DraftContext, FeatureRows, SessionLost, TokenTree, VerifyRequest, \
     VerifyResult
 from specmesh.v1 import drafter_pb2, verifier_pb2
@@ -505,7 +505,9 @@ class RemoteVerifier:
             msg = verifier_pb2.DecodeRequest(
                 session_id=req.session_id, sync=convert.sync_to_proto(req.keep_len, req.append_tokens),
                 sampling=convert.sampling_to_proto(req.sampling), stop_ids=self.stop_ids,
-                want_entropy=req.want_entropy)
+                want_entropy=req.want_entropy, jump_forward=req.jump_forward)
+            if req.prompt_len >= 0:
+                msg.prompt_len = req.prompt_len
             if self.decode_self is not None:  # drafts capped near the end as the loop caps them
                 msg.self_draft.method, msg.self_draft.budget = self.decode_self, budget
                 msg.tokens_left = self.decode_left

@@ -50,7 +50,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 from specmesh.ahead import check_mode
 from specmesh.observability.requests import RouterObserver
 from specmesh.observability.throughput import ThroughputLog
-from specmesh.serving.convert import RouterStats
+from specmesh.wire.convert import RouterStats
 from specmesh.serving.settings import ServeSettings
 from specmesh.strategies.ssr import reasoning_messages
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
@@ -63,7 +63,7 @@ from .strategies import (EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STR
 
 log = logging.getLogger("specmesh.router")
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
 
 
@@ -85,6 +85,10 @@ class GenerateSpec:
     stop: tuple[str, ...] = ()  # stop strings on the output text
     resume: Optional["Resume"] = None  # continue an interrupted stream of this request
     draft_ahead: str = ""  # "" (the router's setting) | "on" | "off" | "auto" (specmesh.ahead)
+    prediction: str = ""  # predicted output (OpenAI's predicted outputs): drafted by a lookup drafter
+    tools: list = field(default_factory=list)  # specmesh.tools.Tool the model may call
+    tool_choice: str = ""  # "" | auto | none | required | function:NAME
+    parallel_tool_calls: bool = True
 
 
 @dataclass
@@ -100,6 +104,20 @@ class Resume:
 class Delta:
     token_ids: list[int]
     text: str
+    logprobs: Optional[list] = None  # sampling.logprobs set: a ``TokenLogprob`` per token id, with its text
+
+
+@dataclass
+class TokenText:
+    """A ``TokenLogprob`` with the text and bytes of its token and of its top tokens."""
+
+    token_id: int
+    logprob: float
+    top: list  # (token id, logprob)
+    token: str = ""
+    token_bytes: bytes = b""
+    top_tokens: tuple = ()
+    top_token_bytes: tuple = ()
 
 
 @dataclass
@@ -108,6 +126,7 @@ class Final:
     token_ids: list[int]
     stats: RouterStats
     session_id: str
+    tool_calls: list = field(default_factory=list)  # specmesh.tools.ToolCall parsed from the text
 
 
 @dataclass
@@ -130,6 +149,8 @@ class Plan:
     resume_chars: int = 0  # ... and the characters of their text the caller has
     draft_ahead: str = ""  # the request's draft-ahead mode ("": the router's setting)
     budget_pinned: bool = False  # the request set draft_budget: every round drafts ``budget``
+    prediction: tuple[int, ...] = ()  # predicted output tokens (drafted through a lookup drafter)
+    parse_tools: bool = False  # the output's tool calls are parsed (tools given, tool_choice not none)
 
 
 class TextStream:
@@ -292,12 +313,20 @@ class Router:
         for i, m in enumerate(spec.messages or []):
             if m.get("role") not in ROLES:
                 raise InvalidArgument("messages", f"entry {i} has role {m.get('role')!r}; use one of {list(ROLES)}")
-        chars = len(spec.prompt) + sum(len(m.get("content", "")) for m in spec.messages or [])
+        chars = len(spec.prompt) + sum(len(m.get("content") or "") for m in spec.messages or [])
         if chars > 32 * limit:  # cheap guard before tokenizing
             raise InvalidArgument("prompt", f"{chars} characters is far over max_prompt_tokens {limit}")
         if reasoning and not spec.raw_prompt:  # system instruction + an opened thinking section
             msgs = reasoning_messages(spec.messages or [{"role": "user", "content": spec.prompt}])
             ids = list(self.codec.encode(None, msgs)) + list(self.runner.think_format().open_ids)
+        elif spec.tools or any(m.get("tool_calls") or m.get("role") == "tool" for m in spec.messages or []):
+            from specmesh import tools as tl
+
+            msgs = spec.messages or [{"role": "user", "content": spec.prompt}]
+            if getattr(self.codec, "renders_tools", False):  # the chat template renders them itself
+                ids = self.codec.encode(None, tl.template_messages(msgs), tools=spec.tools)
+            else:
+                ids = self.codec.encode(None, tl.fallback_messages(msgs, spec.tools))
         else:
             ids = self.codec.encode(spec.prompt or None, spec.messages, chat=not spec.raw_prompt)
             if reasoning:
@@ -308,9 +337,29 @@ class Router:
             raise InvalidArgument("prompt", f"{len(ids)} tokens exceed max_prompt_tokens {limit}")
         return ids
 
+    def _tools(self, spec: GenerateSpec) -> GenerateSpec:
+        """Validate the tools; ``required`` or a named function becomes the request's grammar."""
+        from dataclasses import replace
+
+        from specmesh import tools as tl
+
+        if not spec.tools and not spec.tool_choice:
+            return spec
+        tl.check_tools(spec.tools, spec.tool_choice)
+        if spec.raw_prompt:
+            raise InvalidArgument("tools", "tools are rendered into a chat; not with raw_prompt")
+        g = tl.grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls)
+        if g is not None:
+            if spec.sampling.constrained:
+                raise InvalidArgument("tool_choice", f"{spec.tool_choice!r} is enforced by a grammar; the request "
+                                      "has a structured output of its own")
+            spec = replace(spec, sampling=replace(spec.sampling, grammar_kind="lark", grammar=g))
+        return spec
+
     def plan(self, spec: GenerateSpec) -> Plan:
         """Validate every field (INVALID_ARGUMENT naming it); nothing changes."""
         self.runner.check(spec)
+        spec = self._tools(spec)
         if spec.draft_ahead:
             check_mode(spec.draft_ahead)
         if spec.resume is not None and (spec.resume.token_ids or spec.resume.text_chars) and (
@@ -334,6 +383,7 @@ class Router:
                 raise InvalidArgument("stop", f"stop string {i} must have 1..{MAX_STOP_CHARS} characters, "
                                       f"got {len(x)}")
         reasoning = spec.reasoning or spec.strategy == "ssr"
+        self._check_processors(spec, reasoning)
         ids = self._prompt_ids(spec, reasoning)
         if len(ids) + n + 1 > self.s.max_seq_len:
             raise InvalidArgument("max_new_tokens", f"prompt ({len(ids)} tokens) + {n} new tokens exceed the "
@@ -341,10 +391,37 @@ class Router:
         strategy, reason, drafter, self_draft = self._strategy(spec, ids, reasoning)
         messages = spec.messages or ([{"role": "user", "content": spec.prompt}] if not spec.raw_prompt else None)
         resume = self._resume(spec, n)
+        prediction: tuple[int, ...] = ()
+        if spec.prediction:
+            if len(spec.prediction) > 32 * self.s.max_prompt_tokens:
+                raise InvalidArgument("prediction", f"{len(spec.prediction)} characters is far over "
+                                      f"max_prompt_tokens {self.s.max_prompt_tokens}")
+            prediction = tuple(self.codec.encode(spec.prediction, None, chat=False))
+            if len(prediction) > self.s.max_prompt_tokens:
+                raise InvalidArgument("prediction", f"{len(prediction)} tokens exceed max_prompt_tokens "
+                                      f"{self.s.max_prompt_tokens}")
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
                     reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
-                    draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None)
+                    draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None, prediction=prediction,
+                    parse_tools=bool(spec.tools) and spec.tool_choice != "none")
+
+    def _check_processors(self, spec: GenerateSpec, reasoning: bool) -> None:
+        """Logits processors, logprobs and grammars: the values the sampling cannot judge alone."""
+        sp = spec.sampling
+        for t, _ in sp.logit_bias:
+            if t >= self.vocab_size:
+                raise InvalidArgument("sampling.logit_bias", f"token id {t} outside [0, {self.vocab_size})")
+        if sp.constrained:
+            from specmesh.grammar import GrammarError, check
+
+            try:
+                check(sp.grammar_kind, sp.grammar)
+            except GrammarError as e:
+                raise InvalidArgument("sampling.grammar", str(e)) from None
+        if reasoning and (sp.processed or sp.logprobs >= 0):
+            raise InvalidArgument("reasoning", "a reasoning request takes no penalties, logit_bias, grammar or "
+                                  "logprobs (its thinking phase is not constrained)")
 
     def _resume(self, spec: GenerateSpec, n: int) -> Optional[Resume]:
         """Validate ``spec.resume`` against the request it continues (INVALID_ARGUMENT naming the field)."""
@@ -390,6 +467,20 @@ class Router:
             if not self._clients[client]:
                 del self._clients[client]
 
+    def _token_text(self, t: int) -> tuple[str, bytes]:
+        tb = getattr(self.codec, "token_bytes", None)
+        b = tb(t) if tb is not None else self.codec.decode([t]).encode()
+        return b.decode("utf-8", errors="replace"), b
+
+    def _token_texts(self, lps: list) -> list:
+        out = []
+        for x in lps:
+            tok, tb = self._token_text(x.token_id)
+            tops = [self._token_text(t) for t, _ in x.top]
+            out.append(TokenText(x.token_id, x.logprob, list(x.top), tok, tb, tuple(a for a, _ in tops),
+                                 tuple(b for _, b in tops)))
+        return out
+
     def _drafter_error(self, e: Exception):
         what, down = drafter_failure(e)
         log.warning("drafter failed (%s); falling back to plain decoding", what)
@@ -405,7 +496,7 @@ class Router:
             run = self.runner.prepare(plan, sid, calls)  # adapters of the strategy; enters the idle-work gate
             sid, verifier, drafter = run.sid, run.verifier, run.drafter
             stats = RouterStats(strategy=plan.strategy, strategy_reason=plan.reason,
-                                drafter=plan.drafter or plan.self_draft or "")
+                                drafter=plan.drafter or plan.self_draft or ("prediction" if plan.prediction else ""))
             text = TextStream(self.codec.decode)
             stop = StopText(plan.stop) if plan.stop else None
             out_ids: list[int] = list(plan.resume)
@@ -419,7 +510,9 @@ class Router:
             obs = self.observer.request(plan, sid, stats, verifier, drafter)
             if owed:
                 yield Delta([], owed)
-            rounds = run.rounds(stats, self._drafter_error, round_scope=obs.round_scope)
+            lps: list = []
+            rounds = run.rounds(stats, self._drafter_error, round_scope=obs.round_scope,
+                                on_logprobs=lps.extend if plan.sampling.logprobs >= 0 else None)
             try:
                 for chunk in rounds:
                     first = len(out_ids)
@@ -432,7 +525,8 @@ class Router:
                             chunk = out_ids[first:]
                     pieces.append(piece)
                     piece, skip = piece[skip:], max(0, skip - len(piece))  # text the caller already has
-                    yield Delta(chunk, piece)
+                    got, lps[:] = lps[: len(chunk)], []
+                    yield Delta(chunk, piece, self._token_texts(got) if plan.sampling.logprobs >= 0 else None)
                     if cancelled.is_set():
                         return
                     if stop is not None and stop.matched is not None:
@@ -456,7 +550,14 @@ class Router:
             stats.verifier, stats.reprefills = verifier.address, verifier.reprefills
             run.finish(stats, "".join(pieces), cancelled.is_set())
             obs.finish(stats)
-            yield Final("".join(pieces), out_ids, stats, sid)
+            final, calls = "".join(pieces), []
+            if plan.parse_tools:
+                from specmesh.tools import parse
+
+                final, calls = parse(final)
+                if calls:
+                    stats.finish_reason = "tool_calls"
+            yield Final(final, out_ids, stats, sid, calls)
         except BaseException as e:
             err = e
             raise

@@ -18,7 +18,7 @@ from typing import Optional
 
 import grpc
 
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.serving.server import Service, peer_channel, time_left
 from specmesh.serving.settings import ServeSettings
 from specmesh.v1 import router_pb2, router_pb2_grpc
@@ -36,14 +36,31 @@ def spec_from_proto(m: router_pb2.GenerateRequest) -> GenerateSpec:
         conversation_id=m.conversation_id, reasoning=m.reasoning,
         thinking_budget=m.thinking_budget if m.HasField("thinking_budget") else None, stop=tuple(m.stop),
         resume=Resume(list(m.resume.token_ids), m.resume.text_chars, m.resume.session_id)
-        if m.HasField("resume") else None, draft_ahead=m.draft_ahead)
+        if m.HasField("resume") else None, draft_ahead=m.draft_ahead, prediction=m.prediction,
+        tools=convert.tools_from_proto(m.tools), tool_choice=m.tool_choice,
+        parallel_tool_calls=m.parallel_tool_calls if m.HasField("parallel_tool_calls") else True)
+
+
+def logprobs_to_proto(lps) -> list:
+    from specmesh.v1 import common_pb2
+
+    return [common_pb2.TokenLogprob(token_id=x.token_id, logprob=x.logprob, top_ids=[t for t, _ in x.top],
+                                    top_logprobs=[v for _, v in x.top], token=x.token, token_bytes=x.token_bytes,
+                                    top_tokens=list(x.top_tokens), top_token_bytes=list(x.top_token_bytes))
+            for x in lps]
 
 
 def event_to_proto(ev) -> router_pb2.GenerateResponse:
     if isinstance(ev, Delta):
-        return router_pb2.GenerateResponse(delta=router_pb2.TokenDelta(token_ids=ev.token_ids, text=ev.text))
+        d = router_pb2.TokenDelta(token_ids=ev.token_ids, text=ev.text)
+        if ev.logprobs:
+            d.logprobs.extend(logprobs_to_proto(ev.logprobs))
+        return router_pb2.GenerateResponse(delta=d)
+    from specmesh.v1 import common_pb2
+
     return router_pb2.GenerateResponse(final=router_pb2.GenerateFinal(
-        text=ev.text, token_ids=ev.token_ids, stats=convert.stats_to_proto(ev.stats), session_id=ev.session_id))
+        text=ev.text, token_ids=ev.token_ids, stats=convert.stats_to_proto(ev.stats), session_id=ev.session_id,
+        tool_calls=[common_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in ev.tool_calls]))
 
 
 def anticipation_to_proto(d: dict) -> router_pb2.AnticipateResponse:

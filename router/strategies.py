@@ -44,7 +44,7 @@ from specmesh.ahead import OverlapPolicy
 from specmesh.drafters import registry
 from specmesh.seqs import common_prefix_len
 from specmesh.loop import AdaptiveBudget, BudgetPolicy, LoopOptions, VerifyCosts, speculative_generate
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.strategies import auto
 from specmesh.strategies.adapt import CacheMeter, ResumePrefix, TreeBudget
 from specmesh.strategies.proactive import Anticipator, Config, Gate, cache_id
@@ -108,6 +108,12 @@ def default_self_drafter(available) -> str:
         if name in available:
             return name
     return "layerskip"
+
+
+def jump_forward(plan) -> bool:
+    """A grammar's forced tokens are free drafts for every strategy but plain decoding
+    asked for by name (the baseline); auto's plain decoding keeps them."""
+    return plan.strategy != "autoregressive" or plan.reason.startswith("auto")
 
 
 def _drafter_up(parts: Collaborators) -> bool:
@@ -208,8 +214,9 @@ class Run:
     side: list = field(default_factory=list)  # SSR side-branch adapters (network time)
     policies: list = field(default_factory=list)  # adaptive budget policies made (one per phase)
     entered: bool = False
+    predicted: Optional[object] = None  # the PredictionDrafter of a request with a predicted output
 
-    def rounds(self, stats, on_drafter_error, round_scope=None) -> Iterator[list[int]]:
+    def rounds(self, stats, on_drafter_error, round_scope=None, on_logprobs=None) -> Iterator[list[int]]:
         p, s = self.plan, self.owner.parts.s
         stop_ids = self.owner.parts.codec.stop_ids
         if not p.reasoning:
@@ -218,7 +225,8 @@ class Run:
                 sampling=p.sampling, max_new_tokens=p.max_new_tokens, stop_ids=stop_ids, session_id=self.sid,
                 budget=self.policy(), self_draft=p.self_draft, on_drafter_error=on_drafter_error,
                 max_new_limit=s.max_new_tokens, round_scope=round_scope, draft_ahead=self.owner.overlap(p),
-                draft_first=p.strategy == "proactive"), stats=stats)  # cached replies start at once
+                draft_first=p.strategy == "proactive" or bool(p.prediction),  # cached / predicted text at once
+                on_logprobs=on_logprobs, jump_forward=jump_forward(p)), stats=stats)
         fmt = self.owner.think_format()
         kw = {}
         if p.strategy == "ssr":
@@ -270,6 +278,9 @@ class Run:
         p = self.plan
         if self.meter is not None:
             self.meter.fill(stats)
+        if self.predicted is not None:
+            stats.accepted_prediction_tokens = self.predicted.accepted
+            stats.rejected_prediction_tokens = self.predicted.rejected
         if self.resumed is not None:
             stats.warm_prefix_tokens = self.resumed.used
         self.owner.learn(p, stats, self.policies[-1].alpha if self.policies else None)
@@ -469,6 +480,14 @@ class Strategies:
         r = self.parts
         name = spec.strategy or ("external" if spec.drafter else r.s.default_strategy)
         reason = "requested" if spec.strategy else "default"
+        if getattr(spec, "prediction", ""):
+            # the predicted output drafts in the router (a lookup over it: no hop); an external drafter the
+            # request names drafts where the output leaves the prediction
+            if name in ("auto", "external") and not spec.drafter:
+                return Resolved("external", f"{reason}; the predicted output drafts (a lookup drafter)", None, None)
+            if name != "external":
+                raise InvalidArgument("prediction", f"the {name} strategy does not draft from a prediction; send it "
+                                      "with strategy external or auto (the default), or without a prediction")
         if spec.sampling.acceptance == "divergence" and not spec.drafter and spec.strategy in ("", "self", "auto"):
             # divergence verifies the specialist's own drafts: no other drafter can serve it
             return Resolved("self", f"{reason}; acceptance divergence drafts with the specialist", None, "specialist")
@@ -483,6 +502,10 @@ class Strategies:
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
                 self.book.skip(key, c.switched_from)
+            if spec.sampling.constrained:  # every choice of auto drafts the grammar's forced tokens too
+                from dataclasses import replace as _replace
+
+                c = _replace(c, reason=f"{c.reason}; grammar-forced tokens drafted free (jump-forward)")
             if c.strategy == "external" and self.in_verifier(c.drafter):
                 return Resolved(c.strategy, f"{c.reason}; {c.drafter} drafted in the verifier", None, c.drafter)
             return Resolved(c.strategy, c.reason, c.drafter if c.strategy in ("external", "proactive", "ssr") else None,
@@ -569,6 +592,11 @@ class Strategies:
             drafter = RemoteDrafter(r.drafter, plan.drafter, calls, r.s.drafter_timeout_s, cache_id=cid,
                                     features=features)
         loop_d = drafter
+        predicted = None
+        if plan.prediction:
+            from specmesh.drafters.prediction import PredictionDrafter
+
+            loop_d = predicted = PredictionDrafter(plan.prediction, fallback=drafter)
         if plan.strategy in ("proactive", "ssr") and loop_d is not None:
             loop_d = meter = CacheMeter(loop_d)  # outermost: counts what the verifier is sent
         if plan.strategy == "proactive" and self._anticipator is not None:
@@ -585,6 +613,8 @@ class Strategies:
         policies: list = []
 
         def policy() -> BudgetPolicy:  # one per phase; the draft size follows the phase's entropy
+            if predicted is not None and not plan.budget_pinned:  # a prediction is drafted whole, up to the cap
+                return BudgetPolicy(r.s.max_tree_nodes)
             if not adaptive:
                 return BudgetPolicy(plan.budget)
             # draft length by the cost model where drafting costs (model drafters); n-gram, suffix and cache
@@ -600,7 +630,7 @@ class Strategies:
             return pol
 
         run = Run(self, plan, sid, verifier, drafter, loop_v, loop_d, policy, meter, resumed,
-                  policies=policies)
+                  policies=policies, predicted=predicted)
         self.gate.enter()
         run.entered = True
         return run

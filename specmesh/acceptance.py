@@ -38,14 +38,18 @@ class Acceptance:
 
 
 def target_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
-    """[n, V] logits -> [n, V] float32 probabilities after temperature, top-k, top-p
-    (the order Hugging Face applies them). Greedy (temperature 0) gives one-hot argmax."""
+    """[n, V] logits -> [n, V] float32 probabilities after temperature, min-p, top-k, top-p
+    (vLLM's order; top-k then top-p is Hugging Face's). min-p drops the tokens whose
+    probability is below ``min_p`` times the row's largest. Greedy (temperature 0) gives
+    one-hot argmax."""
     logits = logits.float()
     if sampling.greedy:
         out = torch.zeros_like(logits)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         return out
     z = logits / sampling.temperature
+    if sampling.min_p > 0.0:  # p >= min_p * max p  <=>  z >= max z + log(min_p)
+        z = z.masked_fill(z < z.amax(-1, keepdim=True) + math.log(sampling.min_p), float("-inf"))
     if sampling.top_k and sampling.top_k < z.shape[-1]:
         kth = torch.topk(z, sampling.top_k, dim=-1).values[..., -1:]
         z = z.masked_fill(z < kth, float("-inf"))

@@ -51,8 +51,9 @@ from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 import grpc
 
 from .errors import from_rpc_error
-from .serving.channels import channel, channel_credentials
-from .serving.convert import RouterStats, messages_to_proto, stats_from_proto
+from .wire.channels import channel, channel_credentials
+from .wire.choices import MAX_N, child_seed  # noqa: F401 - the SDK's names for them
+from .wire.convert import RouterStats, messages_to_proto, stats_from_proto
 from .v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -65,6 +66,16 @@ def _health_answer(address: str, r) -> tuple[bool, str]:
     if r.status == health_pb2.HealthCheckResponse.SERVING:
         return True, ""
     return False, f"router {address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}"
+
+def _children(n: int, kw: dict) -> list[dict]:
+    if not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise ValueError(f"n must be in [1, {MAX_N}], got {n!r}")
+    if n > 1 and kw.get("seed") is None and (kw.get("temperature") or 0) > 0:
+        import secrets
+
+        kw = dict(kw, seed=secrets.randbits(63))  # one draw for the request, derived for each child
+    return [dict(kw, seed=child_seed(kw["seed"], i)) if kw.get("seed") is not None else dict(kw)
+            for i in range(n)]
 RESUME_WINDOW_S = 60.0  # a lost stream waits at most this long for a router to resume on
 MAX_RESUMES = 5  # resumes of one stream
 READY_WAIT_S = 2.0  # with several addresses: wait this long for one before trying the next
@@ -73,11 +84,25 @@ log = logging.getLogger("specmesh.client")
 
 
 @dataclass
+class TokenLogprob:
+    """One emitted token's log-probability (``logprobs=``): its id, text and bytes, and
+    the ``top`` most likely tokens of its row as (token id, text, bytes, logprob)."""
+
+    token_id: int
+    token: str
+    token_bytes: bytes
+    logprob: float
+    top: list
+
+
+@dataclass
 class Result:
     text: str
     token_ids: list[int]
     stats: RouterStats
     session_id: str = ""
+    logprobs: Optional[list] = None  # ``TokenLogprob`` per token id, when asked for
+    tool_calls: Optional[list] = None  # dicts of id, name, arguments (JSON text), when the model called tools
 
     @property
     def finish_reason(self) -> str:
@@ -91,11 +116,43 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
                   draft_budget: Optional[int] = None,
                   raw_prompt: bool = False, conversation_id: str = "", reasoning: bool = False,
                   thinking_budget: Optional[int] = None, stop: Sequence[str] = (),
-                  draft_ahead: str = "") -> router_pb2.GenerateRequest:
+                  draft_ahead: str = "", presence_penalty: Optional[float] = None,
+                  frequency_penalty: Optional[float] = None, repetition_penalty: Optional[float] = None,
+                  logit_bias: Optional[dict] = None, min_p: Optional[float] = None, logprobs: Optional[int] = None,
+                  json_schema=None, json_object: bool = False, regex: Optional[str] = None,
+                  choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None,
+                  prediction: str = "", tools: Optional[Sequence[dict]] = None, tool_choice: str = "",
+                  parallel_tool_calls: Optional[bool] = None) -> router_pb2.GenerateRequest:
     """A GenerateRequest; unset options take the router's defaults (the router validates).
     ``acceptance_params``: the rule's parameters by their SamplingParams names
-    (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur, jsd_threshold)."""
+    (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur, jsd_threshold).
+    Logits processors (exact under every strategy): ``presence_penalty``, ``frequency_penalty``
+    (OpenAI's), ``repetition_penalty`` (vLLM's), ``logit_bias`` ({token id: bias}), ``min_p``.
+    ``logprobs``: 0 = each token's log-probability, 1..20 = and that many top tokens
+    (``Result.logprobs``). Structured output, at most one of: ``json_schema`` (a dict or its
+    JSON text), ``json_object``, ``regex``, ``choice`` (strings), ``grammar`` (Lark or GBNF).
+    ``prediction``: the expected output (predicted outputs): drafted through a lookup drafter.
+    ``tools``: functions the model may call (dicts of name, description, parameters: a JSON
+    schema, or OpenAI's ``{"type": "function", "function": {...}}``); ``tool_choice`` "auto",
+    "none", "required" or "function:NAME"; calls come back in ``Result.tool_calls``."""
+    import json as _json
+
     sp = common_pb2.SamplingParams()
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
+                    ("repetition_penalty", repetition_penalty), ("min_p", min_p), ("logprobs", logprobs)):
+        if v is not None:
+            setattr(sp, name, v)
+    for t, b in (logit_bias or {}).items():
+        sp.logit_bias[int(t)] = float(b)
+    kinds = [(k, v) for k, v in (("json_schema", json_schema), ("json_object", json_object or None),
+                                  ("regex", regex), ("choice", choice), ("lark", grammar)) if v is not None]
+    if len(kinds) > 1:
+        raise ValueError(f"give one structured output, got {[k for k, _ in kinds]}")
+    if kinds:
+        kind, v = kinds[0]
+        sp.grammar_kind = kind
+        sp.grammar = "" if kind == "json_object" else v if isinstance(v, str) and kind != "choice" else \
+            _json.dumps(v if kind != "choice" else list(v))
     if temperature is not None:
         sp.temperature = temperature
     if top_p is not None:
@@ -110,10 +167,19 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
         setattr(sp, k, v)  # an unknown name raises AttributeError before anything is sent
     req = router_pb2.GenerateRequest(prompt=prompt or "", messages=messages_to_proto(messages), strategy=strategy,
                                      drafter=drafter, sampling=sp, raw_prompt=raw_prompt,
-                                     conversation_id=conversation_id, reasoning=reasoning, draft_ahead=draft_ahead)
+                                     conversation_id=conversation_id, reasoning=reasoning, draft_ahead=draft_ahead,
+                                     prediction=prediction)
     if thinking_budget is not None:
         req.thinking_budget = thinking_budget
     req.stop.extend([stop] if isinstance(stop, str) else list(stop))  # the output ends before the first one
+    for t in tools or []:
+        f = t.get("function", t)
+        params = f.get("parameters") or {"type": "object"}
+        req.tools.add(name=str(f.get("name", "")), description=str(f.get("description") or ""),
+                      parameters=params if isinstance(params, str) else _json.dumps(params))
+    req.tool_choice = tool_choice
+    if parallel_tool_calls is not None:
+        req.parallel_tool_calls = parallel_tool_calls
     if max_new_tokens is not None:
         req.max_new_tokens = max_new_tokens
     if draft_budget is not None:
@@ -133,14 +199,30 @@ class _Collector:
     def __init__(self):
         self.token_ids: list[int] = []
         self.result: Optional[Result] = None
+        self.logprobs: Optional[list] = None  # TokenLogprob of each token so far (when asked for)
+        self.pending_logprobs: list = []  # of the last delta (the HTTP API streams them with its text)
 
     def feed(self, resp: router_pb2.GenerateResponse) -> str:
         if resp.HasField("final"):
             f = resp.final
-            self.result = Result(f.text, list(f.token_ids), stats_from_proto(f.stats), f.session_id)
+            self.result = Result(f.text, list(f.token_ids), stats_from_proto(f.stats), f.session_id,
+                                 self.logprobs[: len(f.token_ids)] if self.logprobs is not None else None,
+                                 [{"id": c.id, "name": c.name, "arguments": c.arguments} for c in f.tool_calls]
+                                 or None)
             return ""
         self.token_ids += resp.delta.token_ids
+        if len(resp.delta.logprobs):
+            got = [TokenLogprob(m.token_id, m.token, bytes(m.token_bytes), m.logprob,
+                                list(zip(m.top_ids, m.top_tokens, [bytes(b) for b in m.top_token_bytes],
+                                         m.top_logprobs))) for m in resp.delta.logprobs]
+            self.logprobs = (self.logprobs or []) + got
+            self.pending_logprobs += got
         return resp.delta.text
+
+    def take_logprobs(self) -> list:
+        """The logprobs that arrived since the last call."""
+        out, self.pending_logprobs = self.pending_logprobs, []
+        return out
 
     @property
     def stats(self) -> Optional[RouterStats]:
@@ -389,6 +471,17 @@ class Client(_Base):
             why.append(reason)
         return False, "; ".join(why)
 
+    def generate_n(self, prompt: Optional[str] = None, *, n: int, timeout: Optional[float] = None,
+                   **kw) -> list[Result]:
+        """``n`` generations of one request (as the OpenAI API's ``n``), concurrently: the
+        same prompt (the verifiers' prefix cache, where present, shares its KV), generation
+        i seeded ``child_seed(seed, i)``. Results in order."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        kids = _children(n, kw)
+        with ThreadPoolExecutor(len(kids)) as pool:
+            return list(pool.map(lambda k: self.generate(prompt, timeout=timeout, **k), kids))
+
     def list_strategies(self, timeout: Optional[float] = None) -> router_pb2.ListStrategiesResponse:
         try:
             return self._stub.ListStrategies(router_pb2.ListStrategiesRequest(), timeout=self._timeout(timeout),
@@ -491,6 +584,11 @@ class AsyncClient(_Base):
                 return True, ""
             why.append(reason)
         return False, "; ".join(why)
+
+    async def generate_n(self, prompt: Optional[str] = None, *, n: int, timeout: Optional[float] = None,
+                         **kw) -> list[Result]:
+        """``Client.generate_n``, on the event loop."""
+        return list(await asyncio.gather(*[self.generate(prompt, timeout=timeout, **k) for k in _children(n, kw)]))
 
     async def list_strategies(self, timeout: Optional[float] = None) -> router_pb2.ListStrategiesResponse:
         try:

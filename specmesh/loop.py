@@ -655,6 +655,11 @@ class LoopOptions:
     draft_first: bool = False
     draft_ahead: Optional[object] = None  # an ahead.OverlapPolicy: draft the next round during the verify
     resumed: int = 0
+    # called with the ``TokenLogprob`` of each token a round emits (sampling.logprobs >= 0), before the
+    # round's tokens are yielded
+    on_logprobs: Optional[Callable[[list], None]] = None
+    # a grammar's forced tokens are drafted for free in every round (jump-forward; VerifyRequest.jump_forward)
+    jump_forward: bool = True
 
 
 @dataclass
@@ -741,7 +746,8 @@ class _Generation:
         interrupted run (and a drafter fed its hidden features has their rows) and the
         first round is that run's round: the last token pending, drafted, verified."""
         req = VerifyRequest(self.sid, 0, self.tokens[:-1], TokenTree(), self.o.sampling,
-                            round_seed(self.o.sampling.seed, len(self.tokens) - 1))
+                            round_seed(self.o.sampling.seed, len(self.tokens) - 1), prompt_len=self.prompt_len,
+                            jump_forward=self.o.jump_forward)
         t0 = time.perf_counter()
         res = self.verifier.verify(req)
         self.kv_len = len(self.tokens) - 1
@@ -757,7 +763,8 @@ class _Generation:
         drafts = self.drafter is not None or self.o.self_draft is not None
         want = drafts and not self.first and getattr(self.policy, "uses_entropy", True)
         req = VerifyRequest(self.sid, self.kv_len, self.tokens[self.kv_len:], rnd.tree, self.o.sampling, rs,
-                            self_draft=rnd.self_draft, want_entropy=want)
+                            self_draft=rnd.self_draft, want_entropy=want, prompt_len=self.prompt_len,
+                            jump_forward=self.o.jump_forward)
         t0 = time.perf_counter()
         try:
             rnd.result = self.verifier.verify(req)
@@ -780,7 +787,9 @@ class _Generation:
             st.verify_s += rnd.wall_s - self_draft_s
             st.draft_s += rnd.draft_s + self_draft_s
             depth = max(rnd.tree.depths()) + 1 if len(rnd.tree) else res.drafted
+            depth = max(depth, len(res.accepted))  # grammar-forced drafts (jump-forward) lengthen a chain
             st.record_round(res.drafted, len(res.accepted), depth)
+            st.forced_tokens += res.forced
             self.policy.observe_load(res.batch_size, self.o.self_draft is not None, res.batch_rows,
                                      res.verify_ms / 1e3)
             self.policy.update(res.drafted, len(res.accepted), res.entropy, rnd.draft_s + self_draft_s,
@@ -816,6 +825,7 @@ class _Generation:
         new = list(res.accepted) + [res.next_token]
         self.kv_len = len(self.tokens) + len(res.accepted)
         out, done = [], False
+        lps = res.logprobs
         for t in new:
             if t in self.stops:
                 self.stats.finish_reason, done = "stop", True
@@ -826,6 +836,8 @@ class _Generation:
                 self.stats.finish_reason, done = "length", True
                 break
         self.tokens += new
+        if lps is not None and self.o.on_logprobs is not None and out:
+            self.o.on_logprobs(list(lps[: len(out)]))
         if self.first:
             self.stats.ttft_s = time.perf_counter() - self.t_start
             self.first = False

@@ -188,6 +188,15 @@ class Runtime:
                 self.verifier.self_drafters["uno_separate"] = self.uno.twin(layout="separate")
         self.codec = TextCodec(self.tokenizer, self.engine.vocab_size)
         self.stop_ids = self.codec.stop_ids
+        # grammars (structured outputs): the tokenizer as the grammar engine sees it, built on first use (~0.4 s)
+        tok, vs, stops = self.tokenizer, self.engine.vocab_size, list(self.stop_ids)
+
+        def grammar_vocab():
+            from .grammar import Vocab
+
+            return Vocab.from_hf(tok, vs, stops)
+
+        self.verifier.set_grammar_vocab(grammar_vocab)
         self.specialist = None
         if specialist is not None and specialist_adapter(model, specialist) is not None:
             self.specialist = SpecialistDrafter(lambda: self._specialist_engine(specialist), domain=specialist,

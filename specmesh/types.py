@@ -66,6 +66,14 @@ class SamplingParams:
     cd_beta: float = 0.5
     cd_amateur: str = "layerskip"
     jsd_threshold: float = 0.3
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple = ()  # ((token id, bias), ...), ids distinct
+    min_p: float = 0.0
+    logprobs: int = -1
+    grammar_kind: str = ""
+    grammar: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
@@ -88,6 +96,49 @@ class SamplingParams:
             raise InvalidArgument("cd_amateur", f"must be one of {', '.join(map(repr, CD_AMATEURS))}, "
                                   f"got {self.cd_amateur!r}")
         _check_real("jsd_threshold", self.jsd_threshold, lambda x: 0 <= x <= 1, "in [0, 1] (bits)")
+        _check_real("presence_penalty", self.presence_penalty, lambda x: -2 <= x <= 2, "in [-2, 2]")
+        _check_real("frequency_penalty", self.frequency_penalty, lambda x: -2 <= x <= 2, "in [-2, 2]")
+        _check_real("repetition_penalty", self.repetition_penalty, lambda x: 0 < x <= 10, "in (0, 10]")
+        _check_real("min_p", self.min_p, lambda x: 0 <= x <= 1, "in [0, 1]")
+        if isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or not -1 <= self.logprobs <= 20:
+            raise InvalidArgument("logprobs", f"must be -1 (none) or 0..20 top log-probabilities, got "
+                                  f"{self.logprobs!r}")
+        seen = set()
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise InvalidArgument("logit_bias", f"entries are (token id, bias) pairs, got {pair!r}")
+            t, b = pair
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidArgument("logit_bias", f"token id {t!r} must be an integer >= 0")
+            if t in seen:
+                raise InvalidArgument("logit_bias", f"token id {t} appears twice")
+            seen.add(t)
+            _check_real("logit_bias", b, lambda x: -100 <= x <= 100, f"in [-100, 100] (token {t})")
+        if self.grammar_kind not in GRAMMAR_KINDS:
+            raise InvalidArgument("grammar_kind", f"must be one of {', '.join(map(repr, GRAMMAR_KINDS))}, got "
+                                  f"{self.grammar_kind!r}")
+        if self.grammar and not self.grammar_kind:
+            raise InvalidArgument("grammar_kind", "a grammar needs its kind")
+        if self.processed and self.acceptance in ("contrastive", "divergence"):
+            raise InvalidArgument("acceptance", f"{self.acceptance!r} has its own target: logit_bias, penalties "
+                                  "and grammars apply to the plain target's rows only (acceptance exact, typical, "
+                                  "lenient or topk)")
+
+    @property
+    def penalized(self) -> bool:
+        """Penalties or a logit bias: the rows' logits depend on the tokens before them."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
+
+    @property
+    def constrained(self) -> bool:
+        """A grammar masks the rows."""
+        return bool(self.grammar_kind)
+
+    @property
+    def processed(self) -> bool:
+        """Logits processors run on the scored rows (``specmesh.processors``)."""
+        return self.penalized or self.constrained
 
     @property
     def greedy(self) -> bool:
@@ -102,6 +153,7 @@ class SamplingParams:
 
 
 ACCEPTANCE_RULES = ("exact", "typical", "lenient", "topk", "contrastive", "divergence")
+GRAMMAR_KINDS = ("", "json_schema", "json_object", "regex", "choice", "lark")
 CD_AMATEURS = ("layerskip",)  # the amateur of "contrastive": the target's own layer-skip exit
 
 
@@ -316,9 +368,24 @@ class VerifyRequest:
     self_draft: Optional[SelfDraft] = None
     want_entropy: bool = False
     feature_layers: tuple[int, ...] = ()
+    # how many of the session's committed tokens are the prompt (-1: unknown): where the
+    # output starts, whose tokens the penalties count and the grammar matches
+    prompt_len: int = -1
+    # a grammar's forced tokens join the draft as free drafts (``processors.constrain``)
+    jump_forward: bool = False
     # set by the verifier on the last step of a prefill it ran in chunks: the keep_len of the
     # request this step ends (its features start there; a fused drafter's first round is decided by it)
     first_keep_len: Optional[int] = None
+
+
+@dataclass
+class TokenLogprob:
+    """The target's log-probability of one emitted token (``token_id``) and, when asked,
+    the ``top`` most likely tokens of its row as (token id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list = field(default_factory=list)
 
 
 @dataclass
@@ -346,6 +413,10 @@ class VerifyResult:
     # where the round's answer came from: "verify" (a Verify call, or in process) or
     # "decode_stream" (a step the verifier decoded ahead on a Decode stream: plain decoding)
     source: str = "verify"
+    # sampling.logprobs >= 0: one ``TokenLogprob`` per token of accepted + [next_token]
+    logprobs: Optional[list] = None
+    # drafted tokens the grammar forced (jump-forward: no drafter asked), of ``drafted``
+    forced: int = 0
 
 
 @dataclass
@@ -389,6 +460,10 @@ class GenerationStats:
     ahead_hits: int = 0
     ahead_misses: int = 0
     ahead_wasted: int = 0
+    forced_tokens: int = 0  # drafted tokens a grammar forced (jump-forward), of drafted_tokens
+    # predicted outputs: predicted tokens drafted and accepted / drafted and rejected
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
     @property
     def tau(self) -> float:

@@ -38,7 +38,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 
 from . import acceptance as acc
-from . import prefix_reuse, trees
+from . import prefix_reuse, processors, trees
 from .engine import LlamaEngine
 from .engine.device import to_device, to_host
 from .types import (FEATURE_DTYPE, DraftContext, FeatureRows, InvalidArgument, ResourceExhausted, SessionLost,
@@ -140,6 +140,23 @@ class EngineVerifier:
         # contrastive acceptance: the amateur is the target's first ``amateur_exit`` layers
         # + its final norm and head (the layer-skip exit), read from the same verify forward
         self.amateur_exit: Optional[int] = None
+        # grammars (structured outputs): the vocabulary as the grammar engine sees it
+        # (``grammar.Vocab``; None: requests with a grammar are refused) and each
+        # constrained session's matcher, synced with its committed output every round
+        self.grammar_vocab = None
+        self.matchers: dict = {}
+
+    def set_grammar_vocab(self, vocab) -> None:
+        """Serve grammars (``SamplingParams.grammar_kind``) over this ``grammar.Vocab``, or
+        over the one a zero-argument factory builds at the first grammar request."""
+        if not callable(vocab) and vocab.vocab_size != self.vocab_size:
+            raise InvalidArgument("grammar_vocab", f"{vocab.vocab_size} tokens, the model has {self.vocab_size}")
+        self.grammar_vocab = vocab
+
+    def _vocab(self):
+        if callable(self.grammar_vocab):
+            self.grammar_vocab = self.grammar_vocab()
+        return self.grammar_vocab
 
     def configure_prefix_cache(self, enabled: bool, budget_bytes: Optional[int] = None,
                                block: int = prefix_reuse.DEFAULT_BLOCK) -> None:
@@ -172,13 +189,14 @@ class EngineVerifier:
             self.self_drafters[name] = InVerifier(d, self.history)
             self.context_drafters.append(name)
 
-    def _sync_history(self, session_id: str, keep_len: int, append: Sequence[int]) -> None:
+    def _sync_history(self, session_id: str, keep_len: int, append: Sequence[int], need: bool = False) -> None:
         """The session now holds its first ``keep_len`` known tokens + ``append`` (a keep_len
         of 0 starts it: those are its prompt). A session whose first keep_len tokens are not
         known here (none should be) is dropped: a hosted drafter then drafts nothing for it.
-        Kept while context drafters are hosted or the prefix cache is on (it keys the
-        blocks by their tokens); nothing reads it otherwise."""
-        if not self.context_drafters and self.prefix is None:
+        Kept while context drafters are hosted, the prefix cache is on (it keys the blocks by
+        their tokens) or the request's logits processors read it (``need``: penalties,
+        grammars); nothing reads it otherwise."""
+        if not self.context_drafters and self.prefix is None and not need and session_id not in self.history:
             return
         h = self.history.get(session_id)
         if keep_len == 0:
@@ -334,6 +352,22 @@ class EngineVerifier:
                 raise InvalidArgument("sampling.acceptance", "divergence verifies the specialist's own drafts: "
                                       "draft in the verifier with the 'specialist' self drafter (strategy self, "
                                       "drafter specialist), not with an external draft tree")
+        sp = req.sampling
+        for t, _ in sp.logit_bias:
+            if t >= self.vocab_size:
+                raise InvalidArgument("sampling.logit_bias", f"token id {t} outside [0, {self.vocab_size})")
+        if sp.processed and req.prompt_len < 0:
+            raise InvalidArgument("prompt_len", "penalties and grammars need the session's prompt length")
+        if sp.constrained:
+            if self.grammar_vocab is None:
+                raise InvalidArgument("sampling.grammar_kind", "this verifier serves no grammars (it has no "
+                                      "tokenizer vocabulary for them)")
+            from .grammar import GrammarError, check
+
+            try:
+                check(sp.grammar_kind, sp.grammar)
+            except GrammarError as e:
+                raise InvalidArgument("sampling.grammar", str(e)) from None
         if req.self_draft is not None:
             if req.self_draft.method not in self.self_drafters:
                 raise InvalidArgument("self_draft.method", f"unknown {req.self_draft.method!r}; "
@@ -388,6 +422,12 @@ class EngineVerifier:
                         raise InvalidArgument("session_id", "one request per session per batch")
                     self._validate(r)
                     slot = self._slot_for(r)
+                    if r.sampling.processed and r.keep_len > 0 and len(self.history.get(r.session_id, [0, []])[1]) \
+                            < r.keep_len:
+                        raise SessionLost(f"session {r.session_id!r}: its tokens are not known here (penalties and "
+                                          "grammars count them); re-prefill with keep_len=0")
+                    if r.sampling.constrained:
+                        self._sync_matcher(r)
                     if r.sampling.acceptance == "divergence" or (
                             r.self_draft is not None and r.self_draft.method == "specialist"):
                         # the specialist keeps the session's tokens itself (SessionLost: re-prefill)
@@ -404,12 +444,14 @@ class EngineVerifier:
                     self.enable_features(wanted)  # first request for these layers: keep them from now on
                 items, meta, fused = [], [], []  # fused: per item, stop node -> its mask block's rows
                 parts = []  # chunked prefills' steps: (i, r, slot, tokens, cached)
+                procs = []  # per item: (grammar masks of its rows or None, forced tokens drafted)
                 for i, r, slot in ready:
                     t0 = time.perf_counter()
                     append, cached = self._begin(r, slot)
                     limit = limits[i] if limits is not None else None
                     if limit is not None and len(append) - 1 > limit and r.sampling.acceptance != "divergence" \
-                            and not (r.self_draft is not None and r.self_draft.method == "specialist"):
+                            and not (r.self_draft is not None and r.self_draft.method == "specialist") \
+                            and not r.sampling.processed:
                         parts.append((i, r, slot, append[:max(1, limit)], cached))
                         continue
                     tree, draft_ms = r.tree, 0.0
@@ -425,6 +467,11 @@ class EngineVerifier:
                         ctx = DraftContext(r.session_id, append, 0, r.sampling, round_seed=r.round_seed)
                         tree = self.self_drafters[r.self_draft.method].propose(ctx, r.self_draft.budget)
                         draft_ms = (time.perf_counter() - t0) * 1e3
+                    masks, forced = None, 0
+                    if r.sampling.constrained:  # the draft as the grammar takes it, its rows' masks
+                        room = self.engine.max_seq_len - r.keep_len - len(r.append_tokens) - 1
+                        extend = max(0, min(self.max_tree_nodes, room) - len(tree)) if r.jump_forward else 0
+                        tree, masks, forced = self._constrain(r, tree, extend)
                     a = len(append)
                     toks = append + tree.tokens
                     pars = trees.after_chain(a, tree.parents)
@@ -433,6 +480,7 @@ class EngineVerifier:
                     items.append((slot, toks, pars))
                     meta.append((i, r, slot, a, tree, rows, draft_ms, cached))
                     fused.append(blocks)
+                    procs.append((masks, forced))
                 if items or parts:
                     t1 = time.perf_counter()
                     cd = any(m[1].sampling.acceptance == "contrastive" for m in meta)
@@ -452,9 +500,9 @@ class EngineVerifier:
                     for (i, r, slot, toks, cached), so in zip(parts, pscored):
                         out[i] = self._partial(r, slot, toks, cached, so, fwd_ms, n_rows)
                     if meta:
-                        decided, ents = self._decide(meta, scored, amateurs)
-                    for k, ((i, r, slot, a, tree, rows, draft_ms, cached), so, blocks) in enumerate(
-                            zip(meta, scored, fused)):
+                        decided, ents = self._decide(meta, scored, amateurs, procs)
+                    for k, ((i, r, slot, a, tree, rows, draft_ms, cached), so, blocks, (_, forced)) in enumerate(
+                            zip(meta, scored, fused, procs)):
                         res = decided[k]
                         start = self.engine.length(slot)
                         kept = list(range(a)) + [a + j for j in res.path]
@@ -476,7 +524,10 @@ class EngineVerifier:
                             draft_ms=draft_ms, verify_ms=fwd_ms, cache_len=self.engine.length(slot),
                             batch_size=len(items) + len(parts), batch_rows=n_rows, cached_tokens=cached,
                             features=self._feature_rows(slot, first, r.feature_layers)
-                            if r.feature_layers else None)
+                            if r.feature_layers else None, forced=forced,
+                            logprobs=processors.token_logprobs(so.logits, tree, res.path, res.next_token,
+                                                               r.sampling.logprobs)
+                            if r.sampling.logprobs >= 0 else None)
             finally:
                 for _, r, _ in ready:
                     self.pool.busy.discard(r.session_id)
@@ -492,7 +543,7 @@ class EngineVerifier:
                 self.prefix.ended(r.session_id)  # starts over
             else:
                 self.prefix.truncated(r.session_id, r.keep_len)
-        self._sync_history(r.session_id, r.keep_len, r.append_tokens)
+        self._sync_history(r.session_id, r.keep_len, r.append_tokens, r.sampling.processed)
         append = list(r.append_tokens)
         cached = self._reuse(r.session_id, slot, append) if r.keep_len == 0 else 0
         return append[cached:], cached
@@ -514,17 +565,45 @@ class EngineVerifier:
                        first_keep_len=r.keep_len if r.first_keep_len is None else r.first_keep_len)
         return Partial(rest, n, cached, fwd_ms, n_rows)
 
-    def _decide(self, meta: list, scored: list, amateurs) -> tuple[list, dict]:
-        """The acceptance decisions of the forward's verify requests, and the entropies asked for."""
+    def _decide(self, meta: list, scored: list, amateurs, procs: list) -> tuple[list, dict]:
+        """The acceptance decisions of the forward's verify requests (on their rows' logits
+        after the requests' logits processors), and the entropies asked for."""
         specialists = [self._specialist_rows(m[1], m[4]) for m in meta]
         # entropies asked for: computed here, read with the acceptance decisions
         want_ent = [k for k, m in enumerate(meta) if m[1].want_entropy]
         ent_t = torch.stack([acc.logit_entropy(scored[k].logits[0]) for k in want_ent]) if want_ent else None
+        target = [self._processed(m[1], m[4], so.logits, pm[0]) for m, so, pm in zip(meta, scored, procs)]
         decided, ent_v = acc.accept_batch_reading(
-            [so.logits for so in scored], [m[4] for m in meta], [m[1].sampling for m in meta],
+            target, [m[4] for m in meta], [m[1].sampling for m in meta],
             [m[1].round_seed for m in meta], batched=self.batched_acceptance, amateurs=amateurs,
             specialists=specialists, also=ent_t)
         return decided, dict(zip(want_ent, ent_v))
+
+    def _sync_matcher(self, req: VerifyRequest) -> None:
+        """The session's grammar matcher, synced with the committed output the request
+        leaves (before any state changes: a committed output the grammar does not take is
+        INVALID_ARGUMENT for this request alone)."""
+        from .grammar import Matcher
+
+        sp = req.sampling
+        m = self.matchers.get(req.session_id)
+        if m is None or m.key != (sp.grammar_kind, sp.grammar):
+            m = self.matchers[req.session_id] = Matcher(self._vocab(), sp.grammar_kind, sp.grammar)
+        h = self.history.get(req.session_id)
+        tokens = (h[1][:req.keep_len] if req.keep_len else []) + list(req.append_tokens)
+        if not m.sync(tokens[req.prompt_len:]):
+            raise InvalidArgument("sampling.grammar", "the session's committed output does not match its grammar")
+
+    def _constrain(self, req: VerifyRequest, tree, extend: int):
+        return processors.constrain(self.matchers[req.session_id], tree, extend)
+
+    def _processed(self, req: VerifyRequest, tree, logits, masks):
+        """The rows' logits after the request's logits processors (``specmesh.processors``)."""
+        sp = req.sampling
+        if not sp.processed:
+            return logits
+        ctx = self.history[req.session_id][1] if sp.penalized else ()
+        return processors.process_rows(logits, sp, ctx, req.prompt_len, tree, masks)
 
     def _mask_blocks(self, req: VerifyRequest, slot: int, toks: list, pars: list, a: int, tree) -> dict:
         """A fused self drafter's (``uno``) mask blocks, appended to this forward's tokens:
@@ -622,6 +701,7 @@ class EngineVerifier:
             for d in self.self_drafters.values():
                 d.release(session_id)  # a hosted context drafter learns from the session's history first
             self.history.pop(session_id, None)
+            self.matchers.pop(session_id, None)
             if slot is not None:
                 self.engine.reset(slot)
 

@@ -1,6 +1,6 @@
 """Workloads: JSONL files of prompts, one file per workload, read by the benchmarks
-(``specmesh.bench``), the training and study commands (``blockdraft.cli``,
-``uno.study``) and the scripts.
+(``specmesh.cli.bench``), the training and study commands (``specmesh.cli.blockdraft``,
+``specmesh.cli.uno_study``) and the scripts.
 
 Each line is ``{"id", "prompt" | "messages", optional "max_new_tokens"}``. A
 record's ``max_new_tokens`` caps that prompt below the run's budget (the smaller

@@ -15,7 +15,7 @@ folder (the repository root is on ``sys.path`` through pyproject's ``pythonpath`
 - gRPC helpers: ``wait_for``, ``healthy``, ``code_of``, ``free_port``;
 - ``ServeProcess``: the real ``specmesh serve`` (its supervised processes) on free
   ports, its log collected, a child's pid, SIGKILL a child, wait until it is back;
-- stacks: ``LocalStack`` (``specmesh.serving.stack``: router + drafter service +
+- stacks: ``LocalStack`` (``specmesh.cli.stack``: router + drafter service +
   verifier service(s) in process on loopback) and its presets ``TinyStack`` (gated
   tiny verifiers), ``BlockStack`` (the same with the tiny block drafter on both sides), ``TracedStack`` / ``TinyTracedStack`` (metrics and spans) and
   ``RuntimeStack`` (the real SmolLM2 Runtime);
@@ -46,7 +46,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from specmesh.engine import LlamaEngine  # noqa: E402
-from specmesh.serving.stack import LocalStack  # noqa: E402,F401 - the stack builder, re-exported
+from specmesh.cli.stack import LocalStack  # noqa: E402,F401 - the stack builder, re-exported
 from specmesh.types import SamplingParams  # noqa: E402
 from specmesh.verifier import EngineVerifier  # noqa: E402
 
@@ -281,6 +281,38 @@ class _Tokenizer:
         return [2 + ord(c) % (V - 2) for c in text]
 
 
+class CharCodec:
+    """One token a character over ``V`` ids: id i in [2, V) is chr(30 + i) (space through
+    '}': JSON, regexes and grammars can be spelled), id 0 a newline, id 1 stops; other
+    characters are dropped. ``grammar_vocab()`` is the vocabulary as the grammar engine
+    sees it."""
+
+    vocab_size = V
+    stop_ids = [1]
+
+    def encode(self, prompt=None, messages=None, chat=True):
+        text = prompt if messages is None else "".join(m["content"] or "" for m in messages)
+        return [0 if c == "\n" else ord(c) - 30 for c in text if c == "\n" or 32 <= ord(c) < 30 + V]
+
+    def decode(self, ids):
+        return "".join("\n" if i == 0 else chr(30 + i) for i in ids if i != 1)
+
+    def token_bytes(self, i):
+        return self.decode([i]).encode()
+
+    def grammar_vocab(self):
+        from specmesh.grammar import Vocab
+
+        return Vocab.from_bytes([b"\n", b""] + [bytes([30 + i]) for i in range(2, V)], self.stop_ids)
+
+
+def tiny_grammar_verifier(n_slots: int = 8, max_seq_len: int = 256) -> EngineVerifier:
+    """``tiny_layerskip_verifier`` serving grammars over ``CharCodec``'s vocabulary."""
+    v = tiny_layerskip_verifier(n_slots, max_seq_len)
+    v.set_grammar_vocab(CharCodec().grammar_vocab())
+    return v
+
+
 class TokenizerCodec(FakeCodec):
     """FakeCodec with a ``tokenizer``: the ssr thinking format reads its markers through it."""
 
@@ -344,7 +376,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------- stacks (specmesh.serving.stack.LocalStack)
+# ---------------------------------------------------------------- stacks (specmesh.cli.stack.LocalStack)
 
 class TinyStack(LocalStack):
     """``n_verifiers`` verifier services over GatedVerifiers, a drafter service

@@ -22,8 +22,8 @@ import time
 import grpc
 
 from specmesh.seeding import round_seed
-from specmesh.serving import convert
-from specmesh.serving.convert import check_session_id
+from specmesh.wire import convert
+from specmesh.wire.convert import check_session_id
 from specmesh.serving.server import Service, time_left
 from specmesh.serving.settings import MiB, ServeSettings
 from specmesh.types import InvalidArgument, SelfDraft, VerifyRequest
@@ -117,7 +117,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if sd is not None and left is not None and sd.budget > left - 1:
                     sd = SelfDraft(sd.method, left - 1) if left > 1 else None
                 step = VerifyRequest(sid, keep, append, sampling=sampling, round_seed=round_seed(sampling.seed, n),
-                                     self_draft=sd, want_entropy=request.want_entropy)
+                                     self_draft=sd, want_entropy=request.want_entropy,
+                                     prompt_len=request.prompt_len if request.HasField("prompt_len") else -1,
+                                     jump_forward=request.jump_forward)
                 res = self.batcher.verify(step, timeout=time_left(context), alive=context.is_active)
                 granted -= 1
                 with self._decode_cv:

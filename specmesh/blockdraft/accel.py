@@ -19,7 +19,8 @@ own share of the budget:
 
 It also runs on CPU at toy scale (the tests do). Outputs: checkpoints
 (``save_block_drafter``), ``metrics.json``, ``records.jsonl.xz`` (the synthesised
-data, reusable by ``train-drafter --data``) and a log. Knows nothing about
+data, reusable by ``train-drafter --data``) and a log. ``run(args)`` is ``specmesh
+accel-drafter`` (its flags: ``specmesh.cli.blockdraft``). Knows nothing about
 serving or gRPC.
 """
 
@@ -75,9 +76,11 @@ def load_target(model_dir: Path, gguf: Optional[Path], device: str):
     tokenizer files (and the weights when ``gguf`` is None)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    from ..models.loading import hf_model
+
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     if gguf is None:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = hf_model(model_dir, torch.float32)
     else:
         from ..models.gguf_state import gguf_llama_state_dict
 
@@ -314,14 +317,6 @@ def _examples(records: list[dict], feats: list[torch.Tensor], device: str) -> li
                     r.get("kind", "")) for r, f in zip(records, feats)]
 
 
-def main(argv=None) -> int:
-    from .cli import add_accel_arguments
-
-    ap = argparse.ArgumentParser(prog="python -m specmesh.blockdraft.accel", description=__doc__.split("\n\n")[0])
-    add_accel_arguments(ap)
-    return run(ap.parse_args(argv))
-
-
 def _phases(text: str) -> tuple[float, float, float, float]:
     try:
         fr = [float(x) for x in text.split(",")]
@@ -474,7 +469,3 @@ def _new_models(a: argparse.Namespace, model, train_recs: list[dict], layers: li
         else:
             models[name] = new_model(cfg, sd, keep).to(dev)
     return models
-
-
-if __name__ == "__main__":
-    sys.exit(main())

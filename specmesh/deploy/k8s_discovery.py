@@ -75,7 +75,7 @@ class DnsFollower:
 
 def main(argv=None) -> int:
     from specmesh.router.servicer import dynamic_router
-    from specmesh.serving.cli import add_settings_flags, settings_from_args
+    from specmesh.cli.serve import add_settings_flags, settings_from_args
     from specmesh.serving.server import build_server, serve_until_signal
 
     ap = argparse.ArgumentParser(prog="python -m specmesh.deploy.k8s_discovery", description=__doc__.split("\n\n")[0])

@@ -1,6 +1,6 @@
 """Reading the calibrated layer-skip exit layer (written by ``specmesh calibrate-layerskip``).
 
-``specmesh.bench.calibrate`` measures τ and tokens/s per candidate exit layer E of
+``specmesh.cli.bench.calibrate`` measures τ and tokens/s per candidate exit layer E of
 ``LayerSkipDrafter`` and writes the best E with all measurements to a small JSON file
 (default ``$SPECMESH_CACHE/calibration/layerskip-<model>-<dtype>.json``). This module
 only reads it: ``Runtime`` (the verifier) takes ``calibrated_exit`` when no exit layer

@@ -56,7 +56,8 @@ import torch
 
 from ..acceptance import target_probs
 from ..engine import LlamaEngine
-from ..models.loading import DEFAULT_MODEL, cache_root, load_config, load_state_dict, load_tokenizer, resolve_model
+from ..models.loading import (DEFAULT_MODEL, cache_root, hf_model, load_config, load_state_dict, load_tokenizer,
+                              resolve_model)
 from ..seeding import draft_generator
 from ..seqs import common_prefix_len
 from ..types import DraftContext, SessionLost, TokenTree
@@ -344,7 +345,6 @@ def train(model: str = DEFAULT_MODEL, domain: str = "code", steps: int = 150, se
         raise SystemExit("train-specialist needs peft: pip install -e '.[train]'") from e
     from safetensors.torch import save_file
     from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
 
     if domain not in DOMAINS:
         raise ValueError(f"unknown domain {domain!r}; known: {DOMAINS}")
@@ -358,7 +358,7 @@ def train(model: str = DEFAULT_MODEL, domain: str = "code", steps: int = 150, se
           "prose": token_chunks(tok, domain_files("prose", "heldout"), "prose", seq_len, eval_chunks)}
     perm = torch.randperm(len(train_x))
     train_x = train_x[perm]
-    lm = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    lm = hf_model(base_dir, torch.float32)
     base_ppl = {k: perplexity(lm, v) for k, v in ev.items()}
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
                      task_type="CAUSAL_LM")
@@ -425,37 +425,3 @@ def train(model: str = DEFAULT_MODEL, domain: str = "code", steps: int = 150, se
         tok.save_pretrained(d)
         metrics["merged_dir"] = str(d)
     return metrics
-
-
-# ---------------------------------------------------------------------------- command line
-
-
-def register(sub) -> None:
-    p = sub.add_parser("train-specialist", help="LoRA-tune a domain specialist of the target (divergence decoding)")
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--domain", default="code", choices=DOMAINS)
-    p.add_argument("--steps", type=int, default=150, help="AdamW steps of --batch x --seq-len tokens")
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--rank", type=int, default=8)
-    p.add_argument("--alpha", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-minutes", type=float, default=15.0, help="stop training after this long (recorded)")
-    p.add_argument("--eval-chunks", type=int, default=24, help="held-out rows of --seq-len tokens per eval set")
-    p.add_argument("--out", default=None, help="adapter directory (default: the committed one under checkpoints/)")
-    p.add_argument("--no-merged", dest="merged", action="store_false",
-                   help="do not write the merged model directory into the cache")
-    p.set_defaults(module="specmesh.drafters.specialist", func="train_main")
-
-
-def train_main(args) -> int:
-    m = train(args.model, args.domain, steps=args.steps, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
-              rank=args.rank, alpha=args.alpha, seed=args.seed, threads=args.threads, eval_chunks=args.eval_chunks,
-              out=args.out, save_merged=args.merged, max_minutes=args.max_minutes)
-    ppl = m["heldout_ppl"]
-    print(f"{m['steps']} steps ({m['train_tokens']} tokens) in {m['train_seconds']:.0f} s; held-out perplexity "
-          f"base -> specialist: {args.domain} {ppl['base']['code']:.2f} -> {ppl['specialist']['code']:.2f}, "
-          f"off-domain prose {ppl['base']['prose']:.2f} -> {ppl['specialist']['prose']:.2f}")
-    return 0

@@ -137,7 +137,7 @@ class GraphedEngine(LlamaEngine):
                  max_seq_len: int = 2048, device="cpu", capture: Optional[bool] = None,
                  batch_buckets: Sequence[int] = BATCH_BUCKETS, token_buckets: Sequence[int] = TOKEN_BUCKETS,
                  warmup_iters: int = 2, invariant: bool = False, invariant_tokens: int = 64,
-                 key_buckets: Sequence[int] = KEY_BUCKETS):
+                 key_buckets: Sequence[int] = KEY_BUCKETS, model_dir=None):
         """``capture``: record CUDA graphs (default: when the device is CUDA). Batch
         buckets beyond the first one that holds every slot are never needed and dropped.
         ``key_buckets``: how many keys a forward attends over, the smallest that holds
@@ -146,7 +146,7 @@ class GraphedEngine(LlamaEngine):
         ``invariant_tokens`` tokens over all ``max_seq_len`` keys, for every forward,
         longer chains (prefill) in chunks of that size."""
         super().__init__(config, state_dict, dtype=dtype, n_slots=n_slots + 1, max_seq_len=max_seq_len,
-                         device=device)
+                         device=device, model_dir=model_dir)
         self.n_slots = n_slots  # the last KV slot is the padding's scratch
         self.scratch = n_slots
         self.lengths = [0] * n_slots

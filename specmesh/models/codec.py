@@ -29,9 +29,16 @@ class TextCodec:
         d = resolve_model(model, quiet=True)
         return cls(load_tokenizer(d), int(load_config(d)["vocab_size"]))
 
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template renders tools (``tools=``; Qwen2.5's does, SmolLM2's does not)."""
+        t = getattr(self.tokenizer, "chat_template", None) or ""
+        return isinstance(t, str) and "tools" in t
+
     def encode(self, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
-               chat: bool = True) -> list[int]:
-        """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages."""
+               chat: bool = True, tools: Optional[list] = None) -> list[int]:
+        """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages;
+        ``tools`` (``specmesh.tools.Tool``) for a template that renders them."""
         if messages is None:
             if not prompt:
                 raise InvalidArgument("prompt", "is empty")
@@ -43,9 +50,50 @@ class TextCodec:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise InvalidArgument("messages", f"entry {i} needs 'role' and 'content'")
+        kw = {}
+        if tools:
+            import json
+
+            kw["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                             "parameters": json.loads(t.parameters)}} for t in tools]
         enc = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True)
+                                                 return_dict=True, **kw)
         return list(enc["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token spells (a byte-level BPE token may be part of a UTF-8
+        character, whose text alone would be U+FFFD): what logprobs report as ``bytes``."""
+        tok = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if tok is None:
+            return b""
+        if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):  # SentencePiece byte fallback
+            try:
+                return bytes([int(tok[3:5], 16)])
+            except ValueError:
+                pass
+        dec = _byte_decoder()
+        if all(c in dec for c in tok):  # GPT-2 byte-level BPE
+            return bytes(dec[c] for c in tok)
+        return self.tokenizer.convert_tokens_to_string([tok]).encode()
+
+
+def _byte_decoder() -> dict:
+    """GPT-2's byte-level alphabet, inverted: the character each byte is written as -> the byte."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+            list(range(ord("®"), ord("ÿ") + 1))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(bs, cs)}
+    return _BYTE_DECODER
+
+
+_BYTE_DECODER: Optional[dict] = None

@@ -243,6 +243,26 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def hf_model(model_dir: Path, dtype=None):
+    """The model directory as a Hugging Face causal LM (``dtype``: a torch dtype, default
+    fp32): ``from_pretrained`` for safetensors; for a GGUF-backed directory (an alias, a
+    ``.gguf`` file, a draft made of some of its layers) the config's model with the GGUF's
+    weights dequantised to fp32 (``load_state_dict``)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
+    if source_gguf(model_dir) is None:
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(load_state_dict(model_dir), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise ModelNotFound(f"{model_dir}: the GGUF's tensors do not fit the config (missing {sorted(missing)[:4]}, "
+                            f"unexpected {sorted(unexpected)[:4]})")
+    model.tie_weights()
+    return model.to(dtype)
+
+
 def load_state_dict(model_dir: Path) -> dict:
     """All tensors of the model directory: its safetensors files (sharded or not), as
     views of the memory-mapped files (pages are read when touched), or its GGUF's,

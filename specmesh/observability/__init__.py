@@ -14,7 +14,7 @@
   stats      acceptance histograms from stats/bench JSON, trace files or a
              ``/metrics`` scrape, the ceiling bin and the preflight verdict
   plots      the round timeline PNG and the acceptance histogram PNG
-  cli        ``specmesh trace show|list`` and ``specmesh stats``
 
-Nothing here changes what the services compute; every hook only reads.
+Nothing here changes what the services compute; every hook only reads. The commands
+``specmesh trace show|list`` and ``specmesh stats`` are ``specmesh.cli.observability``.
 """

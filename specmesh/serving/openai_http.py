@@ -10,7 +10,11 @@ client (or any OpenAI-compatible client) works unchanged:
   not; ``temperature`` (OpenAI's default 1.0 when omitted), ``top_p``,
   ``max_tokens`` / ``max_completion_tokens``, ``seed`` (a random one when a
   sampled request gives none, reported back), ``stop`` (strings, applied by the router:
-  the output ends just before the first one, finish reason ``stop``), ``n`` (1 only), ``usage``;
+  the output ends just before the first one, finish reason ``stop``), ``n`` (1..8
+  choices, one SDK stream each, seeded ``child_seed(seed, i)``; usage summed), ``usage``,
+  ``logprobs`` / ``top_logprobs``, penalties, ``logit_bias``, structured outputs and
+  predicted outputs (``openai_outputs``); every other field is implemented or refused
+  naming it (``openai_fields``);
 - extra body fields, the way vLLM takes extra sampling parameters (the
   ``openai`` client sends them with ``extra_body={...}``): ``strategy``,
   ``drafter``, ``acceptance`` (``exact`` or an opt-in rule: ``typical``, ``lenient``,
@@ -26,14 +30,16 @@ client (or any OpenAI-compatible client) works unchanged:
   once a router serves requests (its ``specmesh.v1.Router`` health is SERVING: a
   verifier serves behind it), 503 with the reason before; while it is 503 every
   request is 503 ``service_unavailable`` too, with the same reason. ``GET /live``:
-  200 while the process serves (liveness).
+  200 while the process serves (liveness);
+- ``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the verifier's
+  prefix cache held (as OpenAI and vLLM report them).
 
 Errors have the OpenAI shape ``{"error": {"message", "type", "param",
 "code"}}``: the router's INVALID_ARGUMENT is HTTP 400 ``invalid_request_error``
 with ``param`` the OpenAI name of the field the router named
 (``sampling.top_p`` -> ``top_p``, ``max_new_tokens`` -> ``max_tokens``, ...),
-and so are malformed bodies and options this API does not offer (``n`` > 1,
-``logprobs``, penalties, ``echo``, ...); a missing or wrong bearer token is 401
+and so are malformed bodies and the fields ``openai_fields`` refuses (``echo``,
+``audio``, ``tools`` for now, unknown fields, ...); a missing or wrong bearer token is 401
 (when the server has a token); RESOURCE_EXHAUSTED 429; UNAVAILABLE 503;
 DEADLINE_EXCEEDED 504. An error after a stream has started arrives as a last
 ``data: {"error": ...}`` event.
@@ -56,12 +62,15 @@ router died (``specmesh.client``), so an HTTP stream outlives a router restart
 and its caller sees each character once. ``/health`` reports the SDK's resume
 count.
 
+The request bodies and their translation into SDK calls are ``openai_request``; the
+field table ``openai_fields``; logprobs, structured outputs and ``n`` ``openai_outputs``.
 This module knows nothing about models, tokenizers, decoding or the router's
 internals: it speaks the SDK.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -72,261 +81,47 @@ import ssl
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 
 from ..client import AsyncClient
-from ..v1 import common_pb2
-from ..errors import (DeadlineExceededError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
-                      SpecmeshError, UnauthenticatedError, UnavailableError)
+from ..errors import SpecmeshError
+from ..tools import ToolStream
+from .openai_outputs import chat_logprobs, child_seed, completion_logprobs
+from .openai_request import (ApiError, ChatBody, CompletionBody, Job, _loc_param, bad, build_job,  # noqa: F401
+                             from_specmesh)
 
 log = logging.getLogger("specmesh.serving.openai_http")
-
-U64 = 1 << 64
 READY_TTL_S = 1.0  # how long a router's SERVING answer is trusted before /health or a request asks again
 READY_TIMEOUT_S = 2.0
-
-# router field (named in its INVALID_ARGUMENT message) -> OpenAI request parameter
-_PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
-           "sampling.seed": "seed", "sampling.acceptance": "acceptance", "strategy": "strategy",
-           "drafter": "drafter", "draft_budget": "draft_budget", "conversation_id": "conversation_id",
-           "messages": "messages", "request": None}
-# the acceptance rules' parameters, taken as flat extra body fields like vLLM's extra sampling parameters
-# (lenience, accept_top_k, typical_epsilon, cd_alpha, ...): every SamplingParams field not mapped above
-_RULE_PARAMS = tuple(f for f in common_pb2.SamplingParams.DESCRIPTOR.fields_by_name
-                     if f"sampling.{f}" not in _PARAMS)
-_PARAMS.update({f"sampling.{f}": f for f in _RULE_PARAMS})
-
-
-# ---------------------------------------------------------------- request bodies
-
-class StreamOptions(BaseModel):
-    include_usage: bool = False
-
-
-class _Body(BaseModel):
-    # unknown OpenAI fields (user, logit_bias, metadata, ...) are accepted and ignored, as vLLM does
-    model_config = ConfigDict(extra="allow")
-
-    model: str = ""
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    seed: Optional[int] = None
-    stop: Optional[Union[str, list[str]]] = None
-    n: Optional[int] = 1
-    stream: Optional[bool] = False
-    stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    # specmesh extras (extra_body)
-    strategy: str = ""
-    drafter: str = ""
-    acceptance: Optional[str] = None
-    top_k: Optional[int] = None
-    draft_budget: Optional[int] = None
-    conversation_id: str = ""
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: Union[str, list[TextPart], None] = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
-
-
-class ChatBody(_Body):
-    messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
-    logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
-
-
-class CompletionBody(_Body):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    echo: Optional[bool] = False
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
-    logprobs: Optional[int] = None
-
-
-# ---------------------------------------------------------------- errors
-
-class ApiError(Exception):
-    """An OpenAI-shaped error: HTTP ``status`` and the ``error`` object."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
-
-
-def bad(param: Optional[str], message: str, code: str = "invalid_value") -> ApiError:
-    return ApiError(400, f"{param}: {message}" if param else message, "invalid_request_error", param, code)
-
-
-def from_specmesh(e: SpecmeshError, params: dict) -> ApiError:
-    """The HTTP error of a failed router call (``params``: router field -> this request's parameter)."""
-    if isinstance(e, InvalidArgumentError):
-        f = e.field
-        param = params.get(f, _PARAMS.get(f, f or None))
-        why = e.details.split(":", 1)[1].strip() if f else e.details
-        return bad(param, why)
-    if isinstance(e, UnauthenticatedError):
-        return ApiError(401, "missing or invalid bearer token", "invalid_request_error", None, "invalid_api_key")
-    if isinstance(e, ResourceExhaustedError):
-        return ApiError(429, e.details, "rate_limit_error", None, "rate_limit_exceeded")
-    if isinstance(e, UnavailableError):
-        return ApiError(503, e.details, "server_error", None, "service_unavailable")
-    if isinstance(e, DeadlineExceededError):
-        return ApiError(504, e.details, "server_error", None, "timeout")
-    if isinstance(e, NotFoundError):
-        return ApiError(404, e.details, "invalid_request_error", None, "not_found")
-    return ApiError(500, f"{e.code}: {e.details}", "server_error", None, "internal_error")
-
-
-def _loc_param(loc) -> Optional[str]:
-    parts = [p for p in loc if p != "body"]
-    out = ""
-    for p in parts:
-        if isinstance(p, int):
-            out += f"[{p}]"
-        elif not out:
-            out = str(p)
-        elif p in ("str", "list[str]", "list[int]", "list[list[int]]", "list[TextPart]", "none", "function-after"):
-            continue  # pydantic's union-branch names
-        else:
-            out += f".{p}"
-    return out or None
-
-
-# ---------------------------------------------------------------- the request, translated
-
-@dataclass
-class Job:
-    """One request as the SDK call it becomes, plus what the HTTP layer does itself."""
-
-    kind: str                      # "chat" | "completion"
-    model: str
-    kwargs: dict                   # SDK keyword arguments (build_request)
-    stops: list[str]
-    stream: bool
-    include_usage: bool
-    params: dict = field(default_factory=dict)  # router field -> request parameter
-    drawn_seed: Optional[int] = None
-
-
-def _check_common(b: _Body) -> None:
-    if b.n is not None and b.n != 1:
-        raise bad("n", f"only n=1 is supported, got {b.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = getattr(b, name)
-        if v not in (None, 0, 0.0):
-            raise bad(name, "penalties are not supported (speculative decoding keeps the target's distribution)")
-
-
-def _stops(stop) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if any(not s for s in stops):
-        raise bad("stop", "stop strings must be non-empty")
-    return stops
-
-
-def build_job(b: _Body, kind: str, served_model: str) -> Job:
-    _check_common(b)
-    if b.model and b.model != served_model:
-        raise ApiError(404, f"The model `{b.model}` does not exist; this server serves `{served_model}`.",
-                       "invalid_request_error", "model", "model_not_found")
-    params = {"prompt": "messages" if kind == "chat" else "prompt"}
-    max_new = b.max_tokens
-    params["max_new_tokens"] = "max_tokens"
-    kw: dict[str, Any] = {}
-    if kind == "chat":
-        assert isinstance(b, ChatBody)
-        if b.logprobs or b.top_logprobs:
-            raise bad("logprobs", "logprobs are not supported")
-        if b.max_completion_tokens is not None:
-            if b.max_tokens is not None and b.max_tokens != b.max_completion_tokens:
-                raise bad("max_completion_tokens", "differs from max_tokens; give one")
-            max_new, params["max_new_tokens"] = b.max_completion_tokens, "max_completion_tokens"
-        if not b.messages:
-            raise bad("messages", "must be a non-empty list")
-        kw["messages"] = [{"role": m.role, "content": m.text()} for m in b.messages]
-    else:
-        assert isinstance(b, CompletionBody)
-        if b.echo:
-            raise bad("echo", "echo is not supported")
-        if b.suffix:
-            raise bad("suffix", "suffix is not supported")
-        if b.best_of not in (None, 1):
-            raise bad("best_of", "only best_of=1 is supported")
-        if b.logprobs:
-            raise bad("logprobs", "logprobs are not supported")
-        prompt = b.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise bad("prompt", "give one prompt string (token id prompts and batches are not supported)")
-            prompt = prompt[0]
-        kw["prompt"] = prompt
-        kw["raw_prompt"] = True  # the completions API continues the text as it is
-    temperature = 1.0 if b.temperature is None else b.temperature  # OpenAI's default
-    kw.update(temperature=temperature, max_new_tokens=max_new, top_p=b.top_p, top_k=b.top_k,
-              strategy=b.strategy, drafter=b.drafter, acceptance=b.acceptance, draft_budget=b.draft_budget,
-              conversation_id=b.conversation_id)
-    drawn = None
-    if b.seed is not None:
-        kw["seed"] = b.seed % U64
-    elif temperature > 0:  # OpenAI samples differently on every call without a seed
-        drawn = kw["seed"] = secrets.randbits(63)
-    rule = {k: v for k, v in (b.model_extra or {}).items() if k in _RULE_PARAMS and v is not None}
-    if rule:
-        kw["acceptance_params"] = rule
-    stops = _stops(b.stop)
-    kw["stop"] = stops  # the router applies them (finish_reason "stop", its stats count the kept tokens)
-    include_usage = bool(b.stream_options and b.stream_options.include_usage)
-    return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn)
-
 
 # ---------------------------------------------------------------- one generation
 
 class Run:
-    """The text pieces of one SDK stream (the router has applied the stop strings)."""
+    """One choice: the text pieces of one SDK stream (the router has applied the stop
+    strings), with the logprobs that came with them."""
 
-    def __init__(self, stream):
-        self.s = stream
+    def __init__(self, stream, index: int = 0):
+        self.s, self.index = stream, index
         self.acc = ""
+        self.logprobs: list = []  # every token's, as they came
 
     async def pieces(self):
+        """(text, logprobs since the last piece) as they come; held-back text comes later."""
         agen = self.s.__aiter__()
         done = False
         try:
             async for piece in agen:
                 self.acc += piece
+                lps = self.s.take_logprobs()
+                self.logprobs += lps
                 if piece:
-                    yield piece
+                    yield piece, lps
+                elif lps:
+                    yield "", lps
             done = True
         finally:
             if not done:
@@ -338,7 +133,19 @@ class Run:
         return self.acc
 
     def finish_reason(self) -> str:
-        return "length" if self.s.result.stats.finish_reason == "length" else "stop"
+        fr = self.s.result.stats.finish_reason
+        return fr if fr in ("length", "tool_calls") else "stop"
+
+
+def _calls(calls, start: int = 0) -> list:
+    """OpenAI's tool_calls (with ``index`` from ``start`` for stream deltas when start >= 0)."""
+    out = []
+    for k, c in enumerate(calls):
+        d = {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        if start >= 0:
+            d["index"] = start + k
+        out.append(d)
+    return out
 
 
 class Api:
@@ -376,101 +183,194 @@ class Api:
             raise ApiError(401, "missing or invalid bearer token", "invalid_request_error", None, "invalid_api_key")
 
     # ------------------------------------------------------------ results
-    def _usage(self, job: Job, run: Run) -> dict:
-        st = run.s.result.stats
-        prompt, completion = st.prompt_tokens, st.new_tokens
+    def _usage(self, job: Job, runs: list) -> dict:
+        sts = [r.s.result.stats for r in runs]
+        prompt, completion = sts[0].prompt_tokens, sum(st.new_tokens for st in sts)
         # as OpenAI and vLLM report them: the prompt tokens the verifier's prefix cache held
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+        u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                             "total_tokens": prompt + completion,
+                             "prompt_tokens_details": {"cached_tokens": sts[0].cached_tokens}}
+        if "prediction" in job.kwargs:
+            u["completion_tokens_details"] = {
+                "accepted_prediction_tokens": sum(st.accepted_prediction_tokens for st in sts),
+                "rejected_prediction_tokens": sum(st.rejected_prediction_tokens for st in sts)}
+        return u
 
-    def _stats(self, job: Job, run: Run) -> dict:
-        r = run.s.result
-        d: dict[str, Any] = dict(r.stats.to_dict(), session_id=r.session_id)
+    def _stats(self, job: Job, runs: list) -> dict:
+        def one(run):
+            r = run.s.result
+            return dict(r.stats.to_dict(), session_id=r.session_id)
+
+        d: dict[str, Any] = one(runs[0])
         if job.drawn_seed is not None:
             d["seed"] = job.drawn_seed
+        if len(runs) > 1:
+            d["choices"] = [one(r) for r in runs]
         return d
 
-    def _body(self, job: Job, rid: str, created: int, run: Run) -> dict:
-        fr = run.finish_reason()
-        if job.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": run.text}, "logprobs": None,
-                      "finish_reason": fr}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": run.text, "logprobs": None, "finish_reason": fr}
-            obj = "text_completion"
-        return {"id": rid, "object": obj, "created": created, "model": job.model, "choices": [choice],
-                "usage": self._usage(job, run), "system_fingerprint": None, "specmesh": self._stats(job, run)}
+    def _logprobs(self, job: Job, lps: list, offset: int = 0) -> Optional[dict]:
+        if job.top < 0:
+            return None
+        return chat_logprobs(lps, job.top) if job.kind == "chat" else completion_logprobs(lps, job.top, offset)
+
+    def _body(self, job: Job, rid: str, created: int, runs: list) -> dict:
+        choices = []
+        for run in runs:
+            fr = run.finish_reason()
+            lp = self._logprobs(job, run.logprobs)
+            if job.kind == "chat":
+                msg: dict[str, Any] = {"role": "assistant", "content": run.s.result.text}
+                calls = run.s.result.tool_calls
+                if calls:
+                    msg["tool_calls"] = _calls(calls, -1)
+                    msg["content"] = run.s.result.text or None
+                choices.append({"index": run.index, "message": msg, "logprobs": lp, "finish_reason": fr})
+            else:
+                choices.append({"index": run.index, "text": run.text, "logprobs": lp, "finish_reason": fr})
+        obj = "chat.completion" if job.kind == "chat" else "text_completion"
+        return {"id": rid, "object": obj, "created": created, "model": job.model, "choices": choices,
+                "usage": self._usage(job, runs), "system_fingerprint": None, "specmesh": self._stats(job, runs)}
 
     def _chunk(self, job: Job, rid: str, created: int, text: Optional[str], finish: Optional[str] = None,
-               first: bool = False) -> dict:
+               first: bool = False, index: int = 0, logprobs: Optional[dict] = None) -> dict:
         if job.kind == "chat":
             delta: dict[str, Any] = {}
             if first:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
         return {"id": rid, "object": obj, "created": created, "model": job.model, "choices": [choice],
                 "system_fingerprint": None}
 
     # ------------------------------------------------------------ generate
+    def _kwargs(self, job: Job, i: int) -> dict:
+        kw = dict(job.kwargs)
+        if i and "seed" in kw:
+            kw["seed"] = child_seed(kw["seed"], i)  # each choice its own draws, reproducible from the request's
+        return kw
+
     async def generate(self, job: Job, peer: str):
         rid = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        stream = self.client.stream(client_id=peer, **job.kwargs)
-        run = Run(stream)
-        pieces = run.pieces()
-        try:  # the router validates when the call starts: its errors become HTTP statuses here
-            first = await pieces.__anext__()
-        except StopAsyncIteration:
-            first = None
+        runs = [Run(self.client.stream(client_id=job.client or peer, **self._kwargs(job, i)), i)
+                for i in range(job.n)]
+        gens = [r.pieces() for r in runs]
+        firsts: list = []
+        try:  # the router validates when a call starts: its errors become HTTP statuses here
+            for g in gens:
+                try:
+                    firsts.append(await g.__anext__())
+                except StopAsyncIteration:
+                    firsts.append(None)
         except SpecmeshError as e:
-            await pieces.aclose()
+            for g in gens:
+                await g.aclose()
             raise from_specmesh(e, job.params) from None
         except BaseException:
-            await pieces.aclose()
+            for g in gens:
+                await g.aclose()
             raise
         if not job.stream:
             try:
-                async for _ in pieces:
-                    pass
+                await asyncio.gather(*[_drain(g) for g in gens])
             except SpecmeshError as e:
                 raise from_specmesh(e, job.params) from None
-            return JSONResponse(self._body(job, rid, created, run))
+            finally:
+                for g in gens:
+                    await g.aclose()
+            return JSONResponse(self._body(job, rid, created, runs))
 
         async def events():
+            sent = [0] * len(runs)  # characters of each choice sent (completions' text_offset)
+            tools = job.kind == "chat" and bool(job.kwargs.get("tools")) and job.kwargs.get("tool_choice") != "none"
+            parsers = [ToolStream() for _ in runs] if tools else None
+
+            def chunk(i, piece, lps):
+                out = ""
+                if parsers is not None:  # text that may begin a call is held back; a closed call is a delta
+                    p = parsers[i]
+                    piece = p.push(piece)
+                    for call in p.new:
+                        c = self._chunk(job, rid, created, None, index=i)
+                        c["choices"][0]["delta"]["tool_calls"] = _calls(
+                            [{"id": call.id, "name": call.name, "arguments": call.arguments}],
+                            len(p.calls) - len(p.new) + p.new.index(call))
+                        out += _sse(c, job.obfuscate)
+                    if not piece and not lps:
+                        return out
+                c = self._chunk(job, rid, created, piece, index=i,
+                                logprobs=self._logprobs(job, lps, sent[i]) if lps else None)
+                sent[i] += len(piece)
+                return _sse(c, job.obfuscate) + out
+
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i, g):
+                try:
+                    async for item in g:
+                        await queue.put((i, item))
+                    await queue.put((i, None))
+                except BaseException as e:  # noqa: BLE001 - delivered to the event loop below
+                    await queue.put((i, e))
+
+            tasks = []
             try:
-                if job.kind == "chat":
-                    yield _sse(self._chunk(job, rid, created, "", first=True))
-                if first:
-                    yield _sse(self._chunk(job, rid, created, first))
-                async for piece in pieces:
-                    yield _sse(self._chunk(job, rid, created, piece))
-                last = self._chunk(job, rid, created, None if job.kind == "chat" else "", run.finish_reason())
-                last["specmesh"] = self._stats(job, run)
+                for i in range(len(runs)):
+                    if job.kind == "chat":
+                        yield _sse(self._chunk(job, rid, created, "", first=True, index=i), job.obfuscate)
+                    if firsts[i] is not None:
+                        yield chunk(i, *firsts[i])
+                tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens) if firsts[i] is not None]
+                left = len(tasks)
+                while left:
+                    i, item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if item is None:
+                        left -= 1
+                        continue
+                    yield chunk(i, *item)
+                stats = self._stats(job, runs)
+                for run in runs:
+                    if parsers is not None and parsers[run.index].buf:  # held back, and no call after all
+                        yield _sse(self._chunk(job, rid, created, parsers[run.index].flush(), index=run.index),
+                                   job.obfuscate)
+                    last = self._chunk(job, rid, created, None if job.kind == "chat" else "", run.finish_reason(),
+                                       index=run.index)
+                    if run.index == len(runs) - 1:
+                        last["specmesh"] = stats
+                    yield _sse(last, job.obfuscate)
                 if job.include_usage:
-                    yield _sse(last)
-                    yield _sse({"id": rid, "object": last["object"], "created": created, "model": job.model,
-                                "choices": [], "usage": self._usage(job, run), "system_fingerprint": None})
-                else:
-                    yield _sse(last)
+                    yield _sse({"id": rid, "object": "chat.completion.chunk" if job.kind == "chat" else
+                                "text_completion", "created": created, "model": job.model, "choices": [],
+                                "usage": self._usage(job, runs), "system_fingerprint": None}, job.obfuscate)
                 yield "data: [DONE]\n\n"
             except SpecmeshError as e:
                 yield _sse(from_specmesh(e, job.params).body())
                 yield "data: [DONE]\n\n"
             finally:
-                await pieces.aclose()
+                for t in tasks:
+                    t.cancel()
+                for g in gens:
+                    await g.aclose()
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _sse(obj: dict) -> str:
+async def _drain(g) -> None:
+    async for _ in g:
+        pass
+
+
+def _sse(obj: dict, obfuscate: bool = False) -> str:
+    if obfuscate:  # stream_options.include_obfuscation: random padding that hides the chunks' lengths
+        obj = dict(obj, obfuscation=secrets.token_urlsafe(secrets.randbelow(24) + 1))
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 

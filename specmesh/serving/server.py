@@ -35,7 +35,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ..observability.rpc import ServerInterceptor, intercept
-from .channels import channel, channel_credentials
+from ..wire.channels import channel, channel_credentials
 from .interceptors import AuthInterceptor, ErrorInterceptor
 from .settings import ServeSettings
 

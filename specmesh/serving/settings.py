@@ -3,7 +3,7 @@
 One ``ServeSettings`` object configures any of the three servers and the router's
 outgoing connections: bind address and ports, limits, TLS files, the bearer
 token, batching and retry knobs. Values come from (highest priority first)
-command-line flags (``specmesh serve``, defined in ``serving/cli.py``),
+command-line flags (``specmesh serve``, defined in ``specmesh/cli/serve.py``),
 environment variables ``SPECMESH_<FIELD>`` (e.g. ``SPECMESH_MAX_NEW_TOKENS=512``,
 ``SPECMESH_VERIFIER_ADDRESSES=a:1,b:2``), a YAML file (``--config`` or
 ``SPECMESH_CONFIG``), then the defaults below. The token

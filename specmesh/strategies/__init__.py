@@ -10,6 +10,6 @@
 
 Everything here drives ``specmesh.loop.speculative_generate`` with any drafter and
 verifier (in-process or gRPC adapters); nothing here imports grpc. Their commands
-live elsewhere: ``specmesh bench-strategies`` in ``specmesh.bench.strategies``,
-``specmesh calibrate-layerskip`` in ``specmesh.bench.calibrate``.
+live elsewhere: ``specmesh bench-strategies`` in ``specmesh.cli.bench.strategies``,
+``specmesh calibrate-layerskip`` in ``specmesh.cli.bench.calibrate``.
 """

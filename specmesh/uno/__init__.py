@@ -6,4 +6,7 @@
   or a separate draft pass);
 - ``diffusion``: block-wise iterative unmasking with the adapter, and speculation over its
   unmasking trajectory.
+
+Its commands are ``specmesh.cli.uno`` (``train-uno``) and ``specmesh.cli.uno_study``
+(``uno-study``).
 """

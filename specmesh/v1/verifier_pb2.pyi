@@ -34,7 +34,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "sync", "tree", "sampling", "round_seed", "self_draft", "want_entropy", "feature_layers")
+    __slots__ = ("session_id", "sync", "tree", "sampling", "round_seed", "self_draft", "want_entropy", "feature_layers", "prompt_len", "jump_forward")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,8 @@ class VerifyRequest(_message.Message):
     SELF_DRAFT_FIELD_NUMBER: _ClassVar[int]
     WANT_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    JUMP_FORWARD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sync: _common_pb2.SessionSync
     tree: _common_pb2.TokenTree
@@ -51,10 +53,12 @@ class VerifyRequest(_message.Message):
     self_draft: SelfDraft
     want_entropy: bool
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round_seed: _Optional[int] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., want_entropy: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_len: int
+    jump_forward: bool
+    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round_seed: _Optional[int] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., want_entropy: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., jump_forward: _Optional[bool] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "sync", "sampling", "max_steps", "stop_ids", "want_entropy", "self_draft", "tokens_left")
+    __slots__ = ("session_id", "sync", "sampling", "max_steps", "stop_ids", "want_entropy", "self_draft", "tokens_left", "prompt_len", "jump_forward")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +67,8 @@ class DecodeRequest(_message.Message):
     WANT_ENTROPY_FIELD_NUMBER: _ClassVar[int]
     SELF_DRAFT_FIELD_NUMBER: _ClassVar[int]
     TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    JUMP_FORWARD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sync: _common_pb2.SessionSync
     sampling: _common_pb2.SamplingParams
@@ -71,10 +77,12 @@ class DecodeRequest(_message.Message):
     want_entropy: bool
     self_draft: SelfDraft
     tokens_left: int
-    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., want_entropy: _Optional[bool] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., tokens_left: _Optional[int] = ...) -> None: ...
+    prompt_len: int
+    jump_forward: bool
+    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., want_entropy: _Optional[bool] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., tokens_left: _Optional[int] = ..., prompt_len: _Optional[int] = ..., jump_forward: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features", "batch_rows", "cached_tokens")
+    __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features", "batch_rows", "logprobs", "forced", "cached_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +96,8 @@ class VerifyResponse(_message.Message):
     SERVER_MS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
@@ -102,8 +112,10 @@ class VerifyResponse(_message.Message):
     server_ms: float
     features: _common_pb2.HiddenFeatures
     batch_rows: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    forced: int
     cached_tokens: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., drafted: _Optional[int] = ..., tree_size: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., entropy: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., cache_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.HiddenFeatures, _Mapping]] = ..., batch_rows: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., drafted: _Optional[int] = ..., tree_size: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., entropy: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., cache_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.HiddenFeatures, _Mapping]] = ..., batch_rows: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., forced: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifierReleaseRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -149,7 +149,7 @@ def gpu_runtime():
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "layerskip", "block_tree", "uno", "uno_tree"])
 def test_greedy_speculation_identical_on_gpu(gpu_runtime, drafter):
     from specmesh.engine.cudagraph import GraphedEngine
-    from specmesh.demo import PROMPTS
+    from specmesh.cli.demo import PROMPTS
     from specmesh.loop import AdaptiveBudget, generate_tokens
 
     rt = gpu_runtime
@@ -212,7 +212,7 @@ def test_invariant_graphs_rows_do_not_depend_on_the_call():
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "block", "layerskip"])
 def test_bf16_greedy_speculation_identical_with_invariant_graphs(gpu_runtime_bf16_invariant, drafter):
-    from specmesh.demo import PROMPTS
+    from specmesh.cli.demo import PROMPTS
     from specmesh.loop import AdaptiveBudget, generate_tokens
 
     rt = gpu_runtime_bf16_invariant

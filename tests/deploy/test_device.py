@@ -86,14 +86,14 @@ def test_serve_refuses_a_missing_gpu_at_start_up(capsys):
 
 def test_cli_device_flags_parse():
     from specmesh.cli import build_parser
-    from specmesh.serving.cli import settings_from_args
+    from specmesh.cli.serve import settings_from_args
 
     ap = build_parser()
     a = ap.parse_args(["demo", "--device", "cpu", "--no-cuda-graphs"])
     assert a.device == "cpu" and a.cuda_graphs is False
     assert ap.parse_args(["demo"]).device == "auto" and ap.parse_args(["demo"]).cuda_graphs is True
     b = ap.parse_args(["bench", "--device", "cuda:1", "--hf-dtype", "bf16"])
-    from specmesh.bench import config_from_args
+    from specmesh.cli.bench import config_from_args
 
     cfg = config_from_args(b)
     assert (cfg.device, cfg.cuda_graphs, cfg.hf_dtype) == ("cuda:1", True, "bf16")
@@ -143,11 +143,11 @@ def test_gpu_scripts_parse():
 
 
 # what the device check imports (its phases, the CLI commands it runs, gpu-assemble's conversion)
-DEVICE_PATH = ("specmesh.cli", "specmesh.bench.device_check", "specmesh.runtime", "specmesh.bench.harness",
-               "specmesh.bench.peers", "specmesh.bench.systems", "specmesh.bench.strategies", "specmesh.bench.sweep",
-               "specmesh.serving.server", "specmesh.serving.stack", "specmesh.router", "specmesh.drafter_service",
-               "specmesh.verifier_service", "specmesh.models.gguf_state", "specmesh.uno.diffusion",
-               "specmesh.observability.wiring", "specmesh.kernels", "pytest")
+DEVICE_PATH = ("specmesh.cli", "specmesh.cli.bench.device_check", "specmesh.runtime", "specmesh.cli.bench.harness",
+               "specmesh.cli.bench.peers", "specmesh.cli.bench.systems", "specmesh.cli.bench.strategies",
+               "specmesh.cli.bench.sweep", "specmesh.serving.server", "specmesh.cli.stack", "specmesh.router",
+               "specmesh.drafter_service", "specmesh.verifier_service", "specmesh.models.gguf_state",
+               "specmesh.uno.diffusion", "specmesh.observability.wiring", "specmesh.kernels", "pytest")
 NAMESPACES = {"google.protobuf": "protobuf", "opentelemetry.sdk": "opentelemetry-sdk",
               "opentelemetry.semconv": "opentelemetry-semantic-conventions", "opentelemetry": "opentelemetry-api"}
 

@@ -62,7 +62,7 @@ def _until(pred, timeout: float, what: str):
 
 class Cluster:
     def __init__(self):
-        from specmesh.deploy.ray.cli import deploy, describe, wait_running
+        from specmesh.cli.serve_ray import deploy, describe, wait_running
         from specmesh.deploy.ray.config import RayAppConfig, serve_config
 
         t0 = time.monotonic()
@@ -195,7 +195,7 @@ def test_greedy_through_ray_equals_in_process_greedy(cluster, ref):
 
 def test_scaling_drafters_while_requests_run(cluster, ref):
     from specmesh import Client
-    from specmesh.deploy.ray.cli import scale
+    from specmesh.cli.serve_ray import scale
 
     before = cluster.describe()
     verifier_ids = dict(before["registry"]["verifier"])

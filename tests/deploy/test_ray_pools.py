@@ -20,7 +20,7 @@ import pytest
 from specmesh.drafters import PromptLookupDrafter
 from specmesh.loop import generate_tokens
 from specmesh.router.adapters import Calls, RemoteDrafter
-from specmesh.serving.channels import channel
+from specmesh.wire.channels import channel
 from specmesh.serving.server import Service, build_server
 from specmesh.serving.settings import load_settings
 from specmesh.types import DraftContext

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from specmesh import workloads
-from specmesh.bench import report, sweep
-from specmesh.bench.harness import RECORD_FIELDS, BenchConfig
-from specmesh.bench.systems import expand, parse_ours
+from specmesh.cli.bench import report, sweep
+from specmesh.cli.bench.harness import RECORD_FIELDS, BenchConfig
+from specmesh.cli.bench.systems import expand, parse_ours
 from specmesh.types import InvalidArgument
 
 WORKLOADS = ("code_edit", "code_write", "summarize_quotes", "chat_multiturn", "reasoning", "open_writing")
@@ -150,7 +150,7 @@ def test_sweep_cell_metrics_with_a_fake_client():
 def test_bench_smoke_real_model(tmp_path, runtime):
     """One prompt per workload, 8 tokens, fp32: every record has every field, greedy
     speculation is token-identical to its AR, and the reports and charts are written."""
-    from specmesh.bench import run
+    from specmesh.cli.bench import run
 
     # one torch thread: steadier on shared cores (the harness restores the thread count afterwards)
     cfg = BenchConfig(systems=SMOKE_SYSTEMS, max_new_tokens=8, prompts=1, dtype="fp32", out=str(tmp_path),
@@ -180,7 +180,7 @@ def test_bench_repeats_keep_each_prompts_fastest_pass(tmp_path, runtime):
     """``repeats`` 2: every (system, prompt) runs twice, keeps its fastest run (the
     record's seconds are the sum of those), and both passes generate the same tokens;
     fewer than one pass is refused."""
-    from specmesh.bench import run
+    from specmesh.cli.bench import run
 
     cfg = BenchConfig(systems=["ours_ar", "ours_suffix"], workloads=["code_edit", "open_writing"], max_new_tokens=8,
                       prompts=2, dtype="fp32", out=str(tmp_path), progress=False, charts=False, threads=1, repeats=2)

@@ -13,7 +13,7 @@ from specmesh.engine.cudagraph import GraphedEngine
 def test_graphed_engine_real_model_greedy_identity():
     """The real model through GraphedEngine's static forward (CPU, no capture): greedy
     speculation with every kind of drafter equals plain decoding (fp32)."""
-    from specmesh.demo import PROMPTS
+    from specmesh.cli.demo import PROMPTS
     from specmesh.loop import AdaptiveBudget, generate_tokens
     from specmesh.runtime import Runtime
 

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 from specmesh.router.adapters import Calls, RemoteDrafter
 from specmesh.router.replicas import Peer, PeerHealth
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.types import DraftContext, SamplingParams, TokenTree
 from specmesh.v1 import drafter_pb2
 

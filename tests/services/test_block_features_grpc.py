@@ -27,7 +27,7 @@ from specmesh.blockdraft.serve import BlockFeatureDrafter, BlockSelfDrafter
 from specmesh.engine import LlamaEngine
 from specmesh.loop import generate_tokens
 from specmesh.router.adapters import FeatureLog
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.types import FeatureRows, InvalidArgument, SamplingParams, TokenTree, VerifyRequest
 from specmesh.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from specmesh.verifier import EngineVerifier

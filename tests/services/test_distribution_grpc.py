@@ -27,7 +27,7 @@ from specmesh.blockdraft.serve import BlockFeatureDrafter
 from specmesh.drafters import CacheDrafter, PromptLookupDrafter, SuffixDrafter
 from specmesh.drafters.model_drafters import DraftLMDrafter, LayerSkipDrafter
 from specmesh.engine import LlamaEngine
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.serving.settings import load_settings
 from specmesh.strategies.proactive import cache_id
 from specmesh.types import SamplingParams

@@ -20,7 +20,7 @@ from specmesh.drafters import PromptLookupDrafter, SuffixDrafter
 from specmesh.drafters.adaptive_lookup import AdaptiveLookupDrafter
 from specmesh.drafters.model_drafters import DraftLMDrafter
 from specmesh.engine import LlamaEngine
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.types import SamplingParams, TokenTree
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2
 from tests.support import (TRACED_SETTINGS, V, FakeCodec, GatedVerifier, TracedStack, code_of, samples, scrape,
@@ -299,7 +299,7 @@ def test_a_request_turns_draft_ahead_off_or_on_and_a_bad_mode_is_refused(stack):
 
 
 def test_bench_services_names_overlapped_systems():
-    from specmesh.bench.services import systems_of
+    from specmesh.cli.bench.services import systems_of
 
     s = {d["name"]: d for d in systems_of("ar,draft_lm_overlap,draft_lm_serial,suffix")}
     assert s["draft_lm_overlap"]["ours"] == "ours_draft_lm_overlap" and s["draft_lm_overlap"]["draft_ahead"] == "on"

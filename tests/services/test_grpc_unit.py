@@ -23,7 +23,7 @@ from specmesh.drafters import PromptLookupDrafter
 from specmesh.engine import LlamaEngine
 from specmesh.errors import InvalidArgumentError, ResourceExhaustedError, from_rpc_error
 from specmesh.loop import generate_tokens
-from specmesh.serving import convert
+from specmesh.wire import convert
 from specmesh.serving.interceptors import AuthInterceptor, ErrorInterceptor
 from specmesh.serving.server import build_server
 from specmesh.serving.settings import load_settings
@@ -112,7 +112,7 @@ def test_settings_sources(tmp_path, monkeypatch):
     assert load_settings(auth_token_file=str(tok)).token() == "from-file"
     assert load_settings().host == "127.0.0.1"  # loopback by default
     # `specmesh serve` hands the resolved settings to its children as SPECMESH_* variables
-    from specmesh.serving.cli import _settings_env
+    from specmesh.cli.serve import _settings_env
 
     s = load_settings(cfg, n_slots=7, verifier_addresses=["p:1", "q:2"], auth_token_file=str(tok))
     for k in list(os.environ):

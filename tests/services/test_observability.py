@@ -116,7 +116,7 @@ def test_round_scope_without_tracing_makes_no_spans():
     from types import SimpleNamespace
 
     from specmesh.observability.requests import RouterObserver
-    from specmesh.serving.convert import RouterStats
+    from specmesh.wire.convert import RouterStats
     from specmesh.types import SamplingParams
 
     tracing.configure(None)

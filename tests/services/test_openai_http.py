@@ -34,9 +34,9 @@ openai = pytest.importorskip("openai", reason="pip install -e '.[test]'")
 
 from specmesh.client import Client  # noqa: E402
 from specmesh.serving.openai_http import start_http  # noqa: E402
-from specmesh.serving.stack import LocalStack  # noqa: E402
-from tests.support import (ROOT, TRACED_SETTINGS, TokenizerCodec, V, free_port, samples, scrape,  # noqa: E402
-                           settings, tiny_layerskip_verifier, total, wait_for)
+from specmesh.cli.stack import LocalStack  # noqa: E402
+from tests.support import (ROOT, TRACED_SETTINGS, CharCodec, TokenizerCodec, V, free_port, samples,  # noqa: E402
+                           scrape, settings, tiny_grammar_verifier, tiny_layerskip_verifier, total, wait_for)
 
 MODEL = "tiny-test-model"
 N = 12
@@ -48,13 +48,17 @@ class Front:
     """A tiny-model stack with metrics, its OpenAI HTTP API on a free port, an
     ``openai.OpenAI`` client and a gRPC SDK client, both to the same router."""
 
-    def __init__(self, token=None):
+    def __init__(self, token=None, chars: bool = False, **overrides):
+        """``chars``: the ``CharCodec`` (JSON can be spelled) and a verifier serving grammars;
+        ``overrides``: settings (a longer ``max_seq_len`` goes to the verifier too)."""
         from specmesh.drafters import PromptLookupDrafter, SuffixDrafter
 
-        kw = dict(TRACED_SETTINGS, model=MODEL)
+        kw = dict(TRACED_SETTINGS, model=MODEL, **overrides)
         if token:
             kw["auth_token"] = token
-        self.stack = LocalStack([tiny_layerskip_verifier], TokenizerCodec(), V,
+        codec = CharCodec() if chars else TokenizerCodec()
+        make = tiny_grammar_verifier if chars else tiny_layerskip_verifier
+        self.stack = LocalStack([lambda: make(max_seq_len=kw["max_seq_len"])], codec, V,
                                 settings=functools.partial(settings, kw),
                                 drafters={"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter},
                                 metrics=True)
@@ -222,9 +226,14 @@ def test_stop_cuts_before_the_stop_string(front, stream):
     (dict(top_p=1.5), "top_p"),
     (dict(max_tokens=10_000), "max_tokens"),
     (dict(max_tokens=0), "max_tokens"),
-    (dict(n=2), "n"),
-    (dict(logprobs=True), "logprobs"),
-    (dict(presence_penalty=0.5), "presence_penalty"),
+    (dict(n=9), "n"),
+    (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(logit_bias={"96": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 101}), "logit_bias"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}),
+     "response_format"),
+    (dict(extra_body={"guided_regex": "(unclosed"}), "guided_regex"),
     (dict(stop=[""]), "stop"),
     (dict(stop=[str(i) for i in range(17)]), "stop"),
     (dict(stop=["x" * 257]), "stop"),

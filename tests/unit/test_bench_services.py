@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specmesh.bench.services import paths_of, render, systems_of, targets_for, verdicts
+from specmesh.cli.bench.services import paths_of, render, systems_of, targets_for, verdicts
 from specmesh.types import InvalidArgument
 
 
@@ -18,7 +18,7 @@ def test_systems_are_named_once_for_every_path():
     auto, serial = systems_of("draft_lm_auto,draft_lm_serial")
     assert (auto["ours"], auto["drafter"], auto["draft_ahead"]) == ("ours_draft_lm_auto", "draft_lm", "auto")
     assert serial["draft_ahead"] == "off"
-    from specmesh.bench.systems import overlap_mode
+    from specmesh.cli.bench.systems import overlap_mode
 
     assert [overlap_mode(f"ours_draft_lm{s}") for s in ("_auto", "_overlap", "_serial")] == ["auto", "on", "off"]
     with pytest.raises(InvalidArgument, match="systems"):

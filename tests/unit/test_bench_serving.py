@@ -3,7 +3,7 @@ starts servers: docs/performance.md)."""
 
 from __future__ import annotations
 
-from specmesh.bench import serving as bs
+from specmesh.cli.bench import serving as bs
 
 
 def _turns(ttfts):

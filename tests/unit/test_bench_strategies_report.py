@@ -5,7 +5,7 @@ what "covered" means (issue 50: only the covered 2.85x was ever reported)."""
 
 from __future__ import annotations
 
-from specmesh.bench.strategies import proactive_ratio, render
+from specmesh.cli.bench.strategies import proactive_ratio, render
 
 
 def _follow(plain_tps: float, pro_tps: float) -> dict:

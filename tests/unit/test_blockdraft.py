@@ -213,7 +213,7 @@ def test_training_features_are_cached_next_to_the_data(tmp_path):
     import argparse
     import json
 
-    from specmesh.blockdraft.cli import _examples
+    from specmesh.cli.blockdraft import _examples
 
     eng, _ = tiny_engine(n_slots=1)
     recs = [{"id": f"p{i}", "kind": "chat", "split": "heldout" if i == 0 else "train",

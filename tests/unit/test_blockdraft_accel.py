@@ -171,13 +171,13 @@ def test_hf_hidden_state_features_equal_the_engines():
 
 
 @pytest.mark.slow
-def test_gguf_loader_reproduces_the_converted_cache():
-    from safetensors.torch import load_file
-
+def test_gguf_loader_reproduces_the_models_weights():
+    """The bare-machine loader (gguf-py's numpy dequantisation) gives the values the engine's
+    GGUF weights give (its block kernels' dequantisation), tensor for tensor."""
     from specmesh.models.gguf_state import gguf_llama_state_dict
-    from specmesh.models.loading import ALIASES, _package_dir, resolve_model
+    from specmesh.models.loading import ALIASES, _package_dir, resolve_model, weights
 
-    ref = load_file(str(resolve_model("smollm2-135m-instruct", quiet=True) / "model.safetensors"))
+    ref = weights(resolve_model("smollm2-135m-instruct", quiet=True))
     got = gguf_llama_state_dict(_package_dir(ALIASES["smollm2-135m-instruct"]), 9, 3)
     assert set(got) == set(ref)
     for k in ref:

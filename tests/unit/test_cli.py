@@ -51,7 +51,7 @@ def test_generate_and_serve_flags_have_help_and_state_their_limits():
 
 
 def test_serve_default_strategy_flag_parses_and_reaches_the_settings(monkeypatch):
-    from specmesh.serving.cli import settings_from_args
+    from specmesh.cli.serve import settings_from_args
     from specmesh.serving.settings import ServeSettings
 
     monkeypatch.delenv("SPECMESH_DEFAULT_STRATEGY", raising=False)
@@ -87,7 +87,7 @@ class _FakeStream:
 
 def _fake_client(monkeypatch, seen: dict):
     from specmesh import client as client_mod
-    from specmesh.serving.convert import RouterStats as GenerationStats  # what the SDK's results carry
+    from specmesh.wire.convert import RouterStats as GenerationStats  # what the SDK's results carry
 
     class FakeClient:
         def __init__(self, address, **kw):
@@ -160,14 +160,14 @@ def test_draft_lm_is_marked_a_stand_in_in_the_help():
 
 
 def test_demo_flags_a_speedup_its_tau_cannot_explain():
-    from specmesh.demo import unexplained
+    from specmesh.cli.demo import unexplained
 
     assert unexplained(3.88, 1.00)  # the case issue 50 saw beside other load
     assert not unexplained(1.05, 1.00) and not unexplained(2.0, 2.6) and not unexplained(2.2, 2.0)
 
 
 def test_bench_rotation_is_shared_with_the_demo():
-    from specmesh.bench.harness import faster, rotated
+    from specmesh.cli.bench.harness import faster, rotated
 
     assert rotated(["a", "b", "c"], 0) == ["a", "b", "c"] and rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
     assert rotated([], 3) == []
@@ -175,7 +175,7 @@ def test_bench_rotation_is_shared_with_the_demo():
 
 
 def test_demo_marks_the_draft_lm_a_stand_in_without_a_real_draft_model():
-    from specmesh.demo import _draft_lm_is_stand_in
+    from specmesh.cli.demo import _draft_lm_is_stand_in
 
     assert _draft_lm_is_stand_in(SimpleNamespace(draft_model=None, model_name="smollm2-135m-instruct"))
     assert not _draft_lm_is_stand_in(SimpleNamespace(draft_model=None, model_name="qwen2.5-coder-1.5b-instruct"))
@@ -183,7 +183,7 @@ def test_demo_marks_the_draft_lm_a_stand_in_without_a_real_draft_model():
 
 
 def test_the_ray_banner_says_where_the_metrics_are():
-    from specmesh.deploy.ray.cli import metrics_banner
+    from specmesh.cli.serve_ray import metrics_banner
 
     lines = metrics_banner({"router": "10.0.0.5:50051", "metrics_port": 9451})
     assert lines[0] == "metrics   http://10.0.0.5:9451/metrics (router)"

@@ -48,7 +48,7 @@ def _args(cmd: str, argv: list[str]) -> argparse.Namespace:
 
 
 def test_costs_measures_the_cost_model(tiny_dir, tmp_path):
-    from specmesh.bench import costs
+    from specmesh.cli.bench import costs
 
     out = tmp_path / "costs"
     args = _args("costs", ["--model", tiny_dir, "--dtype", "fp32", "--device", "cpu", "--drafters",
@@ -83,7 +83,7 @@ def test_costs_measures_the_cost_model(tiny_dir, tmp_path):
 
 
 def test_quality_scores_each_rule_against_the_target(tiny_dir, tmp_path):
-    from specmesh.bench import quality
+    from specmesh.cli.bench import quality
     from specmesh.runtime import Runtime
 
     out = tmp_path / "quality"

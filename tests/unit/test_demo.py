@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from specmesh import demo
-from specmesh.serving.convert import RouterStats as Stats
+from specmesh.cli import demo
+from specmesh.wire.convert import RouterStats as Stats
 
 # system -> seconds of its passes, in order; tau from (accepted, rounds)
 TIMES = {"plain": [4.0, 3.0], "busy": [1.0, 1.2], "good": [2.0, 1.5]}

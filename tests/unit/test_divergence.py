@@ -134,7 +134,7 @@ def test_bad_threshold_names_the_field(bad):
 
 
 def test_threshold_through_the_proto_names_the_field():
-    from specmesh.serving.convert import sampling_from_proto, sampling_to_proto
+    from specmesh.wire.convert import sampling_from_proto, sampling_to_proto
     from specmesh.v1 import common_pb2
 
     sp = SamplingParams(temperature=0.5, acceptance="divergence", jsd_threshold=0.25)

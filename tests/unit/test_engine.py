@@ -263,7 +263,10 @@ def test_invariant_forward_matches_ragged_and_is_switchable():
 def test_smollm2_logits_match_hf(runtime):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(runtime.model_dir), dtype=torch.float32).eval()
+    from specmesh.models.loading import source_gguf
+
+    gguf = source_gguf(runtime.model_dir)  # transformers reads the GGUF itself (dequantised to fp32)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     ids = runtime.encode("Explain speculative decoding in one sentence.")
     runtime.verifier.release("hfcheck")
     slot = runtime.verifier.pool.allocate("hfcheck")

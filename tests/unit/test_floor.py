@@ -209,7 +209,7 @@ def test_floor_cli_on_the_real_target(tmp_path, capsys):
     import json
     from pathlib import Path
 
-    from specmesh.blockdraft import cli
+    from specmesh.cli import blockdraft as cli
     from specmesh.runtime import block_drafter_path
     from specmesh.models.loading import load_tokenizer, resolve_model
 

@@ -7,9 +7,14 @@
   the repository root the bare names (``import router``) load nothing.
 - Imports, read with ``ast`` (module level and inside functions, relative ones
   resolved): no cycle between modules, neither at module level nor counting
-  the lazy imports; every module sits in a layer of ``LAYERS`` and imports only
-  from its own layer or lower ones (the entry points too: serving, then training and
-  studies, then benchmarks, then the commands); the core (types, seeding, trees,
+  the lazy imports; every module sits in a layer of ``LAYERS``, which names whole
+  packages (and the top-level modules of ``specmesh``) only, never a module inside
+  another package, and imports only from its own layer or lower ones, with no
+  exception (``ALLOWED_UPWARD`` stays empty): every command and composition root is in
+  ``specmesh.cli`` (and the platform entry points the manifests name, in
+  ``specmesh.deploy``), at the top; inside ``specmesh.cli`` the benchmarks sit above
+  the other commands; the SDK (``client``) imports nothing of ``serving``: what both
+  speak on the wire is ``specmesh.wire``, below both; the core (types, seeding, trees,
   acceptance, the engine package with its CPU kernels and rowops, verifier, loop,
   drafters) reaches no gRPC, protos, serving, services or deployment code, even
   transitively; the engine package takes from the rest of specmesh only the leaves and
@@ -40,36 +45,37 @@ BARE = ("router", "drafter_service", "verifier_service", "kernels")
 LAYERS = [
     ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees",
                 "specmesh.errors", "specmesh.workloads", "specmesh.results", "specmesh.threads",
-                "specmesh.kernels", "specmesh.v1", "specmesh.prefix_cache"]),
+                "specmesh.kernels", "specmesh.v1", "specmesh.tools", "specmesh.prefix_cache"]),
     # the engine package: its forward, the CUDA-graph engine, the device choice, the CPU
     # kernels and rowops (specmesh/engine/__init__.py)
-    ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.models"]),
+    ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.models", "specmesh.grammar",
+                  "specmesh.processors"]),
     ("contracts", ["specmesh.verifier", "specmesh.prefix_reuse", "specmesh.drafters", "specmesh.loop",
                    "specmesh.contrastive", "specmesh.ahead"]),
     ("above the loop", ["specmesh.blockdraft", "specmesh.strategies", "specmesh.uno"]),
     ("in-process assembly", ["specmesh.runtime"]),
+    # channels and proto <-> domain conversion: what the SDK and the servers both speak
+    ("wire", ["specmesh.wire"]),
     ("observability", ["specmesh.observability"]),
-    ("gRPC layer", ["specmesh.serving", "specmesh.client"]),
+    ("SDK", ["specmesh.client"]),
+    # the servers' shared parts and the OpenAI front, which speaks the SDK to the routers
+    ("gRPC layer", ["specmesh.serving"]),
     ("services", ["specmesh.router", "specmesh.drafter_service", "specmesh.verifier_service"]),
-    # the entry points (composition roots), in four layers: what a benchmark or a command
-    # needs from a training or study command, or what those need from a benchmark, moves
-    # down (specmesh.workloads, specmesh.results) instead of importing across
-    ("serving entry points", ["specmesh.serving.cli", "specmesh.serving.stack", "specmesh.deploy",
-                              "specmesh.observability.cli"]),
-    ("training and studies", ["specmesh.blockdraft.cli", "specmesh.uno.cli", "specmesh.uno.study"]),
-    ("benchmarks", ["specmesh.bench", "specmesh.kernels.bench", "specmesh.kernels.compile_check"]),
-    ("commands", ["specmesh.cli", "specmesh.demo"]),
+    # the entry points (composition roots): every command, the in-process stack and the
+    # benchmarks in specmesh.cli; the platform entry points that the manifests name by
+    # path (the Ray app, the DNS router) in specmesh.deploy. What a command needs from
+    # another moves down (specmesh.workloads, specmesh.results) instead of importing across
+    ("entry points", ["specmesh.cli", "specmesh.deploy"]),
 ]
-ROOT_PACKAGE_LAYER = "gRPC layer"  # ``specmesh`` itself: it re-exports the SDK (lazily)
-# (importer, imported): an entry point inside a lower module
-ALLOWED_UPWARD = {
-    ("specmesh.blockdraft.accel", "specmesh.blockdraft.cli"),  # accel.main, `python -m specmesh.blockdraft.accel`
-}
+ROOT_PACKAGE_LAYER = "SDK"  # ``specmesh`` itself: it re-exports the SDK (lazily)
+# (importer, imported) pairs allowed to import upwards: none (an entry point lives in the
+# entry points' packages, never inside a library package below them)
+ALLOWED_UPWARD: set = set()
 CORE = ("specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees", "specmesh.prefix_cache",
-        "specmesh.acceptance", "specmesh.prefix_reuse",
+        "specmesh.acceptance", "specmesh.grammar", "specmesh.processors", "specmesh.tools", "specmesh.prefix_reuse",
         "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters", "specmesh.contrastive",
         "specmesh.ahead")
-CORE_MUST_NOT_REACH = ("grpc", "google.protobuf", "specmesh.v1", "specmesh.serving", "specmesh.client",
+CORE_MUST_NOT_REACH = ("grpc", "google.protobuf", "specmesh.v1", "specmesh.wire", "specmesh.serving", "specmesh.client",
                        "specmesh.observability", "specmesh.router", "specmesh.drafter_service",
                        "specmesh.verifier_service", "specmesh.deploy")
 OPTIONAL = ("ray", "triton")  # extras: a module needing one that is missing is skipped, not failed
@@ -207,6 +213,10 @@ def test_every_module_imports_from_outside_the_repository(tmp_path):
         "out = {'failed': {}, 'skipped': {}, 'files': {}}\n"
         f"for m in {sorted(MODULES)!r}:\n"
         "    try:\n"
+        "        if m.endswith('.__main__'):  # found, not run (running it is `python -m`)\n"
+        "            if importlib.util.find_spec(m) is None:\n"
+        "                raise ImportError(m)\n"
+        "            continue\n"
         "        importlib.import_module(m)\n"
         "    except ModuleNotFoundError as e:\n"
         "        key = 'skipped' if (e.name or '').split('.')[0] in optional else 'failed'\n"
@@ -276,6 +286,37 @@ def test_no_import_cycle():
     assert _cycles(_graph(lazy=True)) == [], "import cycle through function-level (lazy) imports"
 
 
+def test_layers_name_whole_packages_only():
+    """A layer names packages and the top-level modules of ``specmesh``, never a module
+    inside another package (that would put one package in two layers); and no import
+    is excused from going downwards."""
+    named = [p for _, prefixes in LAYERS for p in prefixes]
+    packages = {m for m, p in MODULES.items() if p.name == "__init__.py"}
+    top_modules = {m for m in MODULES if m.rpartition(".")[0] == "specmesh" and m not in packages}
+    assert [p for p in named if p not in packages and p not in top_modules] == []
+    assert len(named) == len(set(named))
+    assert ALLOWED_UPWARD == set()
+
+
+def test_the_sdk_imports_nothing_of_the_servers():
+    """``specmesh.client`` reaches no ``serving`` module, nor a service, even lazily or
+    transitively: the wire helpers both use are ``specmesh.wire``; the OpenAI front's use
+    of the SDK is the only arrow between the SDK and the servers."""
+    graph = _graph(lazy=True)
+    seen, todo = set(), ["specmesh.client"]
+    while todo:
+        v = todo.pop()
+        if v not in seen:
+            seen.add(v)
+            todo += graph[v]
+    assert [v for v in sorted(seen) if _under(v, ["specmesh.serving", "specmesh.router", "specmesh.drafter_service",
+                                                   "specmesh.verifier_service", "specmesh.cli",
+                                                   "specmesh.deploy"])] == []
+    into_sdk = sorted(m for m, targets in graph.items()
+                      if "specmesh.client" in targets and _under(m, ["specmesh.serving"]))
+    assert into_sdk == ["specmesh.serving.openai_http"]
+
+
 def test_every_module_has_a_layer_and_imports_downwards():
     names = [n for n, _ in LAYERS]
     assert [m for m in MODULES if _layer(m) is None] == [], "give these a layer in LAYERS (and docs/design.md)"
@@ -289,14 +330,20 @@ def test_every_module_has_a_layer_and_imports_downwards():
     assert upward == []
 
 
-def test_benchmarks_sit_above_training_studies_and_serving():
-    """A benchmark may run a trained drafter, a study's code or a served stack; none of
-    those may reach into ``bench``: what they share with it lives lower down."""
-    bench = _layer("specmesh.bench")
-    for m in ("specmesh.blockdraft.cli", "specmesh.uno.cli", "specmesh.uno.study", "specmesh.uno",
-              "specmesh.blockdraft", "specmesh.serving.stack", "specmesh.workloads", "specmesh.results"):
-        assert _layer(m) < bench, m
-    assert _layer("specmesh.cli") > bench and _layer("specmesh.demo") > bench
+def test_benchmarks_sit_above_the_other_commands():
+    """Inside ``specmesh.cli``: a benchmark may run a trained drafter, a study's code or a
+    served stack (``cli.stack``), and of the other commands it imports only that stack;
+    the serving, training and study commands import nothing of ``cli.bench`` (what they
+    share with it lives lower down: ``workloads``, ``results``); only the parser
+    (``specmesh.cli``) and the demo, above them all, do."""
+    graph = _graph(lazy=True)
+    bench, top = "specmesh.cli.bench", ("specmesh.cli", "specmesh.cli.__main__", "specmesh.cli.demo")
+    assert [m for m in MODULES if _under(m, [bench])], "no specmesh.cli.bench package"
+    bad = [f"{m} -> {t}" for m, targets in graph.items() for t in sorted(targets)
+           if _under(t, [bench]) and not _under(m, [bench]) and m not in top]
+    bad += [f"{m} -> {t}" for m, targets in graph.items() if _under(m, [bench]) for t in sorted(targets)
+            if _under(t, ["specmesh.cli"]) and not _under(t, [bench]) and t != "specmesh.cli.stack"]
+    assert bad == []
 
 
 def test_core_reaches_no_grpc_protos_serving_services_or_deployment():

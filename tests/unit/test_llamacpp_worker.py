@@ -1,4 +1,4 @@
-"""The llama.cpp peer's child process (specmesh.bench.llamacpp_worker), with a stand-in
+"""The llama.cpp peer's child process (specmesh.cli.bench.llamacpp_worker), with a stand-in
 child so no llama.cpp is needed: a child that dies of a signal is restarted once with
 llama.cpp's extra weight buffers off (the workaround for the AMX crash), a child that
 keeps dying, fails to load or hangs raises PeerFailed with the reason, and answers
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from specmesh.bench.llamacpp_worker import LlamaCppWorker, PeerFailed
+from specmesh.cli.bench.llamacpp_worker import LlamaCppWorker, PeerFailed
 
 CHILD = r'''
 import json, os, signal, sys

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from specmesh.bench.quality import final_answer, parse_rule, prefix_agreement, rouge_l
+from specmesh.cli.bench.quality import final_answer, parse_rule, prefix_agreement, rouge_l
 
 
 def test_prefix_agreement():

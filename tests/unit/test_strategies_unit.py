@@ -775,7 +775,7 @@ def test_parse_turns_and_gate():
 
 def test_calibration_record_roundtrip(tmp_path, ver):
     from specmesh.drafters.model_drafters import LayerSkipDrafter
-    from specmesh.bench import calibrate as cal
+    from specmesh.cli.bench import calibrate as cal
 
     class FakeRuntime:
         verifier, stop_ids, dtype, model_dir = ver, [0], "fp32", "tiny"

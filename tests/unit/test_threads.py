@@ -123,7 +123,7 @@ def test_the_model_thread_runs_jobs_in_order_inline_when_nested_and_returns_erro
 
 def test_services_a_benchmark_starts_choose_their_own_wait_policy(monkeypatch):
     import specmesh
-    from specmesh.bench.sweep import services_env
+    from specmesh.cli.bench.sweep import services_env
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # what specmesh sets for itself by default
     monkeypatch.setattr(specmesh, "_OMP_CHOSEN_BY_USER", False)

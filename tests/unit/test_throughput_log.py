@@ -43,7 +43,7 @@ def test_zero_interval_is_off_and_negative_refused():
 
 def test_the_router_observer_feeds_it():
     from specmesh.observability.requests import RouterObserver
-    from specmesh.serving.convert import RouterStats
+    from specmesh.wire.convert import RouterStats
     from specmesh.types import SamplingParams
 
     t = ThroughputLog(10.0, clock=lambda: 0.0)
@@ -61,7 +61,7 @@ def test_the_router_observer_feeds_it():
 
 def test_settings_and_flag():
     from specmesh.cli import build_parser
-    from specmesh.serving.cli import settings_from_args
+    from specmesh.cli.serve import settings_from_args
     from specmesh.serving.settings import ServeSettings
 
     assert ServeSettings.model_fields["log_stats_interval_s"].default == 10.0

@@ -329,7 +329,7 @@ def test_device_check_diffusion_phase_reports_each_decoder(tiny_uno, monkeypatch
     can run (blocks beyond the adapter's mask slots skipped), forwards, reduction, identity."""
     from types import SimpleNamespace
 
-    from specmesh.bench import device_check
+    from specmesh.cli.bench import device_check
 
     _, ad, prompts = tiny_uno
     eng, _ = tiny_engine("bf16", n_slots=1, max_seq_len=256)

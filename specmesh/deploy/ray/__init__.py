@@ -6,8 +6,8 @@
   router replica's verifier set and drafter pool are ``specmesh.router.replicas``.
 - ``registry``: where the replicas' gRPC servers are (a named Ray actor, heartbeats).
 - ``autoscale``: the load-based autoscaling policy.
-- ``cli``: ``specmesh serve --ray``.
 
-Importing this package imports neither ray nor torch. (Inside it, ``import ray`` is
+``specmesh serve --ray`` (starting Ray, deploying through the dashboard) is
+``specmesh.cli.serve_ray``. Importing this package imports neither ray nor torch. (Inside it, ``import ray`` is
 still Ray itself: imports are absolute.)
 """

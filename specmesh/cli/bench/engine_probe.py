@@ -1,0 +1,182 @@
+"""Our engine and llama.cpp side by side below the generation loop: what a forward of 1 ..
+16 scored rows costs after a context, the prefill rate, peak and steady memory, and how
+closely the two agree on the same GGUF (teacher-forced top-1 agreement and KL).
+
+Each side runs in a child process of its own, one after the other, so its memory is its
+own (the bench process holds every system; a child's ``VmHWM`` is what loading that
+engine alone costs) and nothing else computes beside it:
+
+- ours: ``python -m specmesh.cli.bench.engine_probe '<json>'`` loads ``LlamaEngine`` (the
+  bench's model and dtype), measures, and prints one JSON line;
+- llama.cpp: the bench's ``llamacpp_worker`` child answers a ``probe`` request the same
+  way (llama-cpp-python's ``eval`` of M tokens after the context is a forward scoring
+  M rows).
+
+The agreement: both sides score the same token sequences (the bench's prompts with our
+plain decoding's outputs) in one chain, write their fp32 logits to a file, and the
+parent compares them position by position. Knows nothing about workloads or reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+def proc_mem_mb() -> dict:
+    """This process's peak and current resident memory (``VmHWM``, ``VmRSS``), MB."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(("VmHWM:", "VmRSS:")):
+                k, v = line.split(":", 1)
+                out[k] = round(int(v.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return {"peak_rss_mb": out.get("VmHWM"), "rss_mb": out.get("VmRSS")}
+
+
+def _median_ms(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return round(statistics.median(ts) * 1e3, 3)
+
+
+def ours(cfg: dict) -> dict:
+    """The child's work for our engine: load, forward curve, prefill, logits."""
+    import specmesh
+
+    specmesh.spin_threads()
+    import torch
+
+    if cfg.get("threads"):
+        torch.set_num_threads(int(cfg["threads"]))
+    from ...engine import LlamaEngine
+
+    t0 = time.perf_counter()
+    eng = LlamaEngine.from_pretrained(cfg["model"], dtype=cfg["dtype"], n_slots=2,
+                                      max_seq_len=max(2048, cfg["ctx"] + 64, cfg["prefill"] + 8), quiet=True)
+    res = {"load_s": round(time.perf_counter() - t0, 2), "after_load": proc_mem_mb()}
+    V = eng.vocab_size
+    ctx = [(100 + i) % V for i in range(cfg["ctx"])]
+    eng.reset(0)
+    eng.prefill(0, ctx)
+    fwd = {}
+    for m in cfg["rows"]:
+        fwd[str(m)] = _median_ms(lambda m=m: eng.score(0, [(7 * i + 11) % V for i in range(m)],
+                                                       list(range(-1, m - 1))), cfg["reps"])
+    res["forward_ms"] = fwd
+    pre = [(13 * i + 5) % V for i in range(cfg["prefill"])]
+
+    def prefill():
+        eng.reset(1)
+        eng.prefill(1, pre)
+
+    res["prefill_tok_s"] = round(cfg["prefill"] / (_median_ms(prefill, max(1, cfg["reps"] // 8)) / 1e3), 1)
+    if cfg.get("logits_file") and cfg.get("sequences"):
+        rows = []
+        for seq in cfg["sequences"]:
+            eng.reset(0)
+            rows.append(eng.score(0, seq, list(range(-1, len(seq) - 1))).logits.float())
+        _save(cfg["logits_file"], torch.cat(rows).numpy())
+    res["end"] = proc_mem_mb()
+    return res
+
+
+def _save(path: str, arr) -> None:
+    import numpy as np
+
+    np.save(path, np.ascontiguousarray(arr, dtype=np.float32))
+
+
+def run_ours(model: str, dtype: str, threads: int, ctx: int = 300, rows: Sequence[int] = ROWS, reps: int = 15,
+             prefill: int = 500, sequences: Optional[list] = None, logits_file: Optional[str] = None,
+             timeout_s: float = 1800) -> dict:
+    """``ours`` in a child process (its JSON line)."""
+    cfg = {"model": model, "dtype": dtype, "threads": threads, "ctx": ctx, "rows": list(rows), "reps": reps,
+           "prefill": prefill, "sequences": sequences, "logits_file": logits_file}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(cfg, f)
+    try:
+        r = subprocess.run([sys.executable, "-m", "specmesh.cli.bench.engine_probe", f.name], capture_output=True,
+                           text=True, timeout=timeout_s)
+    finally:
+        os.unlink(f.name)
+    if r.returncode != 0:
+        raise RuntimeError(f"engine probe failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-400:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def agreement(ours_file: str, peer_file: str, chunk: int = 64) -> dict:
+    """Teacher-forced top-1 agreement and mean KL(peer || ours) over the positions both
+    files hold (fp32 logits [positions, V] each)."""
+    import numpy as np
+    import torch
+
+    a, b = np.load(ours_file, mmap_mode="r"), np.load(peer_file, mmap_mode="r")
+    n = min(a.shape[0], b.shape[0])
+    same, kl = 0, 0.0
+    for i in range(0, n, chunk):
+        x = torch.from_numpy(np.array(a[i: i + chunk])).double()
+        y = torch.from_numpy(np.array(b[i: i + chunk])).double()
+        same += int((x.argmax(-1) == y.argmax(-1)).sum())
+        lp, lq = torch.log_softmax(y, -1), torch.log_softmax(x, -1)
+        kl += float((lp.exp() * (lp - lq)).sum())
+    return {"positions": n, "top1_agreement": round(same / max(n, 1), 4), "kl": round(kl / max(n, 1), 5)}
+
+
+if __name__ == "__main__":
+    cfg = json.loads(Path(sys.argv[1]).read_text())
+    print(json.dumps(ours(cfg)), flush=True)
+
+
+def vs_llamacpp(model: str, dtype: str, model_dir: Path, threads: int, sequences: list, out_dir: Path,
+                ctx: int = 300, rows: Sequence[int] = ROWS, reps: int = 15, prefill: int = 500, log=print) -> dict:
+    """Both probes, one after the other, and their agreement: {"ours": ..., "llamacpp": ...,
+    "agreement": ...}; a side that cannot run gives {"error": why}. ``sequences``: token id
+    lists both sides score (the agreement's positions)."""
+    from .llamacpp_worker import LlamaCppWorker, PeerFailed
+    from .peers import gguf_path
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx_ids = [(100 + i) % 1000 for i in range(ctx)]
+    pre_ids = [(13 * i + 5) % 1000 for i in range(prefill)]
+    res: dict = {"ctx": ctx, "rows": list(rows), "reps": reps, "prefill_tokens": prefill, "threads": threads,
+                 "sequences": len(sequences), "positions": sum(len(s) for s in sequences)}
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        ours_file, peer_file = str(Path(tmp) / "ours.npy"), str(Path(tmp) / "llamacpp.npy")
+        log(f"probe: our engine ({dtype}) in a child process")
+        try:
+            res["ours"] = run_ours(model, dtype, threads, ctx, rows, reps, prefill, sequences, ours_file)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            res["ours"] = {"error": str(e)}
+        gguf = gguf_path(model, model_dir)
+        log("probe: llama.cpp in a child process")
+        if gguf is None:
+            res["llamacpp"] = {"error": "no GGUF"}
+        else:
+            n_ctx = max(ctx + max(rows) + 8, prefill + 8, max((len(s) for s in sequences), default=0) + 8)
+            w = LlamaCppWorker(str(gguf), threads, n_ctx, logits_all=True)
+            try:
+                res["llamacpp"] = w.probe(ctx_ids, rows, reps, pre_ids, sequences, peer_file)
+                res["llamacpp"]["notes"] = w.notes
+            except PeerFailed as e:
+                res["llamacpp"] = {"error": str(e)}
+            finally:
+                w.close()
+        if Path(ours_file).exists() and Path(peer_file).exists():
+            res["agreement"] = agreement(ours_file, peer_file)
+    return res
