@@ -50,6 +50,14 @@ _FLAGS = [
     ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false | "
      "invariant (one bucket shape for every forward: bf16 greedy identity)"),
     ("--n-slots", "n_slots", int, "KV slots of the verifier"),
+    ("--prefix-cache", "prefix_cache", str, "verifier: reuse the KV of earlier requests' common prefixes: true | "
+     "false (default true)"),
+    ("--prefix-cache-mib", "prefix_cache_mib", float, "verifier: the prefix cache's budget in MiB (default 512)"),
+    ("--prefix-block", "prefix_block", int, "verifier: tokens per prefix-cache block (default 16)"),
+    ("--prefill-chunk", "prefill_chunk", int, "verifier: a prompt's tokens per forward at most, between the running "
+     "streams' rounds (default 256; 0 = a prompt in one forward)"),
+    ("--prefill-stall-ratio", "prefill_stall_ratio", float, "verifier: while streams run, a forward with a prefill "
+     "chunk costs at most this many times theirs (default 2; 0 = off)"),
     ("--max-seq-len", "max_seq_len", int, "longest sequence per slot"),
     ("--draft-model", "draft_model", str, "drafter: the draft LM's alias or directory (default: the target's "
      "paired draft model, else a subset of its layers)"),
@@ -67,7 +75,8 @@ _FLAGS = [
     ("--verifier-drafters", "verifier_drafters", str, "verifier: comma-separated context-only drafters it runs "
      "for external requests (default prompt_lookup,suffix; '' = none)"),
     ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
-    ("--replica-choice", "replica_choice", str, "router: least_loaded | hash"),
+    ("--replica-choice", "replica_choice", str, "router: a new session's verifier replica: prefix (default: by cached "
+     "prefix and conversation, unless much busier) | least_loaded | hash"),
     ("--router-addresses", "router_addresses", str, "openai: comma-separated router host:port list (or one DNS "
      "name with several records); a stream whose router dies is resumed on the next"),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens, after the chat template (default "
