@@ -149,7 +149,7 @@ if __name__ == "__main__":
 
 def vs_llamacpp(model: str, dtype: str, model_dir: Path, threads: int, sequences: list, out_dir: Path,
                 ctx: int = 300, rows: Sequence[int] = ROWS, reps: int = 15, prefill: int = 500, log=print,
-                reference: bool = True) -> dict:
+                reference: bool = True, n_ctx_plain: int = 2048) -> dict:
     """Both probes, one after the other, and their agreement: {"ours": ..., "llamacpp": ...,
     "agreement": ..., "ours_vs_fp32": ..., "llamacpp_vs_fp32": ...}; a side that cannot run
     gives {"error": why}. ``sequences``: token id lists both sides score (the agreement's
@@ -163,6 +163,7 @@ def vs_llamacpp(model: str, dtype: str, model_dir: Path, threads: int, sequences
     ctx_ids = [(100 + i) % 1000 for i in range(ctx)]
     pre_ids = [(13 * i + 5) % 1000 for i in range(prefill)]
     res: dict = {"ctx": ctx, "rows": list(rows), "reps": reps, "prefill_tokens": prefill, "threads": threads,
+                 "n_ctx_plain": n_ctx_plain,
                  "sequences": len(sequences), "positions": sum(len(s) for s in sequences)}
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         ours_file, peer_file = str(Path(tmp) / "ours.npy"), str(Path(tmp) / "llamacpp.npy")
@@ -184,6 +185,16 @@ def vs_llamacpp(model: str, dtype: str, model_dir: Path, threads: int, sequences
                 res["llamacpp"]["notes"] = w.notes
             except PeerFailed as e:
                 res["llamacpp"] = {"error": str(e)}
+            finally:
+                w.close()
+            # its memory as a user runs it (the bench's n_ctx, only the last row's logits kept: a
+            # logits_all instance holds n_ctx x vocab fp32 scores, 1.2 GB for Qwen at 2048)
+            w = LlamaCppWorker(str(gguf), threads, n_ctx_plain)
+            try:
+                w.generate(ctx_ids[:64], 16, [])
+                res["llamacpp"]["memory"] = w.probe([], [], 1, [])
+            except PeerFailed as e:
+                res["llamacpp"]["memory"] = {"error": str(e)}
             finally:
                 w.close()
         if reference and sequences:  # both against the model's own values: the GGUF dequantised, fp32 throughout

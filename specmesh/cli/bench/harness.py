@@ -301,7 +301,7 @@ class Bench:
                 if p.id in outs:
                     seqs.append((list(ids) + list(outs[p.id]))[:256])
         return vs_llamacpp(cfg.model, cfg.dtype, main.model_dir, cfg.threads or _torch_threads(), seqs,
-                           Path(cfg.out), log=self.log)
+                           Path(cfg.out), log=self.log, n_ctx_plain=cfg.max_seq_len)
 
     def aggregate(self, workloads: list[str], runs: dict) -> list[dict]:
         by_name = {s.name: s for s in self.systems}

@@ -234,6 +234,8 @@ def _probe(llm, req: dict) -> dict:
             ts.append(time.perf_counter() - t0)
         return round(statistics.median(ts) * 1e3, 3)
 
+    if not req["rows"] and not req["prefill"] and not req.get("sequences"):
+        return _mem()  # memory only
     llm.reset()
     llm.eval(req["ctx"])
     n0 = llm.n_tokens

@@ -189,10 +189,11 @@ def probe_verdicts(p: Optional[dict]) -> list[tuple[str, str]]:
         r = ours["prefill_tok_s"] / lc["prefill_tok_s"]
         out.append(("PASS" if r >= 1.0 else "FAIL", f"prefill {ours['prefill_tok_s']:.0f} tok/s = {r:.2f}x "
                     f"llama.cpp's {lc['prefill_tok_s']:.0f} ({p.get('prefill_tokens')} tokens; target >= 1x)"))
-    a, b = (ours.get("after_load") or {}).get("peak_rss_mb"), lc.get("peak_rss_mb")
+    a, b = (ours.get("after_load") or {}).get("peak_rss_mb"), (lc.get("memory") or {}).get("peak_rss_mb")
     if a and b:
         out.append(("PASS" if a <= PROBE_RSS_RATIO * b else "FAIL", f"peak RSS of the engine alone {a:.0f} MiB = "
-                    f"{a / b:.2f}x llama.cpp's {b:.0f} MiB (target <= {PROBE_RSS_RATIO:g}x)"))
+                    f"{a / b:.2f}x llama.cpp's {b:.0f} MiB (n_ctx {p.get('n_ctx_plain', 2048)}, a generation; "
+                    f"target <= {PROBE_RSS_RATIO:g}x)"))
     ag = p.get("agreement")
     if ag:
         ref = [(w, p.get(k)) for w, k in (("ours", "ours_vs_fp32"), ("llama.cpp", "llamacpp_vs_fp32")) if p.get(k)]
@@ -226,8 +227,10 @@ def probe_section(p: dict) -> list[str]:
     L += ["", f"- memory, ours (engine alone): peak {_fmt(al.get('peak_rss_mb'), 0)} MiB after loading "
               f"({_fmt(ours.get('load_s'), 1)} s), {_fmt(al.get('rss_mb'), 0)} MiB resident then; peak "
               f"{_fmt(en.get('peak_rss_mb'), 0)} MiB by the end (incl. the agreement's logits)",
-          f"- memory, llama.cpp (llama-cpp-python, logits of every row kept): peak {_fmt(lc.get('peak_rss_mb'), 0)} "
-          f"MiB, resident {_fmt(lc.get('rss_mb'), 0)} MiB at the end"]
+          f"- memory, llama.cpp (llama-cpp-python as a user runs it: n_ctx {p.get('n_ctx_plain', 2048)}, after a "
+          f"generation): peak {_fmt((lc.get('memory') or {}).get('peak_rss_mb'), 0)} MiB, resident "
+          f"{_fmt((lc.get('memory') or {}).get('rss_mb'), 0)} MiB; with every row's logits kept (the probe's "
+          f"instance): peak {_fmt(lc.get('peak_rss_mb'), 0)} MiB"]
     if p.get("agreement"):
         ag = p["agreement"]
         L.append(f"- agreement: {ag['top1_agreement']:.2%} of {ag['positions']} teacher-forced positions take the same "
