@@ -56,7 +56,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import grpc
 
@@ -74,15 +74,60 @@ DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 RELEASE_TIMEOUT_S = 2.0
 
 
+class CancelFlag(threading.Event):
+    """A generation's cancel flag: an Event whose ``set()`` also runs the hooks that
+    calls in flight registered (``on_set``), so a call that would otherwise run on
+    (a Decode stream the verifier decodes ahead on) is cancelled when the generation
+    is, not when the round waiting on it comes back."""
+
+    def __init__(self):
+        super().__init__()
+        self._hooks: dict[int, Callable[[], None]] = {}
+        self._hook_lock = threading.Lock()
+        self._next = 0
+
+    def on_set(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Run ``fn`` when the flag is set (at once if it is); returns the function
+        that removes it."""
+        with self._hook_lock:
+            if not self.is_set():
+                key, self._next = self._next, self._next + 1
+                self._hooks[key] = fn
+                return lambda: self._drop(key)
+        fn()
+        return lambda: None
+
+    def _drop(self, key: int) -> None:
+        with self._hook_lock:
+            self._hooks.pop(key, None)
+
+    def set(self) -> None:
+        with self._hook_lock:
+            super().set()
+            hooks, self._hooks = list(self._hooks.values()), {}
+        for fn in hooks:
+            fn()
+
+
+class GenerationCancelled(Exception):
+    """A call of a generation that was cancelled ended because of it: the generation
+    stops here (nothing is sent to a caller who has gone)."""
+
+
 class Calls:
     """Per-generation call settings: auth metadata, timeouts and an optional
-    absolute deadline (``time.monotonic()`` based) and cancel flag."""
+    absolute deadline (``time.monotonic()`` based) and cancel flag (``CancelFlag``:
+    setting it cancels the calls that registered with ``on_cancel``)."""
 
     def __init__(self, token: Optional[str] = None, timeout_s: float = 30.0, deadline: Optional[float] = None,
-                 cancelled: Optional[threading.Event] = None):
+                 cancelled: Optional[CancelFlag] = None):
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s, self.deadline = timeout_s, deadline
-        self.cancelled = cancelled or threading.Event()
+        self.cancelled = cancelled if cancelled is not None else CancelFlag()
+
+    def on_cancel(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` runs when the generation is cancelled (at once if it was); returns its remover."""
+        return self.cancelled.on_set(fn)
 
     def timeout(self, cap: Optional[float] = None) -> float:
         t = min(self.timeout_s, cap or self.timeout_s)
@@ -333,7 +378,10 @@ class DecodeStream:
     for a grant (``lead`` 0: all ``total`` at once). With every step granted the
     request side is closed. ``key``: what the stream's next step answers (the caller's)."""
 
-    def __init__(self, stub, first, total: int, lead: int, key, timeout: Optional[float] = None, metadata=None):
+    def __init__(self, stub, first, total: int, lead: int, key, timeout: Optional[float] = None, metadata=None,
+                 calls: Optional[Calls] = None):
+        """``calls``: the generation's; cancelling it cancels this stream at once (the
+        verifier stops decoding ahead for a caller who has gone)."""
         self.total, self.lead, self.key = total, lead, key
         self.budget = first.self_draft.budget if first.HasField("self_draft") else 0  # the last one sent
         self.method = first.self_draft.method  # the self drafter ("": none)
@@ -345,6 +393,7 @@ class DecodeStream:
         if self.granted >= total:
             self._requests.put(None)
         self.call = stub.Decode(iter(self._requests.get, None), timeout=timeout, metadata=metadata)
+        self._unhook = calls.on_cancel(self.cancel) if calls is not None else (lambda: None)
 
     def __next__(self):
         resp = next(self.call)
@@ -367,6 +416,7 @@ class DecodeStream:
                 self_draft=verifier_pb2.SelfDraft(method=self.method, budget=budget)))
 
     def cancel(self) -> None:
+        self._unhook()
         self.call.cancel()
         self._requests.put(None)  # ends the request iterator the channel's thread waits on
 
@@ -501,7 +551,7 @@ class RemoteVerifier:
                 msg.self_draft.method, msg.self_draft.budget = self.decode_self, budget
                 msg.tokens_left = self.decode_left
             self._stream = DecodeStream(self.peer.stub, msg, self.decode_left, self.decode_lead, key,
-                                        timeout=self.calls.timeout(), metadata=self.calls.metadata)
+                                        timeout=self.calls.timeout(), metadata=self.calls.metadata, calls=self.calls)
         else:
             self._stream.set_budget(budget)  # from the next step the verifier starts (a step it decoded ahead
             # keeps the budget it had: with greedy acceptance the tokens are the same either way, and a
@@ -513,7 +563,10 @@ class RemoteVerifier:
             self._end_stream()
             return None
         except grpc.RpcError as e:
-            self._end_stream()  # the Verify call of this round answers with authority (or the error)
+            self._end_stream()
+            if self.calls.cancelled.is_set():  # cancelled with the generation: no Verify call after it
+                raise GenerationCancelled("the generation was cancelled") from None
+            # the Verify call of this round answers with authority (or the error)
             self.decode_left = 0  # and every later round: no stream re-opened per round
             log.info("Decode stream failed (%s); plain rounds go as Verify calls", e.code())
             return None

@@ -9,7 +9,8 @@ pinned to a replica; the loop re-prefills from the committed tokens it holds
 when a replica loses the session or dies) and, for the ``external`` strategy, a
 ``RemoteDrafter`` (a dead drafter degrades the rounds to plain decoding, so
 greedy output never changes). ``Generation.cancel()`` (client cancelled, or
-deadline passed) stops it between rounds and releases the session on the
+deadline passed) stops it between rounds, cancels its Decode stream at once (the
+verifier stops decoding ahead; ``adapters.CancelFlag``) and releases the session on the
 verifier and the drafter. Stop strings (``GenerateSpec.stop``) end a generation
 just before the first one in its text (``StopText``, the OpenAI/vLLM rule;
 finish reason ``stop``; the kept token ids run through the one that completed it).
@@ -55,7 +56,7 @@ from specmesh.serving.settings import ServeSettings
 from specmesh.strategies.ssr import reasoning_messages
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
 
-from .adapters import Calls, drafter_failure
+from .adapters import CancelFlag, Calls, GenerationCancelled, drafter_failure
 from .replicas import Peer, ReplicaSet
 from .strategies import (EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STRATEGIES,  # noqa: F401
                          Collaborators, Strategies)
@@ -446,7 +447,7 @@ class Router:
     def start(self, spec: GenerateSpec, client: str = "", deadline: Optional[float] = None) -> Generation:
         plan = self.plan(spec)
         plan.client = client
-        cancelled = threading.Event()
+        cancelled = CancelFlag()  # setting it also cancels the generation's Decode stream at once
         return Generation(self._events(plan, client, deadline, cancelled), cancelled)
 
     def _acquire(self, client: str) -> None:
@@ -527,6 +528,8 @@ class Router:
                         return
                     if stop is not None and stop.matched is not None:
                         break
+            except GenerationCancelled:
+                return  # the caller has gone: nothing more is sent
             finally:
                 rounds.close()  # the loop's own finally releases verifier and drafter sessions
             stopped = stop is not None and stop.matched is not None  # in a round: out_ids already cut

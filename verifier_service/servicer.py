@@ -36,6 +36,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.verifier = verifier
         self.batcher = batcher
         self.decode_steps = 0  # steps answered on Decode streams (Info)
+        self.decode_abandoned = 0  # Decode streams whose caller went away (cancel, deadline) before they ended
         self._decoding: dict[str, int] = {}  # session -> its Decode handlers still running
         self._decode_cv = threading.Condition()
 
@@ -82,6 +83,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         draft = _self_draft(request)
         left = request.tokens_left if request.tokens_left > 0 else None  # caps the draft near the end
         granted, closed = request.max_steps, False
+        ended = threading.Event()  # set when this handler ends of itself
+        context.add_callback(lambda: ended.is_set() or self._abandoned())  # on every end of the call
         with self._decode_cv:
             self._decoding[sid] = self._decoding.get(sid, 0) + 1
         try:
@@ -121,11 +124,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if left is not None:
                     left -= len(res.accepted) + 1
         finally:
+            ended.set()
             with self._decode_cv:
                 self._decoding[sid] -= 1
                 if not self._decoding[sid]:
                     del self._decoding[sid]
                 self._decode_cv.notify_all()
+
+    def _abandoned(self) -> None:
+        """A Decode stream's caller went away while its handler ran: counted the moment
+        gRPC learns it (the handler stops before its next step)."""
+        with self._decode_cv:
+            self.decode_abandoned += 1
 
     def Release(self, request, context):
         sid = check_session_id(request.session_id)
