@@ -52,6 +52,7 @@ from specmesh.ahead import check_mode
 from specmesh.observability.requests import RouterObserver
 from specmesh.observability.throughput import ThroughputLog
 from specmesh.wire.convert import RouterStats
+from specmesh.serving import limits
 from specmesh.serving.settings import ServeSettings
 from specmesh.strategies.ssr import reasoning_messages
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
@@ -285,7 +286,13 @@ class Generation:
 
 class Router:
     def __init__(self, settings: ServeSettings, codec, replicas: ReplicaSet, drafter: Optional[Peer],
-                 vocab_size: int, token: Optional[str] = None):
+                 vocab_size: int, token: Optional[str] = None, context: Optional[int] = None):
+        """``context``: the served model's context length (None: unknown), which the
+        limits not set default from (``serving.limits``); ``self.s`` holds the resolved ones."""
+        self.limits = limits.resolve(settings, context)
+        settings = settings.model_copy(update={"max_seq_len": self.limits.max_seq_len,
+                                               "max_prompt_tokens": self.limits.max_prompt_tokens,
+                                               "default_max_new_tokens": self.limits.default_max_new_tokens})
         self.s, self.codec, self.replicas, self.drafter = settings, codec, replicas, drafter
         self.vocab_size, self.token = vocab_size, token
         # the periodic throughput log line (log_stats_interval_s; 0 = off), fed by the observer
@@ -307,13 +314,11 @@ class Router:
             raise InvalidArgument("prompt", "give prompt or messages, not both")
         if not spec.prompt and not spec.messages:
             raise InvalidArgument("prompt", "is empty (give prompt or messages)")
-        limit = self.s.max_prompt_tokens
         for i, m in enumerate(spec.messages or []):
             if m.get("role") not in ROLES:
                 raise InvalidArgument("messages", f"entry {i} has role {m.get('role')!r}; use one of {list(ROLES)}")
         chars = len(spec.prompt) + sum(len(m.get("content") or "") for m in spec.messages or [])
-        if chars > 32 * limit:  # cheap guard before tokenizing
-            raise InvalidArgument("prompt", f"{chars} characters is far over max_prompt_tokens {limit}")
+        self.limits.check_chars(chars)  # cheap guard before tokenizing
         if reasoning and not spec.raw_prompt:  # system instruction + an opened thinking section
             msgs = reasoning_messages(spec.messages or [{"role": "user", "content": spec.prompt}])
             ids = list(self.codec.encode(None, msgs)) + list(self.runner.think_format().open_ids)
@@ -331,8 +336,7 @@ class Router:
                 ids = list(ids) + list(self.runner.think_format().open_ids)
         if not ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
-        if len(ids) > limit:
-            raise InvalidArgument("prompt", f"{len(ids)} tokens exceed max_prompt_tokens {limit}")
+        self.limits.check_prompt(len(ids))
         return ids
 
     def _tools(self, spec: GenerateSpec) -> GenerateSpec:
@@ -367,8 +371,7 @@ class Router:
         n = self.s.default_max_new_tokens if spec.max_new_tokens is None else spec.max_new_tokens
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument("max_new_tokens", f"must be a positive integer, got {n!r}")
-        if n > self.s.max_new_tokens:
-            raise InvalidArgument("max_new_tokens", f"{n} exceeds the limit {self.s.max_new_tokens}")
+        self.limits.check_requested(n)
         budget = self.s.draft_budget if spec.draft_budget is None else spec.draft_budget
         if not 1 <= budget <= self.s.max_tree_nodes:
             raise InvalidArgument("draft_budget", f"must be in [1, {self.s.max_tree_nodes}], got {budget}")
@@ -383,21 +386,17 @@ class Router:
         reasoning = spec.reasoning or spec.strategy == "ssr"
         self._check_processors(spec, reasoning)
         ids = self._prompt_ids(spec, reasoning)
-        if len(ids) + n + 1 > self.s.max_seq_len:
-            raise InvalidArgument("max_new_tokens", f"prompt ({len(ids)} tokens) + {n} new tokens exceed the "
-                                  f"context of {self.s.max_seq_len} tokens")
+        # more than the prompt leaves of the context: clamped to it (finish reason "length" there), as
+        # OpenAI-compatible servers do (serving/limits.py)
+        n = self.limits.new_tokens(n, len(ids))
         strategy, reason, drafter, self_draft = self._strategy(spec, ids, reasoning)
         messages = spec.messages or ([{"role": "user", "content": spec.prompt}] if not spec.raw_prompt else None)
         resume = self._resume(spec, n)
         prediction: tuple[int, ...] = ()
         if spec.prediction:
-            if len(spec.prediction) > 32 * self.s.max_prompt_tokens:
-                raise InvalidArgument("prediction", f"{len(spec.prediction)} characters is far over "
-                                      f"max_prompt_tokens {self.s.max_prompt_tokens}")
+            self.limits.check_chars(len(spec.prediction), "prediction")
             prediction = tuple(self.codec.encode(spec.prediction, None, chat=False))
-            if len(prediction) > self.s.max_prompt_tokens:
-                raise InvalidArgument("prediction", f"{len(prediction)} tokens exceed max_prompt_tokens "
-                                      f"{self.s.max_prompt_tokens}")
+            self.limits.check_prompt(len(prediction), "prediction")
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
                     reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,

@@ -202,11 +202,13 @@ def verifier_service(settings: ServeSettings, verifier=None, thread=None) -> tup
     on; None: a thread of the batcher's own)."""
     if verifier is None:
         from specmesh.runtime import Runtime
+        from specmesh.serving import limits
         from specmesh.threads import model_thread
 
         thread = model_thread(settings.model_threads("verifier"))
+        seq = limits.resolve(settings, limits.model_context(settings.model)).max_seq_len  # the model's, by default
         rt = thread.run(Runtime, settings.model, dtype=settings.dtype, n_slots=settings.n_slots,
-                        max_seq_len=settings.max_seq_len, draft_model=settings.draft_model,
+                        max_seq_len=seq, draft_model=settings.draft_model,
                         layerskip_exit=settings.layerskip_exit, quiet=True, device=settings.device,
                         cuda_graphs=settings.cuda_graphs)
         verifier = rt.verifier
