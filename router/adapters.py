@@ -44,7 +44,8 @@
 - Both measure network time: RPC wall time minus the server's handler time.
 - One-off calls of the strategy runner, in domain terms: ``seed_cache``,
   ``prefill_session`` (also a fork of another session's KV prefix),
-  ``release_session``, ``verifier_drafter_names``, ``drafter_feature_drafters``;
+  ``release_session``, ``verifier_drafter_names``, ``drafter_facts`` (the drafter
+  service's feature drafters, real draft model and its measured speed);
   ``drafter_failure`` classifies a drafter call's exception (down or broken).
 
 This module knows nothing about tokenizers, strategies or how servers are built.
@@ -56,6 +57,7 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import grpc
@@ -190,8 +192,11 @@ class RemoteDrafter:
     """The drafter contract over the Drafter service (one instance per generation)."""
 
     def __init__(self, peer: Peer, drafter: str, calls: Calls, timeout_s: float = 2.0, cache_id: str = "",
-                 features: Optional[FeatureLog] = None):
+                 features: Optional[FeatureLog] = None, speed: Optional[DraftSpeed] = None):
+        """``timeout_s``: a call's deadline; with ``speed`` (a draft model's measured speed)
+        its base, to which the call's work at that speed is added (``DraftSpeed.deadline_s``)."""
         self.peer, self.name, self.calls, self.timeout_s = peer, drafter, calls, timeout_s
+        self.speed = speed
         self.cache_id = cache_id  # draft cache the "cache" drafter reads
         self.features = features  # the generation's hidden features, for a drafter that needs them
         self._held: dict[str, list[int]] = {}  # session -> tokens the service holds
@@ -200,6 +205,12 @@ class RemoteDrafter:
         self.skipped = 0  # rounds without drafting while the drafter was down
         self.feature_bytes = 0  # feature bytes sent to the drafter service
         self._ahead: dict[str, tuple] = {}  # session -> (ProposeAhead future, tokens sent, perf_counter sent)
+
+    def _deadline(self, sent: int, budget: int) -> float:
+        """This call's deadline (seconds): ``timeout_s``, or with a measured ``speed`` what
+        its ``sent`` tokens to prefill and ``budget`` to draft need (capped by the generation's)."""
+        t = self.timeout_s if self.speed is None else self.speed.deadline_s(self.timeout_s, sent, budget)
+        return self.calls.timeout(t)
 
     def _feature_delta(self, sid: str, keep: int) -> Optional[FeatureRows]:
         log = self.features
@@ -232,7 +243,7 @@ class RemoteDrafter:
             session_id=sid, drafter=self.name, sync=convert.sync_to_proto(keep, tokens[keep:]),
             prompt_len=ctx.prompt_len, sampling=convert.sampling_to_proto(ctx.sampling), budget=budget,
             cache_id=ctx.cache_id or self.cache_id, tree=convert.tree_to_proto(tree), return_first=True)
-        fut = self.peer.stub.ProposeAhead.future(req, timeout=self.calls.timeout(self.timeout_s),
+        fut = self.peer.stub.ProposeAhead.future(req, timeout=self._deadline(len(tokens) - keep, budget),
                                                  metadata=self.calls.metadata)
         self._ahead[sid] = (fut, list(tokens), time.perf_counter(), main_path(tree))
         return True
@@ -328,7 +339,7 @@ class RemoteDrafter:
                 req.features.CopyFrom(convert.features_to_proto(feats))
             t0 = time.perf_counter()
             try:
-                resp = self.peer.stub.Propose(req, timeout=self.calls.timeout(self.timeout_s),
+                resp = self.peer.stub.Propose(req, timeout=self._deadline(len(tokens) - keep, budget),
                                               metadata=self.calls.metadata)
                 break
             except grpc.RpcError as e:
@@ -650,15 +661,41 @@ def verifier_drafter_names(peer: Peer, calls: Calls, timeout_s: float) -> Option
     return frozenset(m.self_drafters), frozenset(m.context_drafters)
 
 
-def drafter_feature_drafters(peer: Peer, calls: Calls, timeout_s: float) -> Optional[dict]:
-    """name -> (layers, dim, context_window) of the drafter service's drafters that need
-    hidden features (``DrafterInfo.feature_drafters``); None when it does not answer."""
+@dataclass(frozen=True)
+class DrafterFacts:
+    """What the drafter service's Info says the router needs: its drafters that need hidden
+    features, name -> (layers, dim, context_window); the real draft model ``draft_lm`` runs
+    ("" : the stand-in) and that model's measured speed (``DraftSpeed``, None: not measured)."""
+
+    feature_drafters: dict
+    draft_model: str = ""
+    draft_speed: Optional["DraftSpeed"] = None
+
+
+@dataclass(frozen=True)
+class DraftSpeed:
+    """A draft model's measured milliseconds per prompt token prefilled and per token drafted."""
+
+    prefill_ms: float
+    token_ms: float
+
+    def deadline_s(self, base_s: float, prefill_tokens: int, budget: int, slack: float = 4.0) -> float:
+        """A call's deadline: ``base_s`` plus ``slack`` times the call's work at this speed
+        (the tokens it syncs, prefilled, and the budget drafted): a first Propose of a long
+        prompt gets the time to prefill it; a busy machine, ``slack`` times the measured."""
+        return base_s + slack * (prefill_tokens * self.prefill_ms + budget * self.token_ms) / 1e3
+
+
+def drafter_facts(peer: Peer, calls: Calls, timeout_s: float) -> Optional[DrafterFacts]:
+    """The drafter service's ``DrafterFacts`` (``Drafter/Info``); None when it does not answer."""
     try:
         m = peer.stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s, metadata=calls.metadata)
     except grpc.RpcError as e:
-        log.info("Info of the drafter service failed (%s); its feature drafters unknown", e.code())
+        log.info("Info of the drafter service failed (%s); its feature drafters and draft model unknown", e.code())
         return None
-    return {f.drafter: (tuple(f.layers), f.dim, f.context_window) for f in m.feature_drafters}
+    speed = DraftSpeed(m.draft_prefill_ms, m.draft_token_ms) if m.draft_token_ms > 0 else None
+    return DrafterFacts({f.drafter: (tuple(f.layers), f.dim, f.context_window) for f in m.feature_drafters},
+                        m.draft_model, speed)
 
 
 def drafter_failure(e: BaseException) -> tuple[str, bool]:

@@ -52,11 +52,13 @@ class Formatter(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if action.help is argparse.SUPPRESS or "default" in text.lower() or not action.option_strings:
+        if action.help is argparse.SUPPRESS or not action.option_strings:
             return text
-        if action.default is argparse.SUPPRESS:
+        if action.default is argparse.SUPPRESS:  # looked up elsewhere: always shown
             extra = type(self).defaults(action) if type(self).defaults is not None else None
             return f"{text} ({extra})" if extra else text
+        if "default" in text.lower():  # the help says it in words
+            return text
         elif action.default is None or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction,
                                                            argparse._StoreConstAction, argparse._HelpAction,
                                                            argparse._AppendAction, argparse._CountAction,

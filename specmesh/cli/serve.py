@@ -118,7 +118,10 @@ GROUP_OF = {
                      "drafter_timeout_s", "max_prompt_tokens", "max_new_tokens", "max_sessions_per_client",
                      "peer_ca", "peer_cert", "peer_key", "log_stats_interval_s"), "router"),
     **dict.fromkeys(("verifier_port", "verifier_metrics_port", "n_slots", "max_seq_len", "batch_window_ms",
-                     "max_batch", "verifier_drafters", "cuda_graphs"), "verifier"),
+                     "max_batch", "verifier_drafters", "cuda_graphs",
+                     # issue 59's prefix cache and chunked prefill
+                     "prefix_cache", "prefix_cache_mib", "prefix_block", "prefill_chunk", "prefill_stall_ratio"),
+                    "verifier"),
     **dict.fromkeys(("drafter_port", "drafter_metrics_port", "draft_model", "preload_draft_lm"), "drafter"),
     **dict.fromkeys(("router_addresses", "http", "http_port", "http_timeout_s", "resume_window_s"), "OpenAI front"),
 }

@@ -34,7 +34,7 @@ from ..types import InvalidArgument
 
 # the default KV positions per slot where the model allows more: the KV of every slot is
 # allocated at start (Qwen2.5-Coder-1.5B: 28 KiB a position in bf16, so 8 slots x 8192
-# positions = 1.8 GiB); --max-seq-len raises it up to the model's context
+# positions = 1.75 GiB); --max-seq-len raises it up to the model's context
 KV_DEFAULT_CAP = 8192
 FALLBACK_SEQ_LEN = 2048  # a model whose config states no context (the tests' tiny random ones)
 # the flag of each setting where it is not --<field with dashes> (the env variable is always SPECMESH_<FIELD>)

@@ -136,7 +136,9 @@ class ServeSettings(BaseSettings):
 
     # ---- timeouts, retries
     drain_s: float = Field(5.0, ge=0, description="grace period for in-flight calls on SIGTERM")
-    drafter_timeout_s: float = Field(2.0, gt=0)
+    drafter_timeout_s: Optional[float] = Field(
+        None, gt=0, description="router: deadline of one drafter call; None = 2 s, plus for a real draft model "
+        "4x its measured time for the call's tokens (DrafterInfo draft_prefill_ms / draft_token_ms)")
     verifier_timeout_s: float = Field(60.0, gt=0)
     verifier_retry_s: float = Field(15.0, ge=0, description="how long the router retries unreachable verifiers")
     drafter_backoff_s: float = Field(1.0, gt=0, description="first wait before retrying an unhealthy drafter")
