@@ -467,9 +467,11 @@ class RemoteVerifier:
         self._plain_run = 0  # rounds without a draft in a row, this one included
         self.stop_ids = list(stop_ids)
         self._stream: Optional[DecodeStream] = None
+        self.conversation = ""  # the generation's conversation id (routing: it stays on its replica)
+        self._kv: list[int] = []  # the tokens the replica's KV holds (recorded for routing when it ends)
 
-    def _pin(self, session_id: str, avoid: Sequence[Peer] = ()) -> Peer:
-        self.peer = self.replicas.pin(session_id, self.peer, avoid)
+    def _pin(self, session_id: str, avoid: Sequence[Peer] = (), tokens: Sequence[int] = ()) -> Peer:
+        self.peer = self.replicas.pin(session_id, self.peer, avoid, tokens, self.conversation)
         if self.peer not in self._touched:
             self._touched.append(self.peer)
         return self.peer
@@ -495,15 +497,24 @@ class RemoteVerifier:
             res = self._decoded(req)
             if res is not None:
                 self.decode_left -= len(res.accepted) + 1
+                self._held(req, res)
                 return res
         else:
             self._end_stream()
         res = self._verify(req)
         self.decode_left -= len(res.accepted) + 1  # the tokens this round yields
+        self._held(req, res)
         return res
 
+    def _held(self, req: VerifyRequest, res: VerifyResult) -> None:
+        """The tokens the replica's KV holds after this round."""
+        kv = self._kv
+        del kv[req.keep_len:]
+        kv.extend(req.append_tokens)
+        kv.extend(res.accepted)
+
     def _verify(self, req: VerifyRequest) -> VerifyResult:
-        peer = self.peer or self._pin(req.session_id)
+        peer = self.peer or self._pin(req.session_id, tokens=req.append_tokens if req.keep_len == 0 else ())
         if req.keep_len == 0 and self._calls:
             self.reprefills += 1
         self._calls += 1
@@ -522,7 +533,7 @@ class RemoteVerifier:
                 if e.code() != grpc.StatusCode.UNAVAILABLE or self.calls.cancelled.is_set():
                     raise
                 peer.health.failed()
-                peer = self._pin(req.session_id, avoid=[peer])
+                peer = self._pin(req.session_id, avoid=[peer], tokens=self._kv[:req.keep_len] + req.append_tokens)
                 if req.keep_len > 0:  # the KV may be gone: rebuild from the committed tokens
                     raise SessionLost(f"verifier unavailable ({e.details()}); re-prefill") from None
                 if time.monotonic() + wait > give_up:
@@ -607,8 +618,11 @@ class RemoteVerifier:
         replica holds nothing worth freeing)."""
         self._end_stream()
         if self.peer is not None:
+            if self._kv and hasattr(self.replicas, "record"):
+                self.replicas.record(self.peer.address, self._kv, self.conversation)
             self.replicas.unpin(self.peer)
             self.peer = None
+        self._kv = []
         touched, self._touched = self._touched, []
         for p in touched:
             try:

@@ -58,6 +58,7 @@ from specmesh.strategies.ssr import reasoning_messages
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
 
 from .adapters import CancelFlag, Calls, GenerationCancelled, drafter_failure
+from .readiness import Readiness
 from .replicas import Peer, ReplicaSet
 from .strategies import (EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STRATEGIES,  # noqa: F401
                          Collaborators, Strategies)
@@ -300,6 +301,8 @@ class Router:
         self.observer = RouterObserver(settings.model, throughput=self.throughput)  # spans; metrics once instrumented
         # strategy choice and plumbing (router/strategies.py), over explicit collaborators
         self.runner = Strategies(Collaborators(settings, codec, replicas, drafter, vocab_size, token))
+        # ready means ready: a verifier serving and its Info read (router/readiness.py); checked by every request
+        self.readiness = Readiness(replicas, self.runner.info_read).start()
         self._clients: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -444,6 +447,7 @@ class Router:
 
     # ------------------------------------------------------------ generation
     def start(self, spec: GenerateSpec, client: str = "", deadline: Optional[float] = None) -> Generation:
+        self.readiness.require()  # UNAVAILABLE with the reason while no verifier serves
         plan = self.plan(spec)
         plan.client = client
         cancelled = CancelFlag()  # setting it also cancels the generation's Decode stream at once
@@ -601,6 +605,7 @@ class Router:
         return self.runner.anticipation(conversation_id)
 
     def close(self) -> None:
+        self.readiness.stop()
         self.throughput.stop()
         self.runner.close()
         self.replicas.close()

@@ -3,7 +3,10 @@
 - ``PeerHealth`` / ``Peer``: one endpoint (channel, stub, health, sessions
   pinned to it); ``PeerHealth`` backs off after failures (doubling, capped).
 - ``ReplicaSet``: the verifier replicas. A session is pinned to one replica
-  (``least_loaded``: fewest pinned sessions, ties by rendezvous hash; or
+  (``prefix``, the default: the replica its conversation is on, else the one whose
+  prefix cache likely holds the longest prefix of its prompt, unless that one is much
+  busier than the others (``prefix_affinity.PrefixAffinity``), else as ``least_loaded``;
+  ``least_loaded``: fewest pinned sessions, ties by rendezvous hash; or
   ``hash``: rendezvous hash of the session id); replicas marked down are
   avoided while another is up. Its members are a static address list given at
   construction (``specmesh serve router``) or follow ``set_addresses`` (Ray's
@@ -44,6 +47,8 @@ from typing import Callable, Iterable, Optional, Sequence
 import grpc
 
 from specmesh.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2_grpc
+
+from .prefix_affinity import BLOCK, PrefixAffinity
 
 
 class PeerHealth:
@@ -111,9 +116,10 @@ class ReplicaSet:
     first members (none: fill them with ``set_addresses``)."""
 
     def __init__(self, make_channel: Callable[[str], grpc.Channel], addresses: Iterable[str] = (),
-                 choice: str = "least_loaded", backoff_s: float = 0.5, max_backoff_s: float = 5.0,
-                 wait_s: float = 10.0):
+                 choice: str = "prefix", backoff_s: float = 0.5, max_backoff_s: float = 5.0,
+                 wait_s: float = 10.0, block_size: int = BLOCK):
         self.choice = choice
+        self.affinity = PrefixAffinity(block_size)  # what each replica's prefix cache likely holds
         self.wait_s = wait_s
         self.peers: list[Peer] = []
         self._make, self._backoff = make_channel, (backoff_s, max_backoff_s)
@@ -140,8 +146,11 @@ class ReplicaSet:
                     ch = self._make(a)
                     p = Peer(a, ch, verifier_pb2_grpc.VerifierStub(ch), PeerHealth(*self._backoff))
                 peers.append(p)
-            self._retired += [p for p in self.peers if p.address not in addresses]
+            gone = [p for p in self.peers if p.address not in addresses]
+            self._retired += gone
             self.peers = peers
+            for p in gone:
+                self.affinity.forget(p.address)
             idle = [p for p in self._retired if p.load <= 0]
             self._retired = [p for p in self._retired if p.load > 0]
         for p in idle:
@@ -153,9 +162,11 @@ class ReplicaSet:
     def _score(session_id: str, peer: Peer) -> int:
         return int.from_bytes(hashlib.blake2b(f"{session_id}|{peer.address}".encode(), digest_size=8).digest(), "big")
 
-    def pin(self, session_id: str, old: Optional[Peer] = None, avoid: Sequence[Peer] = ()) -> Peer:
+    def pin(self, session_id: str, old: Optional[Peer] = None, avoid: Sequence[Peer] = (), tokens: Sequence[int] = (),
+            conversation: str = "") -> Peer:
         """The replica for ``session_id`` (moving it off ``old``, avoiding ``avoid``
-        while another is up); waits up to ``wait_s`` while the set is empty."""
+        while another is up), whose first tokens are ``tokens`` (its prompt: ``prefix``
+        routing), of ``conversation``; waits up to ``wait_s`` while the set is empty."""
         end = time.monotonic() + self.wait_s
         while not self.peers:
             left = end - time.monotonic()
@@ -171,12 +182,26 @@ class ReplicaSet:
                 old.load -= 1
             up = [p for p in self.peers if p.health.available()]
             cands = [p for p in up if p not in avoid] or up or [p for p in self.peers if p not in avoid] or self.peers
-            if self.choice == "hash":
+            peer = None
+            if self.choice == "prefix":
+                pick = self.affinity.choose([(p.address, p.load) for p in cands], tokens, conversation)
+                peer = next((p for p in cands if pick is not None and p.address == pick[0]), None)
+            if peer is not None:
+                pass
+            elif self.choice == "hash":
                 peer = max(cands, key=lambda p: self._score(session_id, p))
             else:
                 peer = min(cands, key=lambda p: (p.load, -self._score(session_id, p)))
             peer.load += 1
-            return peer
+        if self.choice == "prefix" and (tokens or conversation):
+            self.affinity.record(peer.address, tokens, conversation)
+        return peer
+
+    def record(self, address: str, tokens: Sequence[int], conversation: str = "") -> None:
+        """A session on ``address`` ended holding ``tokens`` (its prompt and output: what
+        that replica's prefix cache now has)."""
+        if self.choice == "prefix":
+            self.affinity.record(address, tokens, conversation)
 
     def unpin(self, peer: Peer) -> None:
         with self._lock:

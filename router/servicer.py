@@ -108,7 +108,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 def _service(router: Router) -> Service:
     return Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
-                   router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router))
+                   router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(router), readiness=router.readiness)
 
 
 def _codec(settings: ServeSettings, codec):
@@ -123,7 +123,8 @@ def router_service(settings: ServeSettings, codec=None) -> tuple[Service, Router
     """The Router service over the static replica addresses of ``settings``;
     ``codec`` defaults to the tokenizer of ``settings.model``."""
     codec = _codec(settings, codec)
-    replicas = ReplicaSet(lambda a: peer_channel(settings, a), settings.verifier_targets(), settings.replica_choice)
+    replicas = ReplicaSet(lambda a: peer_channel(settings, a), settings.verifier_targets(), settings.replica_choice,
+                          block_size=settings.prefix_block)
     target: Optional[str] = settings.drafter_target()
     drafter = None
     if target:
@@ -149,7 +150,8 @@ def dynamic_router(settings: ServeSettings, codec=None) -> tuple[Service, Router
     discovery). Returns (service, router, verifiers, drafters)."""
     codec = _codec(settings, codec)
     mk = lambda a: peer_channel(settings, a)  # noqa: E731
-    verifiers = ReplicaSet(mk, choice=settings.replica_choice, wait_s=min(30.0, settings.verifier_retry_s))
+    verifiers = ReplicaSet(mk, choice=settings.replica_choice, wait_s=min(30.0, settings.verifier_retry_s),
+                           block_size=settings.prefix_block)
     drafters = DrafterPool(mk, settings.drafter_backoff_s, settings.drafter_backoff_max_s)
     router = Router(settings, codec, verifiers, drafters.peer, codec.vocab_size, settings.token(), _context(settings))
     return _service(router), router, verifiers, drafters

@@ -324,6 +324,7 @@ class Strategies:
         self._self_drafters: frozenset = frozenset()
         self._context_drafters: frozenset = frozenset()  # context-only drafters every verifier replica runs
         self._self_until = 0.0
+        self.info_answered: set = set()  # verifier replicas that answered the last Info look-up
         self._drafter_facts: Optional[DrafterFacts] = None  # the drafter service's Info, as last answered
         self._feature_until = 0.0
         self._tree_schedule = None  # (loaded,) the block drafter checkpoint's entropy-switched tree budgets
@@ -399,25 +400,37 @@ class Strategies:
         requests (``Verifier/Info`` ``context_drafters``), looked up with ``self_drafters``."""
         return self._verifier_drafters()[1]
 
-    def _verifier_drafters(self) -> tuple[frozenset, frozenset]:
+    def _verifier_drafters(self, force: bool = False) -> tuple[frozenset, frozenset]:
         now = time.monotonic()
         with self._info_lock:
-            if now < self._self_until:
+            if now < self._self_until and not force:
                 return self._self_drafters, self._context_drafters
             r = self.parts
-            found = None
+            found, missed, answered = None, False, set()
             for peer in r.replicas.peers:
                 if not peer.health.available():
                     continue
                 names = verifier_drafter_names(peer, Calls(r.token), min(SELF_INFO_TIMEOUT_S, r.s.verifier_timeout_s))
                 if names is None:
+                    missed = True
                     continue
+                answered.add(peer.address)
                 found = names if found is None else (found[0] & names[0], found[1] & names[1])
+            self.info_answered = answered
             if found is None:
                 self._self_until = now + SELF_INFO_RETRY_S
-            else:
-                (self._self_drafters, self._context_drafters), self._self_until = found, now + SELF_INFO_TTL_S
+            else:  # a replica that did not answer is asked again soon: a plan never rests on a missed Info
+                (self._self_drafters, self._context_drafters) = found
+                self._self_until = now + (SELF_INFO_RETRY_S if missed else SELF_INFO_TTL_S)
             return self._self_drafters, self._context_drafters
+
+    def info_read(self, addresses) -> set:
+        """Of the verifier replicas at ``addresses`` (those serving), the ones whose Info this
+        router has read; a replica not read yet is asked now (``Readiness``)."""
+        addresses = set(addresses)
+        if not addresses <= self.info_answered:
+            self._verifier_drafters(force=True)
+        return addresses & self.info_answered
 
     def hosted_drafters(self) -> frozenset:
         """The external drafters this router has the verifiers draft: those every replica
@@ -582,6 +595,7 @@ class Strategies:
                                   stop_ids=r.codec.stop_ids,
                                   decode_after=1 if plain or plan.self_draft else DECODE_AFTER,
                                   decode_lead=0 if plain else DECODE_LEAD, decode_self=plan.self_draft or None)
+        verifier.conversation = plan.conversation_id  # routing: a conversation stays on its replica
         drafter, loop_v, meter, resumed = None, verifier, None, None
         # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
         # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed

@@ -57,7 +57,15 @@ from .wire.convert import RouterStats, messages_to_proto, stats_from_proto
 from .v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
+ROUTER_SERVICE = "specmesh.v1.Router"  # its health status: SERVING once a verifier serves behind it
 
+
+def _health_answer(address: str, r) -> tuple[bool, str]:
+    from grpc_health.v1 import health_pb2
+
+    if r.status == health_pb2.HealthCheckResponse.SERVING:
+        return True, ""
+    return False, f"router {address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}"
 
 def _children(n: int, kw: dict) -> list[dict]:
     if not isinstance(n, int) or not 1 <= n <= MAX_N:
@@ -443,6 +451,26 @@ class Client(_Base):
             raise from_rpc_error(_NoFinal())
         return s.result
 
+    def ready(self, timeout: float = 2.0) -> tuple[bool, str]:
+        """(whether a router serves requests now, why not): the first router address whose
+        health status for ``specmesh.v1.Router`` is SERVING (a router is NOT_SERVING until
+        a verifier serves behind it)."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        why = []
+        for a, ch in zip(self.addresses, self._channels):
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=ROUTER_SERVICE),
+                                                         timeout=timeout)
+            except grpc.RpcError as e:
+                why.append(f"router {a}: {e.code().name}")
+                continue
+            ok, reason = _health_answer(a, r)
+            if ok:
+                return True, ""
+            why.append(reason)
+        return False, "; ".join(why)
+
     def generate_n(self, prompt: Optional[str] = None, *, n: int, timeout: Optional[float] = None,
                    **kw) -> list[Result]:
         """``n`` generations of one request (as the OpenAI API's ``n``), concurrently: the
@@ -537,6 +565,25 @@ class AsyncClient(_Base):
         if s.result is None:
             raise from_rpc_error(_NoFinal())
         return s.result
+
+    async def ready(self, timeout: float = 2.0) -> tuple[bool, str]:
+        """``Client.ready`` over this client's channels."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        addresses, chans, _ = self._connection()
+        why = []
+        for a, ch in zip(addresses, chans):
+            try:
+                r = await health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service=ROUTER_SERVICE), timeout=timeout)
+            except grpc.RpcError as e:
+                why.append(f"router {a}: {e.code().name}")
+                continue
+            ok, reason = _health_answer(a, r)
+            if ok:
+                return True, ""
+            why.append(reason)
+        return False, "; ".join(why)
 
     async def generate_n(self, prompt: Optional[str] = None, *, n: int, timeout: Optional[float] = None,
                          **kw) -> list[Result]:

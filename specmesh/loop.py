@@ -626,7 +626,8 @@ class LoopOptions:
     around each round (index 0 is the prefill) — drafting and verifying run inside it,
     so a tracing span opened there parents the RPCs — and the dict it yields is filled
     with the round's facts: drafted, accepted, depth, tree_size, draft_ms, verify_ms
-    (server side), wall_ms, batch_size, prefill. ``draft_first``: the first round
+    (server side), wall_ms, batch_size, prefill (and on the prefill cached_tokens and
+    computed_tokens: its prompt tokens the verifier's prefix cache held, and the others). ``draft_first``: the first round
     drafts too (worth it when the verifier already holds most of the prompt, e.g. a
     resumed session); it still counts as the prefill, so its drafts are not in the
     round counters (tau, histograms). ``draft_ahead``: an ``ahead.OverlapPolicy`` (the
@@ -748,10 +749,11 @@ class _Generation:
                             round_seed(self.o.sampling.seed, len(self.tokens) - 1), prompt_len=self.prompt_len,
                             jump_forward=self.o.jump_forward)
         t0 = time.perf_counter()
-        self.verifier.verify(req)
+        res = self.verifier.verify(req)
         self.kv_len = len(self.tokens) - 1
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.target_forwards += 1
+        self.stats.cached_tokens = min(res.cached_tokens, self.prompt_len)
 
     def verify(self, rnd: _Round, rs: int) -> None:
         """Send the committed tokens the verifier lacks and the draft; re-prefill a lost session."""
@@ -778,6 +780,8 @@ class _Generation:
         depth = 0
         if self.first:
             st.prefill_s += rnd.wall_s
+            if not self.o.resumed:  # (a resumed one counted its prefill's, prefill_resumed)
+                st.cached_tokens = min(res.cached_tokens, self.prompt_len)
         else:
             self_draft_s = res.draft_ms / 1e3
             st.verify_s += rnd.wall_s - self_draft_s
@@ -806,6 +810,9 @@ class _Generation:
                          wasted=a.wasted, ahead_outcomes=a.outcomes, ahead_span=a.span,
                          drafter_busy_ms=busy_d * 1e3, drafter_idle_ms=(wall - busy_d) * 1e3,
                          verifier_busy_ms=rnd.wall_s * 1e3, verifier_idle_ms=rnd.draft_s * 1e3)
+        if facts is not None and self.first and not self.o.resumed:  # the prefill: the prompt tokens the
+            # verifier's prefix cache held, and the ones it computed
+            facts.update(cached_tokens=res.cached_tokens, computed_tokens=max(0, len(self.tokens) - res.cached_tokens))
         if facts is not None:
             facts.update(prefill=self.first, drafted=res.drafted, accepted=len(res.accepted), depth=depth,
                          tree_size=res.tree_size, draft_ms=rnd.draft_s * 1e3 + res.draft_ms,

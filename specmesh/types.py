@@ -373,6 +373,9 @@ class VerifyRequest:
     prompt_len: int = -1
     # a grammar's forced tokens join the draft as free drafts (``processors.constrain``)
     jump_forward: bool = False
+    # set by the verifier on the last step of a prefill it ran in chunks: the keep_len of the
+    # request this step ends (its features start there; a fused drafter's first round is decided by it)
+    first_keep_len: Optional[int] = None
 
 
 @dataclass
@@ -406,6 +409,7 @@ class VerifyResult:
     # of each): with verify_ms, a point of the forward's cost line (loop.ForwardCosts);
     # 0: unknown
     batch_rows: int = 0
+    cached_tokens: int = 0  # a new session's first tokens served from the verifier's prefix cache
     # where the round's answer came from: "verify" (a Verify call, or in process) or
     # "decode_stream" (a step the verifier decoded ahead on a Decode stream: plain decoding)
     source: str = "verify"
@@ -444,6 +448,7 @@ class GenerationStats:
     cache_drafted_tokens: int = 0
     cache_accepted_tokens: int = 0
     warm_prefix_tokens: int = 0  # prompt tokens whose KV was already warm (not prefilled by this request)
+    cached_tokens: int = 0  # prompt tokens the verifier's prefix cache held (not computed by this request)
     # reasoning requests: the answer phase (after the end of thinking) and SSR side branches
     thinking_tokens: int = 0
     answer_tokens: int = 0

@@ -16,7 +16,11 @@ the block after the node where it stopped: the next round's draft. The verifier
 keeps each session's committed token ids (``history``: prompt_len, tokens) beside its
 KV, so a context-only drafter it hosts for external requests
 (``host_context_drafters``: prompt lookup, suffix decoding; ``drafters.in_verifier``)
-drafts from them in the verifier's own turn, with no hop a round.
+drafts from them in the verifier's own turn, with no hop a round. The prefix cache
+(``prefix_reuse``, on by default) starts a new session from the longest cached prefix
+of its tokens and stores the committed blocks of every session; ``verify_batch``'s
+``limits`` cut a long prefill into steps (``Partial``: the rest continues in a later
+forward, the session pinned in the pool meanwhile) for the batcher's chunked prefill.
 
 The ``Verifier`` protocol is what the draft–verify loop calls; gRPC adapters
 implement the same protocol. This module knows nothing about gRPC, tokenizers or
@@ -28,12 +32,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from typing import Optional, Protocol, Sequence
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
 from . import acceptance as acc
-from . import processors, trees
+from . import prefix_reuse, processors, trees
 from .engine import LlamaEngine
 from .engine.device import to_device, to_host
 from .types import (FEATURE_DTYPE, DraftContext, FeatureRows, InvalidArgument, ResourceExhausted, SessionLost,
@@ -51,13 +56,17 @@ class Verifier(Protocol):
 
 
 class SessionPool:
-    """session id -> engine slot, LRU order; sessions in use are never evicted."""
+    """session id -> engine slot, LRU order; sessions in use (``busy``) or in the middle of a
+    prefill run in chunks (``pinned``) are never evicted; ``on_evict(session)`` hears of
+    each eviction."""
 
-    def __init__(self, n_slots: int):
+    def __init__(self, n_slots: int, on_evict: Optional[Callable[[str], None]] = None):
         self.free = list(range(n_slots))[::-1]
         self.slots: "OrderedDict[str, int]" = OrderedDict()
         self.busy: set[str] = set()
+        self.pinned: set[str] = set()
         self.evictions = 0
+        self.on_evict = on_evict
 
     def get(self, session_id: str) -> Optional[int]:
         slot = self.slots.get(session_id)
@@ -67,29 +76,53 @@ class SessionPool:
 
     def allocate(self, session_id: str) -> int:
         if not self.free:
-            victim = next((s for s in self.slots if s not in self.busy), None)
+            victim = next((s for s in self.slots if s not in self.busy and s not in self.pinned), None)
             if victim is None:
                 raise ResourceExhausted(f"all {len(self.slots)} KV slots are in use")
             self.free.append(self.slots.pop(victim))
             self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim)
         slot = self.free.pop()
         self.slots[session_id] = slot
         return slot
 
     def release(self, session_id: str) -> Optional[int]:
+        self.pinned.discard(session_id)
         slot = self.slots.pop(session_id, None)
         if slot is not None:
             self.free.append(slot)
         return slot
 
 
+@dataclass
+class Partial:
+    """One step of a prefill run in chunks (``verify_batch``'s ``limits``): the session now
+    holds ``cache_len`` tokens; ``rest`` is the request that continues it (the same
+    request, its keep_len moved past what is done). ``cached_tokens``: what the step found
+    in the prefix cache. ``verify_ms`` / ``batch_rows``: the step's forward."""
+
+    rest: VerifyRequest
+    cache_len: int
+    cached_tokens: int = 0
+    verify_ms: float = 0.0
+    batch_rows: int = 0
+
+
 class EngineVerifier:
-    def __init__(self, engine: LlamaEngine, max_tree_nodes: int = 64, max_append: Optional[int] = None):
+    def __init__(self, engine: LlamaEngine, max_tree_nodes: int = 64, max_append: Optional[int] = None,
+                 prefix_cache: bool = True, prefix_cache_bytes: Optional[int] = None,
+                 prefix_block: int = prefix_reuse.DEFAULT_BLOCK):
+        """``prefix_cache``: keep the KV of committed tokens in blocks that later sessions
+        starting with the same tokens reuse (``specmesh.prefix_reuse``; ``prefix_cache_bytes``
+        of storage, default ``prefix_reuse.DEFAULT_BUDGET``, ``prefix_block`` tokens a block)."""
         self.engine = engine
         self.vocab_size = engine.vocab_size
         self.max_tree_nodes = max_tree_nodes
         self.max_append = max_append or engine.max_seq_len
-        self.pool = SessionPool(engine.n_slots)
+        self.pool = SessionPool(engine.n_slots, on_evict=self._evicted)
+        self.prefix: Optional[prefix_reuse.PrefixReuse] = prefix_reuse.make(engine, prefix_cache, prefix_cache_bytes,
+                                                                            prefix_block)
         self.lock = threading.RLock()
         self.self_drafters: dict = {}  # SelfDraft.method -> drafter (context-only hosted ones among them)
         self.context_drafters: list[str] = []  # of those, the context-only drafters hosted for external requests
@@ -125,6 +158,25 @@ class EngineVerifier:
             self.grammar_vocab = self.grammar_vocab()
         return self.grammar_vocab
 
+    def configure_prefix_cache(self, enabled: bool, budget_bytes: Optional[int] = None,
+                               block: int = prefix_reuse.DEFAULT_BLOCK) -> None:
+        """Turn the prefix cache on (``budget_bytes`` of storage, ``block`` tokens a block) or
+        off, empty; refused (InvalidArgument, nothing changes) where the budget cannot hold
+        one sequence of ``max_seq_len`` tokens with the features this verifier keeps."""
+        with self.lock:
+            new = prefix_reuse.make(self.engine, False, None, block)
+            if enabled:
+                dim = 0 if self.features is None else self.features.shape[-1]
+                new = prefix_reuse.PrefixReuse(self.engine, prefix_reuse.DEFAULT_BUDGET if budget_bytes is None
+                                               else budget_bytes, block, dim)
+            self.prefix = None  # the old storage goes first
+            self.prefix = new
+
+    def _evicted(self, session_id: str) -> None:
+        """The pool evicted an idle session to free its slot."""
+        if self.prefix is not None:
+            self.prefix.ended(session_id)
+
     def host_context_drafters(self, drafters: dict) -> None:
         """Host these context-only drafters (name -> a ``drafters.base.Drafter``: prompt
         lookup, suffix decoding) as ``SelfDraft`` methods: an external request's rounds
@@ -141,9 +193,10 @@ class EngineVerifier:
         """The session now holds its first ``keep_len`` known tokens + ``append`` (a keep_len
         of 0 starts it: those are its prompt). A session whose first keep_len tokens are not
         known here (none should be) is dropped: a hosted drafter then drafts nothing for it.
-        Kept only while context drafters are hosted or the request's logits processors read
-        it (``need``: penalties, grammars); nothing reads it otherwise."""
-        if not self.context_drafters and not need and session_id not in self.history:
+        Kept while context drafters are hosted, the prefix cache is on (it keys the blocks by
+        their tokens) or the request's logits processors read it (``need``: penalties,
+        grammars); nothing reads it otherwise."""
+        if not self.context_drafters and self.prefix is None and not need and session_id not in self.history:
             return
         h = self.history.get(session_id)
         if keep_len == 0:
@@ -193,6 +246,9 @@ class EngineVerifier:
         for j, layer in enumerate(old_layers if old is not None else ()):  # sessions keep what they had
             k = layers.index(layer)
             self.features[:, :, k * H:(k + 1) * H] = old[:, :, j * H:(j + 1) * H]
+        if self.prefix is not None:  # cached blocks carry these features from now on (an empty cache; the
+            # live sessions' earlier positions lack some of them: they are not cached)
+            self.prefix.rebuild(self.features.shape[-1], frozen=list(self.pool.slots))
 
     def _feature_rows(self, slot: int, start: int, layers: Sequence[int]) -> FeatureRows:
         """The kept features of the slot's positions [start, length) as wire-ready bf16 bytes."""
@@ -226,7 +282,7 @@ class EngineVerifier:
         self._stamp += 1
         self.feature_stamps[slot][start: start + len(rows)] = [self._stamp] * len(rows)
 
-    def _append(self, slot: int, tokens: Sequence[int]) -> None:
+    def _append(self, slot: int, tokens: Sequence[int], session_id: str = "") -> None:
         """Commit a chain of tokens to the slot (keeping features when enabled)."""
         tokens = list(tokens)
         start = self.engine.length(slot)
@@ -234,6 +290,40 @@ class EngineVerifier:
                                 hidden_layers=self.feature_layers)
         self.engine.commit(slot, range(len(tokens)))
         self._store_features(slot, start, out.hidden, range(len(tokens)))
+        self._cache_commit(session_id, slot)
+
+    # -------------------------------------------------------------- prefix cache
+    def _reuse(self, session_id: str, slot: int, tokens: Sequence[int]) -> int:
+        """A new session (its slot just reset) starting with ``tokens``: its longest cached
+        prefix (all but the last token at most) copied into its slot; returns its length."""
+        if self.prefix is None or len(tokens) < 2:
+            return 0
+        n = self.prefix.reuse(session_id, slot, tokens, self.features)
+        if n:
+            self.engine.lengths[slot] = n
+            if self.features is not None:
+                self._stamp += 1
+                self.feature_stamps[slot][:n] = [self._stamp] * n
+        return n
+
+    def _cache_commit(self, session_id: str, slot: int) -> None:
+        """The slot's committed tokens into the prefix cache (full blocks it lacks)."""
+        h = self.history.get(session_id) if self.prefix is not None else None
+        if h is not None:
+            self.prefix.committed(session_id, slot, h[1], self.engine.length(slot), self.features)
+
+    def prefill_need(self, req: VerifyRequest) -> int:
+        """Tokens ``req`` would compute before its scored rows (its appended tokens but the
+        last, less a new session's cached prefix): what a chunked prefill splits. Reads only."""
+        n = len(req.append_tokens) - 1
+        if req.keep_len == 0 and self.prefix is not None and n > 0:
+            n -= self.prefix.peek(req.append_tokens)
+        return max(0, n)
+
+    def abandon(self, session_id: str) -> None:
+        """A prefill run in chunks stops here (its caller went away): the session may be
+        evicted again."""
+        self.pool.pinned.discard(session_id)
 
     # -------------------------------------------------------------- validation
     def _validate(self, req: VerifyRequest) -> None:
@@ -315,9 +405,13 @@ class EngineVerifier:
             raise res
         return res
 
-    def verify_batch(self, reqs: Sequence[VerifyRequest]) -> list:
+    def verify_batch(self, reqs: Sequence[VerifyRequest], limits: Optional[Sequence[Optional[int]]] = None) -> list:
         """Verify several sessions' requests with one forward; returns a VerifyResult
-        or the exception for each request (a bad request does not fail the others)."""
+        or the exception for each request (a bad request does not fail the others).
+        ``limits[i]`` (a chunked prefill, ``verify_service.batcher``): compute at most that
+        many of request i's tokens before its scored rows in this forward; where it has
+        more, the forward commits that many and its answer is a ``Partial`` whose ``rest``
+        continues it (a divergence request is never cut: its specialist syncs itself)."""
         out: list = [None] * len(reqs)
         with self.lock:
             ready = []
@@ -340,6 +434,7 @@ class EngineVerifier:
                         self.self_drafters["specialist"].sync(r.session_id, r.keep_len, r.append_tokens)
                     seen.add(r.session_id)
                     self.pool.busy.add(r.session_id)
+                    self.pool.pinned.discard(r.session_id)
                     ready.append((i, r, slot))
                 except Exception as e:  # noqa: BLE001 - returned per request
                     out[i] = e
@@ -348,19 +443,26 @@ class EngineVerifier:
                 if not wanted <= set(self.feature_layers) or (wanted and self.features is None):
                     self.enable_features(wanted)  # first request for these layers: keep them from now on
                 items, meta, fused = [], [], []  # fused: per item, stop node -> its mask block's rows
+                parts = []  # chunked prefills' steps: (i, r, slot, tokens, cached)
                 procs = []  # per item: (grammar masks of its rows or None, forced tokens drafted)
                 for i, r, slot in ready:
                     t0 = time.perf_counter()
-                    self.engine.truncate(slot, r.keep_len)
-                    self._sync_history(r.session_id, r.keep_len, r.append_tokens, r.sampling.processed)
-                    append, tree, draft_ms = list(r.append_tokens), r.tree, 0.0
+                    append, cached = self._begin(r, slot)
+                    limit = limits[i] if limits is not None else None
+                    if limit is not None and len(append) - 1 > limit and r.sampling.acceptance != "divergence" \
+                            and not (r.self_draft is not None and r.self_draft.method == "specialist") \
+                            and not r.sampling.processed:
+                        parts.append((i, r, slot, append[:max(1, limit)], cached))
+                        continue
+                    tree, draft_ms = r.tree, 0.0
                     sd = self.self_drafters.get(r.self_draft.method) if r.self_draft is not None else None
                     # a fused drafter's first round: nothing to draft from yet; the prefill forward
                     # itself carries the block after the last prompt token (``_mask_blocks``)
-                    fused_first = getattr(sd, "fused", False) and r.keep_len == 0
+                    first = r.keep_len if r.first_keep_len is None else r.first_keep_len
+                    fused_first = getattr(sd, "fused", False) and first == 0
                     if r.self_draft is not None and r.self_draft.budget > 0 and not fused_first:
                         if len(append) > 1 and not getattr(sd, "context_only", False):  # reads no KV
-                            self._append(slot, append[:-1])
+                            self._append(slot, append[:-1], r.session_id)
                             append = append[-1:]
                         ctx = DraftContext(r.session_id, append, 0, r.sampling, round_seed=r.round_seed)
                         tree = self.self_drafters[r.self_draft.method].propose(ctx, r.self_draft.budget)
@@ -376,35 +478,32 @@ class EngineVerifier:
                     rows = [a - 1] + [a + j for j in range(len(tree))]  # consecutive: read as a slice below
                     blocks = self._mask_blocks(r, slot, toks, pars, a, tree)
                     items.append((slot, toks, pars))
-                    meta.append((i, r, slot, a, tree, rows, draft_ms))
+                    meta.append((i, r, slot, a, tree, rows, draft_ms, cached))
                     fused.append(blocks)
                     procs.append((masks, forced))
-                if items:
+                if items or parts:
                     t1 = time.perf_counter()
                     cd = any(m[1].sampling.acceptance == "contrastive" for m in meta)
                     exit_h = self.contrastive_exit() - 1 if cd else None  # the amateur reads layer E-1's output
                     last = self.engine.n_layers - 1  # fused drafting keeps its mask rows' last hidden states
                     hl = {*self.feature_layers} | ({exit_h} if cd else set()) | ({last} if any(fused) else set())
-                    scored = self.engine.score_batch(items, rows=[m[5] for m in meta], hidden_layers=sorted(hl))
+                    chains = [(p[2], p[3], list(range(-1, len(p[3]) - 1))) for p in parts]
+                    scored = self.engine.score_batch(items + chains, rows=[m[5] for m in meta] +
+                                                     [[len(p[3]) - 1] for p in parts], hidden_layers=sorted(hl))
+                    scored, pscored = scored[:len(items)], scored[len(items):]
                     self.forwards += 1
                     amateurs = [self.engine.head_logits(so.hidden[exit_h][m[5][0]: m[5][-1] + 1])
                                 if m[1].sampling.acceptance == "contrastive" else None
                                 for m, so in zip(meta, scored)] if cd else None
                     fwd_ms = (time.perf_counter() - t1) * 1e3
-                    specialists = [self._specialist_rows(m[1], m[4]) for m in meta]
-                    # entropies asked for: computed here, read with the acceptance decisions
-                    want_ent = [k for k, m in enumerate(meta) if m[1].want_entropy]
-                    ent_t = torch.stack([acc.logit_entropy(scored[k].logits[0]) for k in want_ent]) \
-                        if want_ent else None
-                    target = [self._processed(m[1], m[4], so.logits, pm[0]) for m, so, pm in zip(meta, scored, procs)]
-                    decided, ent_v = acc.accept_batch_reading(
-                        target, [m[4] for m in meta], [m[1].sampling for m in meta],
-                        [m[1].round_seed for m in meta], batched=self.batched_acceptance, amateurs=amateurs,
-                        specialists=specialists, also=ent_t)
-                    ents = dict(zip(want_ent, ent_v))
-                    n_rows = sum(len(it[1]) for it in items)  # the forward's scored rows, all requests
-                    for k, ((i, r, slot, a, tree, rows, draft_ms), so, res, blocks, (_, forced)) in enumerate(
-                            zip(meta, scored, decided, fused, procs)):
+                    n_rows = sum(len(it[1]) for it in items + chains)  # the forward's scored rows, all requests
+                    for (i, r, slot, toks, cached), so in zip(parts, pscored):
+                        out[i] = self._partial(r, slot, toks, cached, so, fwd_ms, n_rows)
+                    if meta:
+                        decided, ents = self._decide(meta, scored, amateurs, procs)
+                    for k, ((i, r, slot, a, tree, rows, draft_ms, cached), so, blocks, (_, forced)) in enumerate(
+                            zip(meta, scored, fused, procs)):
+                        res = decided[k]
                         start = self.engine.length(slot)
                         kept = list(range(a)) + [a + j for j in res.path]
                         self.engine.commit(slot, kept)
@@ -412,17 +511,19 @@ class EngineVerifier:
                         if h is not None:
                             h[1].extend(tree.tokens[j] for j in res.path)
                         self._store_features(slot, start, so.hidden, kept)
+                        self._cache_commit(r.session_id, slot)
                         if blocks:  # the block after the stop node drafts the next round
                             blk = blocks.get(res.path[-1] if res.path else -1)
                             self.self_drafters[r.self_draft.method].absorb(
                                 r.session_id, None if blk is None else so.hidden[last][blk[0]: blk[-1] + 1], self.engine.length(slot))
                         ent = float(ents.get(k, 0.0))
+                        first = r.keep_len if r.first_keep_len is None else r.first_keep_len
                         out[i] = VerifyResult(
                             accepted=[tree.tokens[j] for j in res.path], next_token=res.next_token,
                             drafted=len(tree), tree_size=len(tree), accepted_nodes=res.path, entropy=ent,
                             draft_ms=draft_ms, verify_ms=fwd_ms, cache_len=self.engine.length(slot),
-                            batch_size=len(items), batch_rows=n_rows,
-                            features=self._feature_rows(slot, r.keep_len, r.feature_layers)
+                            batch_size=len(items) + len(parts), batch_rows=n_rows, cached_tokens=cached,
+                            features=self._feature_rows(slot, first, r.feature_layers)
                             if r.feature_layers else None, forced=forced,
                             logprobs=processors.token_logprobs(so.logits, tree, res.path, res.next_token,
                                                                r.sampling.logprobs)
@@ -431,6 +532,52 @@ class EngineVerifier:
                 for _, r, _ in ready:
                     self.pool.busy.discard(r.session_id)
         return out
+
+    def _begin(self, r: VerifyRequest, slot: int) -> tuple[list[int], int]:
+        """Sync the session to the request (truncate to keep_len, the tokens it holds); a
+        new session (keep_len 0) starts from its longest cached prefix. Returns (the
+        appended tokens still to compute, how many the cache had)."""
+        self.engine.truncate(slot, r.keep_len)
+        if self.prefix is not None:
+            if r.keep_len == 0:
+                self.prefix.ended(r.session_id)  # starts over
+            else:
+                self.prefix.truncated(r.session_id, r.keep_len)
+        self._sync_history(r.session_id, r.keep_len, r.append_tokens, r.sampling.processed)
+        append = list(r.append_tokens)
+        cached = self._reuse(r.session_id, slot, append) if r.keep_len == 0 else 0
+        return append[cached:], cached
+
+    def _partial(self, r: VerifyRequest, slot: int, toks: list, cached: int, so, fwd_ms: float,
+                 n_rows: int) -> Partial:
+        """Commit a chunked prefill's step (``toks``, scored as ``so``) and say how the request goes on."""
+        start = self.engine.length(slot)
+        self.engine.commit(slot, range(len(toks)))
+        self._store_features(slot, start, so.hidden, range(len(toks)))
+        n = self.engine.length(slot)
+        h = self.history.get(r.session_id)
+        if h is not None:
+            del h[1][n:]  # it was synced with the whole request: it holds what the KV holds
+        self._cache_commit(r.session_id, slot)
+        self.pool.pinned.add(r.session_id)  # not evicted before the rest of its prefill
+        done = n - r.keep_len
+        rest = replace(r, keep_len=n, append_tokens=list(r.append_tokens[done:]),
+                       first_keep_len=r.keep_len if r.first_keep_len is None else r.first_keep_len)
+        return Partial(rest, n, cached, fwd_ms, n_rows)
+
+    def _decide(self, meta: list, scored: list, amateurs, procs: list) -> tuple[list, dict]:
+        """The acceptance decisions of the forward's verify requests (on their rows' logits
+        after the requests' logits processors), and the entropies asked for."""
+        specialists = [self._specialist_rows(m[1], m[4]) for m in meta]
+        # entropies asked for: computed here, read with the acceptance decisions
+        want_ent = [k for k, m in enumerate(meta) if m[1].want_entropy]
+        ent_t = torch.stack([acc.logit_entropy(scored[k].logits[0]) for k in want_ent]) if want_ent else None
+        target = [self._processed(m[1], m[4], so.logits, pm[0]) for m, so, pm in zip(meta, scored, procs)]
+        decided, ent_v = acc.accept_batch_reading(
+            target, [m[4] for m in meta], [m[1].sampling for m in meta],
+            [m[1].round_seed for m in meta], batched=self.batched_acceptance, amateurs=amateurs,
+            specialists=specialists, also=ent_t)
+        return decided, dict(zip(want_ent, ent_v))
 
     def _sync_matcher(self, req: VerifyRequest) -> None:
         """The session's grammar matcher, synced with the committed output the request
@@ -501,8 +648,12 @@ class EngineVerifier:
             if slot is None:
                 slot = self.pool.allocate(session_id)
             self.engine.reset(slot)
-            self._append(slot, list(tokens))
+            self.pool.pinned.discard(session_id)
+            if self.prefix is not None:
+                self.prefix.ended(session_id)
             self._sync_history(session_id, 0, tokens)
+            cached = self._reuse(session_id, slot, list(tokens))
+            self._append(slot, list(tokens)[cached:], session_id)
             return self.engine.length(slot)
 
     def fork(self, source_id: str, session_id: str, n: int) -> int:
@@ -533,6 +684,8 @@ class EngineVerifier:
                 self.features[dst, :n] = self.features[src, :n]
                 self.feature_stamps[dst][:n] = self.feature_stamps[src][:n]
             e.lengths[dst] = n
+            if self.prefix is not None:
+                self.prefix.forked(source_id, session_id, n)
             h = self.history.get(source_id)
             if h is not None and len(h[1]) >= n:
                 self.history[session_id] = [min(h[0], n), h[1][:n]]
@@ -543,6 +696,8 @@ class EngineVerifier:
     def release(self, session_id: str) -> None:
         with self.lock:
             slot = self.pool.release(session_id)
+            if self.prefix is not None:
+                self.prefix.ended(session_id)
             for d in self.self_drafters.values():
                 d.release(session_id)  # a hosted context drafter learns from the session's history first
             self.history.pop(session_id, None)
@@ -563,4 +718,5 @@ class EngineVerifier:
             # CUDA graphs captured while serving (after the warm-up); None without graphs
             "cuda_graph_captures": getattr(e, "calls", {}).get("serving_captures") if getattr(e, "capture", False)
             else None,
+            "prefix_cache": self.prefix is not None, **(self.prefix.info() if self.prefix is not None else {}),
         }

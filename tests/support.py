@@ -171,13 +171,13 @@ class GatedVerifier(EngineVerifier):
         self.reached.clear()
         self.resume.clear()
 
-    def verify_batch(self, reqs):
+    def verify_batch(self, reqs, limits=None):
         self.calls += 1
         if self.pause_at is not None and self.calls == self.pause_at:
             self.reached.set()
             self.resume.wait(20)
             self.pause_at = None
-        return super().verify_batch(reqs)
+        return super().verify_batch(reqs, limits)
 
 
 def tiny_layerskip_verifier(n_slots: int = 8, max_seq_len: int = 256) -> EngineVerifier:

@@ -25,7 +25,7 @@ from specmesh.seeding import round_seed
 from specmesh.wire import convert
 from specmesh.wire.convert import check_session_id
 from specmesh.serving.server import Service, time_left
-from specmesh.serving.settings import ServeSettings
+from specmesh.serving.settings import MiB, ServeSettings
 from specmesh.types import InvalidArgument, SelfDraft, VerifyRequest
 from specmesh.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 
@@ -47,8 +47,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 raise InvalidArgument("tokens", "must be empty when fork_from is set")
             n = self.batcher.call(self.verifier.fork, check_session_id(request.fork_from), sid, request.fork_len)
             return verifier_pb2.PrefillResponse(cache_len=n)
-        n = self.batcher.call(self.verifier.prefill, sid, list(request.tokens))
-        return verifier_pb2.PrefillResponse(cache_len=n)
+        tokens = list(request.tokens)
+        if not tokens:
+            raise InvalidArgument("tokens", "must be non-empty (or fork_from set)")
+        if not hasattr(self.verifier, "prefill_need"):  # a verifier without chunked prefill: in one forward
+            n = self.batcher.call(self.verifier.prefill, sid, tokens)
+            return verifier_pb2.PrefillResponse(cache_len=n)
+        # through the batcher: a long prompt goes in chunks between the streams' rounds, from its cached prefix
+        try:
+            res = self.batcher.verify(VerifyRequest(sid, 0, tokens), timeout=time_left(context), alive=context.is_active)
+        except InvalidArgument as e:
+            raise InvalidArgument("tokens", str(e).split(": ", 1)[-1]) if e.field == "append_tokens" else e
+        return verifier_pb2.PrefillResponse(cache_len=res.cache_len)
 
     def Verify(self, request, context):
         t0 = time.perf_counter()
@@ -157,6 +167,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         b = self.batcher.info()
         m.batches, m.batched_requests, m.max_batch_seen = b["batches"], b["batched_requests"], b["max_batch_seen"]
         m.decode_steps = self.decode_steps
+        m.prefill_steps = b.get("prefill_steps", 0)
         return m
 
 
@@ -217,7 +228,12 @@ def verifier_service(settings: ServeSettings, verifier=None, thread=None) -> tup
         from specmesh.drafters import make_drafter
 
         verifier.host_context_drafters({d: make_drafter(d) for d in settings.verifier_drafters})
-    batcher = VerifyBatcher(verifier, settings.batch_window_ms, settings.max_batch, thread=thread)
+    if hasattr(verifier, "configure_prefix_cache"):  # refused here, at start-up, when the budget is too small
+        run = thread.run if thread is not None else (lambda f, *a: f(*a))
+        run(verifier.configure_prefix_cache, settings.prefix_cache, int(settings.prefix_cache_mib * MiB),
+            settings.prefix_block)
+    batcher = VerifyBatcher(verifier, settings.batch_window_ms, settings.max_batch, thread=thread,
+                            prefill_chunk=settings.prefill_chunk, stall_ratio=settings.prefill_stall_ratio)
     svc = Service(verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name,
                   verifier_pb2_grpc.add_VerifierServicer_to_server, VerifierServicer(verifier, batcher))
     return svc, batcher

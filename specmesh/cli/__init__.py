@@ -20,6 +20,8 @@ three services in one process, for tests and the benchmarks) and ``serve_ray``
   calibrate-layerskip  choose the layer-skip exit layer by measurement (specmesh.cli.bench.calibrate)
   bench-services     the same prompts in process and through `specmesh serve`, side by side
                      (specmesh.cli.bench.services)
+  bench-serving      serving workloads through the OpenAI API beside llama-cpp-python's server
+                     (specmesh.cli.bench.serving)
   bench-strategies   workloads x strategies through the services (specmesh.cli.bench.strategies)
   device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.cli.bench.device_check)
   costs              the speculation cost model measured on this device (specmesh.cli.bench.costs)
@@ -60,8 +62,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 # subcommand registered but named in no group is listed under "other".
 COMMAND_GROUPS = (
     ("serving", ("serve", "generate", "demo", "stats", "trace", "convert", "make-draft-model")),
-    ("benchmarking", ("bench", "bench-services", "bench-strategies", "bench-sweep", "costs", "quality",
-                      "calibrate-layerskip", "device-check")),
+    ("benchmarking", ("bench", "bench-services", "bench-serving", "bench-strategies", "bench-sweep", "costs",
+                      "quality", "calibrate-layerskip", "device-check")),
     ("training and studies", ("distill-data", "train-drafter", "accel-drafter", "floor", "tree-study",
                               "train-specialist", "train-uno", "uno-study")),
 )
@@ -82,6 +84,9 @@ COMMANDS = {
     "bench-sweep": ("specmesh.cli.bench", "concurrency sweep through the gRPC services (1/4/8 streams)"),
     "bench-services": ("specmesh.cli.bench", "the same prompts in process and through `specmesh serve` (SDK and "
                        "OpenAI HTTP), side by side: the services' ratio to their own engine"),
+    "bench-serving": ("specmesh.cli.bench", "serving workloads through the OpenAI API beside llama-cpp-python's "
+                      "server: multi-turn chat (TTFT per turn), shared system prompt, streams while long prompts "
+                      "arrive, Poisson arrival sweep"),
     "distill-data": ("specmesh.cli.blockdraft", "target self-distillation data (resumable shards)"),
     "train-drafter": ("specmesh.cli.blockdraft", "train the DFlash-style block drafter"),
     "floor": ("specmesh.cli.blockdraft", "per-slot information floor and the drafter's model gap"),

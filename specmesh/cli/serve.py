@@ -52,6 +52,13 @@ _FLAGS = [
     ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false | "
      "invariant (one bucket shape for every forward: bf16 greedy identity)"),
     ("--n-slots", "n_slots", int, "KV slots of the verifier (and of the draft LM)"),
+    ("--prefix-cache", "prefix_cache", str, "reuse the KV of earlier requests' common prefixes: true | false"),
+    ("--prefix-cache-mib", "prefix_cache_mib", float, "the prefix cache's budget in MiB"),
+    ("--prefix-block", "prefix_block", int, "tokens per prefix-cache block"),
+    ("--prefill-chunk", "prefill_chunk", int, "a prompt's tokens per forward at most, between the running "
+     "streams' rounds (0 = a prompt in one forward)"),
+    ("--prefill-stall-ratio", "prefill_stall_ratio", float, "while streams run, a forward with a prefill chunk "
+     "costs at most this many times theirs (0 = off)"),
     ("--max-seq-len", "max_seq_len", int, "KV positions per slot: the longest prompt + reply (verifier, draft "
      "LM; the router's limits follow it; unset: the model's context, at most 8192)"),
     ("--draft-model", "draft_model", str, "the draft LM's alias or directory (unset: the target's paired draft "
@@ -72,7 +79,8 @@ _FLAGS = [
      "for external requests ('' = none)"),
     ("--verifier-addresses", "verifier_addresses", str, "comma-separated verifier host:port list ('': "
      "host:verifier-port)"),
-    ("--replica-choice", "replica_choice", str, "least_loaded | hash"),
+    ("--replica-choice", "replica_choice", str, "a new session's verifier replica: prefix (by cached prefix and "
+     "conversation, unless much busier) | least_loaded | hash"),
     ("--router-addresses", "router_addresses", str, "comma-separated router host:port list (or one DNS name with "
      "several records); a stream whose router dies is resumed on the next ('': host:router-port)"),
     ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens, after the chat template; a longer "

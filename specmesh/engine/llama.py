@@ -243,9 +243,9 @@ class Linear:
         return lin
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mode == "q":
-            y = self.qm.mm(x)
-            return y if self.b is None else y + self.b
+        if self.mode == "q":  # fp32 rows give fp32 outputs (the int8 rounding of the rows is the same)
+            y = self.qm.mm(x, torch.float32 if x.dtype == torch.float32 else torch.bfloat16)
+            return y if self.b is None else y + self.b.to(y.dtype)
         if self.mode == "int4":
             if self._k4 is not None:
                 y = self._k4.mm(x if x.is_contiguous() else x.contiguous(), self.w, self.out_features, self.group)

@@ -23,7 +23,9 @@ picks a free port. Every name starts with ``specmesh_``; counters end in
   ``x-specmesh-strategy``): verify batch size, queue time, forward time, scored
   tree nodes, Verify calls that applied a lossy acceptance rule (label
   ``acceptance``); KV slots used/total, evictions and target forwards read from
-  the verifier at scrape time.
+  the verifier at scrape time, and its prefix cache's: prompt tokens looked up and
+  found (``specmesh_prefix_cache_queries_total`` / ``_hits_total``, vLLM's names),
+  bytes stored and budgeted, blocks evicted and held.
 - ``DrafterMetrics`` (labels ``drafter``, ``strategy``): proposals, proposed
   tokens, draft time; sessions held, read at scrape time.
 - All: ``specmesh_rpc_duration_seconds`` and ``specmesh_rpc_errors_total``
@@ -313,6 +315,19 @@ class VerifierMetrics(ServiceMetrics):
                 ("specmesh_target_forwards", "Target forwards run", "counter", "forwards"),
                 ("specmesh_cuda_graph_captures", "CUDA graphs captured while serving (buckets the warm-up "
                  "missed; each capture stalls the forward that needed it)", "counter", "cuda_graph_captures"),
+                # the prefix cache, named after vLLM's prefix_cache_queries / prefix_cache_hits (tokens)
+                ("specmesh_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "counter",
+                 "prefix_cache_queries"),
+                ("specmesh_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)", "counter",
+                 "prefix_cache_hits"),
+                ("specmesh_prefix_cache_bytes", "Bytes of the KV blocks the prefix cache stores", "gauge",
+                 "prefix_cache_bytes"),
+                ("specmesh_prefix_cache_budget_bytes", "The prefix cache's storage budget", "gauge",
+                 "prefix_cache_budget_bytes"),
+                ("specmesh_prefix_cache_evictions", "Prefix-cache blocks evicted (least recently used) to make room",
+                 "counter", "prefix_cache_evictions"),
+                ("specmesh_prefix_cache_blocks_held", "Prefix-cache blocks live sessions hold (not evictable)",
+                 "gauge", "prefix_cache_blocks_held"),
             ]))
 
     def on_item(self, method: str, strategy: str, request, item) -> None:

@@ -12,7 +12,8 @@ returns a ``RequestObservation`` whose ``round_scope`` is passed to
 - puts a ``rpc.CallScope`` in the context: the strategy header for the peers'
   metrics, and where client-side RPC failures are counted;
 - on exit reads the loop's facts (drafted, accepted, depth, tree_size,
-  draft_ms, verify_ms, wall_ms, batch_size, prefill) and the round's network
+  draft_ms, verify_ms, wall_ms, batch_size, prefill; the prefill's prompt split into
+  cached_tokens, found in the verifier's prefix cache, and computed_tokens) and the round's network
   time (growth of the adapters' ``network_s``), sets them on the span and
   records the round's metrics.
 
@@ -99,7 +100,7 @@ def _stats_attributes(model: str, s) -> dict:
          "specmesh.accept_hist": list(s.accept_hist), "specmesh.draft_s": s.draft_s, "specmesh.verify_s": s.verify_s,
          "specmesh.prefill_s": s.prefill_s, "specmesh.total_s": s.total_s, "specmesh.ttft_s": s.ttft_s,
          "specmesh.tokens_per_s": float(s.tokens_per_s), "specmesh.fallbacks": s.fallbacks,
-         "specmesh.lossy": bool(s.lossy)}
+         "specmesh.lossy": bool(s.lossy), "specmesh.cached_tokens": int(getattr(s, "cached_tokens", 0))}
     for k in ("network_s", "reprefills", "verifier"):
         if hasattr(s, k):
             a[f"specmesh.{k}"] = getattr(s, k)
@@ -274,6 +275,9 @@ class RoundScope:
                     "specmesh.round.wall_ms": float(f.get("wall_ms", wall_s * 1e3)),
                     "specmesh.round.batch_size": int(f.get("batch_size", 1)),
                     "specmesh.round.verify_source": str(f.get("verify_source", "verify"))})
+                if "cached_tokens" in f:  # the prefill: its prompt split into cached and computed tokens
+                    span.set_attributes({"specmesh.round.cached_tokens": int(f["cached_tokens"]),
+                                         "specmesh.round.computed_tokens": int(f.get("computed_tokens", 0))})
                 if "ahead" in f:
                     span.set_attributes({"specmesh.round.ahead": str(f["ahead"]),
                                          "specmesh.round.ahead_wasted": int(f.get("wasted", 0))})

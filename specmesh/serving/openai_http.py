@@ -26,8 +26,13 @@ client (or any OpenAI-compatible client) works unchanged:
   ``"specmesh": {tau, accepted_tokens, drafted_tokens, strategy, drafter,
   lossy, ...}`` (the router's ``GenerationStats``, plus ``session_id``); a
   stream carries it on its final chunk (the one with ``finish_reason``);
-- ``GET /health``: 200 while the process serves (no token needed, like the
-  gRPC health service).
+- ``GET /health``: readiness, no token needed (like the gRPC health service): 200
+  once a router serves requests (its ``specmesh.v1.Router`` health is SERVING: a
+  verifier serves behind it), 503 with the reason before; while it is 503 every
+  request is 503 ``service_unavailable`` too, with the same reason. ``GET /live``:
+  200 while the process serves (liveness);
+- ``usage.prompt_tokens_details.cached_tokens``: the prompt tokens the verifier's
+  prefix cache held (as OpenAI and vLLM report them).
 
 Errors have the OpenAI shape ``{"error": {"message", "type", "param",
 "code"}}``: the router's INVALID_ARGUMENT is HTTP 400 ``invalid_request_error``
@@ -90,6 +95,8 @@ from .openai_request import (ApiError, ChatBody, CompletionBody, Job, _loc_param
                              from_specmesh)
 
 log = logging.getLogger("specmesh.serving.openai_http")
+READY_TTL_S = 1.0  # how long a router's SERVING answer is trusted before /health or a request asks again
+READY_TIMEOUT_S = 2.0
 
 # ---------------------------------------------------------------- one generation
 
@@ -148,6 +155,25 @@ class Api:
         self.client, self.model = client, model
         self._expected = f"Bearer {token}".encode() if token else None
         self.created = int(time.time())
+        self._ready_until = 0.0
+
+    async def ready(self) -> tuple[bool, str]:
+        """Whether a router serves (``AsyncClient.ready``), remembered for ``READY_TTL_S`` once
+        it does (a front whose router goes down learns it from its next request's error)."""
+        now = time.monotonic()
+        if self._ready_until > now:
+            return True, ""
+        ok, why = await self.client.ready(timeout=READY_TIMEOUT_S)
+        if ok:
+            self._ready_until = now + READY_TTL_S
+        return ok, why
+
+    async def require_ready(self) -> None:
+        """HTTP 503 with the reason while no router serves (ready means ready)."""
+        ok, why = await self.ready()
+        if not ok:
+            raise ApiError(503, f"not ready: no router serves requests yet ({why or 'none answered'}); retry shortly",
+                           "server_error", None, "service_unavailable")
 
     def check_auth(self, request: Request) -> None:
         if self._expected is None:
@@ -160,8 +186,10 @@ class Api:
     def _usage(self, job: Job, runs: list) -> dict:
         sts = [r.s.result.stats for r in runs]
         prompt, completion = sts[0].prompt_tokens, sum(st.new_tokens for st in sts)
+        # as OpenAI and vLLM report them: the prompt tokens the verifier's prefix cache held
         u: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                             "total_tokens": prompt + completion}
+                             "total_tokens": prompt + completion,
+                             "prompt_tokens_details": {"cached_tokens": sts[0].cached_tokens}}
         if "prediction" in job.kwargs:
             u["completion_tokens_details"] = {
                 "accepted_prediction_tokens": sum(st.accepted_prediction_tokens for st in sts),
@@ -374,8 +402,16 @@ def create_app(api: Api) -> FastAPI:
         return bad(param, str(first.get("msg", "invalid value"))).response()
 
     @app.get("/health")
-    async def health():
+    async def health():  # readiness: 503 until a router serves (a verifier behind it)
+        ok, why = await api.ready()
+        if not ok:
+            return JSONResponse({"status": "not ready", "message": f"no router serves requests yet: {why}",
+                                 "resumes": api.client.resumes}, status_code=503)
         return {"status": "ok", "resumes": api.client.resumes}
+
+    @app.get("/live")
+    async def live():  # liveness: the process serves HTTP
+        return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -386,11 +422,13 @@ def create_app(api: Api) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         api.check_auth(request)
+        await api.require_ready()
         return await api.generate(build_job(body, "chat", api.model), _peer(request))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         api.check_auth(request)
+        await api.require_ready()
         return await api.generate(build_job(body, "completion", api.model), _peer(request))
 
     return app

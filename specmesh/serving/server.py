@@ -1,7 +1,8 @@
 """Build and run a gRPC server around one or more servicers.
 
 ``build_server`` adds the standard services every specmesh server has
-(``grpc.health.v1`` health checking, SERVING per service, and server
+(``grpc.health.v1`` health checking, SERVING per service, or following the
+service's ``readiness`` (the router's: NOT_SERVING until a verifier serves), and server
 reflection), the interceptors (tracing and metrics, bearer-token auth, size
 limit, error mapping),
 message-size options and TLS (server certificate, optional client CA for mutual
@@ -50,6 +51,9 @@ class Service:
     add: Callable
     servicer: object
     observer: object = None  # metrics fed by the server interceptor (observability.wiring.instrument)
+    # ``watch(fn)`` calls fn(ready) now and on each change: the service's health status follows it
+    # (the router's: a verifier serving; the overall status "" stays SERVING while the process serves)
+    readiness: object = None
 
 
 @dataclass
@@ -120,6 +124,10 @@ def build_server(s: ServeSettings, services: Sequence[Service], port: int, host:
     server.start()
     for name in names + [""]:
         hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for svc in services:
+        if svc.readiness is not None:
+            svc.readiness.watch(lambda ok, name=svc.name: hs.set(
+                name, health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING))
     addr_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
     address = f"[{addr_host}]:{bound}" if ":" in addr_host else f"{addr_host}:{bound}"
     return RunningServer(server, bound, address, hs, names, creds is not None)

@@ -43,7 +43,10 @@ class ServeSettings(BaseSettings):
     drafter_address: str = Field("", description="router -> drafter; empty = host:drafter_port, 'none' = no drafter")
     verifier_addresses: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="router -> verifier replicas; empty = [host:verifier_port]")
-    replica_choice: Literal["least_loaded", "hash"] = "least_loaded"
+    replica_choice: Literal["prefix", "least_loaded", "hash"] = Field(
+        "prefix", description="router: a new session's verifier replica: prefix (its conversation's replica, else the "
+        "one whose prefix cache likely holds the longest prefix of its prompt unless much busier, else the least "
+        "loaded), least_loaded, or hash (of the session id)")
     router_addresses: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="OpenAI front (`serve openai`) -> routers: host:port list, or one DNS name "
         "with several records; a stream is resumed on the next one when its router dies; empty = "
@@ -66,6 +69,18 @@ class ServeSettings(BaseSettings):
         "when it is a model of its own, the target's paired draft model or draft_model)")
     device: str = Field("auto", description="verifier and draft LM: auto | cpu | cuda | cuda:N (auto: CUDA when "
                         "torch.cuda.is_available()); whether it exists is checked when a service starts")
+    prefix_cache: bool = Field(True, description="verifier: keep the KV of committed tokens in blocks that later "
+                               "requests starting with the same tokens reuse (multi-turn chat, shared system "
+                               "prompts): prefill only what the cache lacks")
+    prefix_cache_mib: float = Field(512.0, gt=0, description="verifier: the prefix cache's storage budget in MiB "
+                                    "(least recently used blocks evicted); refused at start-up when it cannot hold "
+                                    "one sequence of max_seq_len tokens")
+    prefix_block: int = Field(16, ge=1, le=1024, description="verifier: tokens per prefix-cache block")
+    prefill_chunk: int = Field(256, ge=0, description="verifier: a prompt's (uncached) tokens computed per forward "
+                               "at most, between the running streams' rounds (0: a prompt in one forward)")
+    prefill_stall_ratio: float = Field(2.0, ge=0, description="verifier: while streams run, a forward carrying a "
+                                       "prefill chunk costs at most this many times the streams' own forward "
+                                       "(measured; 0: chunks of prefill_chunk tokens regardless)")
     cuda_graphs: Union[bool, Literal["invariant"]] = Field(
         True, description="on CUDA, replay CUDA graphs for small forwards (GraphedEngine); 'invariant': one bucket "
         "shape for every forward (prompts in chunks), so bf16 greedy speculation equals plain decoding")
@@ -274,6 +289,8 @@ class ServeSettings(BaseSettings):
             p = getattr(self, name)
             if p is not None and not Path(p).is_file():
                 raise ValueError(f"{name}: file {p} does not exist")
+        if self.prefill_stall_ratio and self.prefill_stall_ratio < 1:
+            raise ValueError(f"prefill_stall_ratio: must be 0 (off) or >= 1, got {self.prefill_stall_ratio}")
         return self
 
     # ---- derived values

@@ -82,7 +82,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., want_entropy: _Optional[bool] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., tokens_left: _Optional[int] = ..., prompt_len: _Optional[int] = ..., jump_forward: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features", "batch_rows", "logprobs", "forced")
+    __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features", "batch_rows", "logprobs", "forced", "cached_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,7 @@ class VerifyResponse(_message.Message):
     BATCH_ROWS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FORCED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: _containers.RepeatedScalarFieldContainer[int]
     next_token: int
     drafted: int
@@ -113,7 +114,8 @@ class VerifyResponse(_message.Message):
     batch_rows: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     forced: int
-    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., drafted: _Optional[int] = ..., tree_size: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., entropy: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., cache_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.HiddenFeatures, _Mapping]] = ..., batch_rows: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., forced: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, accepted: _Optional[_Iterable[int]] = ..., next_token: _Optional[int] = ..., drafted: _Optional[int] = ..., tree_size: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., entropy: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., cache_len: _Optional[int] = ..., batch_size: _Optional[int] = ..., server_ms: _Optional[float] = ..., features: _Optional[_Union[_common_pb2.HiddenFeatures, _Mapping]] = ..., batch_rows: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., forced: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class VerifierReleaseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -126,7 +128,7 @@ class VerifierInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierInfo(_message.Message):
-    __slots__ = ("model", "dtype", "vocab_size", "slots_total", "slots_used", "max_seq_len", "kv_bytes_per_slot", "weight_bytes", "sessions", "evictions", "self_drafters", "forwards", "max_tree_nodes", "batches", "batched_requests", "max_batch_seen", "decode_steps", "context_drafters")
+    __slots__ = ("model", "dtype", "vocab_size", "slots_total", "slots_used", "max_seq_len", "kv_bytes_per_slot", "weight_bytes", "sessions", "evictions", "self_drafters", "forwards", "max_tree_nodes", "batches", "batched_requests", "max_batch_seen", "decode_steps", "context_drafters", "prefix_cache", "prefix_cache_queries", "prefix_cache_hits", "prefix_cache_bytes", "prefix_cache_capacity_bytes", "prefix_cache_budget_bytes", "prefix_cache_blocks", "prefix_cache_blocks_held", "prefix_cache_evictions", "prefix_cache_block_size", "prefill_steps")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,17 @@ class VerifierInfo(_message.Message):
     MAX_BATCH_SEEN_FIELD_NUMBER: _ClassVar[int]
     DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BLOCKS_HELD_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_STEPS_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     vocab_size: int
@@ -163,4 +176,15 @@ class VerifierInfo(_message.Message):
     max_batch_seen: int
     decode_steps: int
     context_drafters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[str]] = ..., evictions: _Optional[int] = ..., self_drafters: _Optional[_Iterable[str]] = ..., forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., decode_steps: _Optional[int] = ..., context_drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_cache: bool
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_bytes: int
+    prefix_cache_capacity_bytes: int
+    prefix_cache_budget_bytes: int
+    prefix_cache_blocks: int
+    prefix_cache_blocks_held: int
+    prefix_cache_evictions: int
+    prefix_cache_block_size: int
+    prefill_steps: int
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., vocab_size: _Optional[int] = ..., slots_total: _Optional[int] = ..., slots_used: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., kv_bytes_per_slot: _Optional[int] = ..., weight_bytes: _Optional[int] = ..., sessions: _Optional[_Iterable[str]] = ..., evictions: _Optional[int] = ..., self_drafters: _Optional[_Iterable[str]] = ..., forwards: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., batches: _Optional[int] = ..., batched_requests: _Optional[int] = ..., max_batch_seen: _Optional[int] = ..., decode_steps: _Optional[int] = ..., context_drafters: _Optional[_Iterable[str]] = ..., prefix_cache: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_capacity_bytes: _Optional[int] = ..., prefix_cache_budget_bytes: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_blocks_held: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_cache_block_size: _Optional[int] = ..., prefill_steps: _Optional[int] = ...) -> None: ...

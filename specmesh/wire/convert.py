@@ -176,7 +176,7 @@ def verify_result_to_proto(r: VerifyResult, server_ms: float = 0.0) -> verifier_
         accepted=r.accepted, next_token=r.next_token, drafted=r.drafted, tree_size=r.tree_size,
         accepted_nodes=r.accepted_nodes, entropy=r.entropy, draft_ms=r.draft_ms, verify_ms=r.verify_ms,
         cache_len=r.cache_len, batch_size=r.batch_size, server_ms=server_ms, batch_rows=r.batch_rows,
-        forced=r.forced)
+        cached_tokens=r.cached_tokens, forced=r.forced)
     if r.logprobs is not None:
         m.logprobs.extend(logprobs_to_proto(r.logprobs))
     if r.features is not None:
@@ -188,7 +188,7 @@ def verify_result_from_proto(m: verifier_pb2.VerifyResponse) -> VerifyResult:
     return VerifyResult(list(m.accepted), m.next_token, m.drafted, m.tree_size, list(m.accepted_nodes), m.entropy,
                         m.draft_ms, m.verify_ms, m.cache_len, m.batch_size,
                         features_from_proto(m.features) if m.HasField("features") else None,
-                        batch_rows=m.batch_rows, forced=m.forced,
+                        batch_rows=m.batch_rows, forced=m.forced, cached_tokens=m.cached_tokens,
                         logprobs=logprobs_from_proto(m.logprobs) if len(m.logprobs) else None)
 
 
@@ -200,7 +200,7 @@ _STAT_FIELDS = ("strategy", "strategy_reason", "drafter", "prompt_tokens", "new_
                 "fallbacks", "verifier", "reprefills", "cache_hit", "cache_drafted_tokens", "cache_accepted_tokens",
                 "warm_prefix_tokens", "thinking_tokens", "answer_tokens", "answer_s", "side_branches", "side_tokens",
                 "acceptance", "resumed_tokens", "ahead_hits", "ahead_misses", "ahead_wasted", "forced_tokens",
-                "accepted_prediction_tokens", "rejected_prediction_tokens")
+                "accepted_prediction_tokens", "rejected_prediction_tokens", "cached_tokens")
 
 
 def stats_to_proto(s: GenerationStats) -> common_pb2.GenerationStats:

@@ -15,7 +15,7 @@
   router's discovery names are headless Services selecting the right pods; the
   OTLP endpoint is the collector's Service; the collector's pipelines use
   defined components; the settings ConfigMap validates as ``ServeSettings``;
-  the OpenAI HTTP API is its own Deployment (HTTP probes on /health, its port in its
+  the OpenAI HTTP API is its own Deployment (HTTP probes: readiness /health, liveness /live, its port in its
   Service) that reaches every router pod through a headless Service, and the router
   serves no HTTP itself; the Grafana dashboard and
   its provider are ConfigMaps (``configMapGenerator``; the dashboard itself is
@@ -292,7 +292,9 @@ def test_plain_grpc_wiring(name, tmp_path):
     assert oc["command"] == ["python", "-m", "specmesh.cli", "serve", "openai"]
     oargs = dict(zip(oc["args"][::2], oc["args"][1::2]))
     assert {"name": "http", "containerPort": int(oargs["--port"])} in oc["ports"]
-    assert all(oc[p]["httpGet"] == {"path": "/health", "port": "http"} for p in ("readinessProbe", "livenessProbe"))
+    # readiness: /health (503 until a router serves); liveness: /live (the process serves)
+    assert oc["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert oc["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
     assert {"configMapRef": {"name": "specmesh-env"}} in oc["envFrom"] and oc["resources"]["requests"]["cpu"]
     osvc = svcs["specmesh-openai"]
     assert osvc["spec"]["selector"].items() <= deps["specmesh-openai"]["spec"]["template"]["metadata"]["labels"].items()

@@ -102,7 +102,7 @@ def test_router_over_dynamic_verifier_set_keeps_greedy_output():
     s = _settings()
     (v1, b1), (v2, b2) = _verifier_server(s), _verifier_server(s)
     dsrv, _ = _drafter_server(s)
-    reps = DynamicReplicaSet(lambda addr: channel(addr), wait_s=0.5)
+    reps = DynamicReplicaSet(lambda addr: channel(addr), wait_s=0.5, choice="least_loaded")  # spread by hash
     pool = DrafterPool(lambda addr: channel(addr))
     router = Router(s, FakeCodec(), reps, pool.peer, V)
     rsrv = build_server(s, [Service(router_pb2.DESCRIPTOR.services_by_name["Router"].full_name,
@@ -215,3 +215,48 @@ def test_drafter_pool_seeds_every_live_replica():
     assert pool.Seed(req).tokens == 8  # the largest cache's answer
     assert stubs["a"].seeded == [req] and stubs["b"].seeded == [req]
     assert not pool.members["c"].health.available()  # the dead one is marked down, the seed still succeeds
+
+
+def test_prefix_routing_over_a_dynamic_verifier_set():
+    """The default choice (prefix) over a set that follows a registry (Ray, Kubernetes):
+    a conversation's turns stay on the replica that caches them (their prompts found
+    there), a replica that joins takes other prefixes, and when the conversation's
+    replica leaves its next turn moves and keeps the greedy output."""
+    from specmesh import Client
+    from specmesh.router.servicer import dynamic_router
+
+    s = _settings(max_prompt_tokens=110)
+    (v1, b1), (v2, b2) = _verifier_server(s), _verifier_server(s)
+    svc, router, verifiers, drafters = dynamic_router(s, codec=FakeCodec())
+    rsrv = build_server(s, [svc], 0)
+    history = PROMPT * 2  # 74 ids: 4 blocks
+    try:
+        verifiers.set_addresses([v1.address])
+        with Client(rsrv.address, timeout=30) as c:
+            first = c.generate(history, strategy="autoregressive", raw_prompt=True, conversation_id="c1",
+                               max_new_tokens=8)
+            verifiers.set_addresses([v1.address, v2.address])  # a replica joins
+            turns = [first]
+            for k in range(2):
+                history += FakeCodec().decode(turns[-1].token_ids) + f" turn {k}"
+                turns.append(c.generate(history, strategy="autoregressive", raw_prompt=True, conversation_id="c1",
+                                        max_new_tokens=8))
+            assert {t.stats.verifier for t in turns} == {v1.address}  # it stayed
+            assert all(t.stats.cached_tokens >= 64 for t in turns[1:])  # and found its prefix there
+            routed = dict(verifiers.affinity.routed)
+            c.generate("zzzz yyyy xxxx wwww vvvv uuuu tttt ssss", strategy="autoregressive", raw_prompt=True,
+                       max_new_tokens=4)  # nothing cached anywhere: by load
+            assert verifiers.affinity.routed["load"] == routed["load"] + 1
+            ref = c.generate(history, strategy="autoregressive", raw_prompt=True, max_new_tokens=8)
+            verifiers.set_addresses([v2.address])  # its replica leaves
+            v1.server.stop(0)
+            moved = c.generate(history, strategy="autoregressive", raw_prompt=True, conversation_id="c1",
+                               max_new_tokens=8)
+            assert moved.stats.verifier == v2.address and moved.token_ids == ref.token_ids
+    finally:
+        rsrv.server.stop(0)
+        router.close()
+        for srv in (v1, v2):
+            srv.server.stop(0)
+        b1.stop()
+        b2.stop()

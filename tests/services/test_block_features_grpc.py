@@ -233,9 +233,9 @@ def test_strategies_without_feature_drafters_pay_nothing(stack):
     v = stack.verifiers[0]
     orig = v.verify_batch
 
-    def spy(reqs):
+    def spy(reqs, *limits):
         seen.extend(tuple(r.feature_layers) for r in reqs)
-        return orig(reqs)
+        return orig(reqs, *limits)
 
     v.verify_batch = spy
     try:
@@ -312,13 +312,13 @@ def test_killing_the_drafter_mid_stream_keeps_the_output_and_reseeds_a_new_repli
     calls, gates = [0], {4: (threading.Event(), threading.Event()), 8: (threading.Event(), threading.Event())}
     orig = v.verify_batch
 
-    def gated(reqs):  # pauses inside the 4th and the 8th verify forward
+    def gated(reqs, *limits):  # pauses inside the 4th and the 8th verify forward
         calls[0] += 1
         if calls[0] in gates:
             reached, resume = gates[calls[0]]
             reached.set()
             resume.wait(30)
-        return orig(reqs)
+        return orig(reqs, *limits)
 
     v.verify_batch = gated
     try:

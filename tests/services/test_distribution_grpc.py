@@ -33,7 +33,7 @@ from specmesh.strategies.proactive import cache_id
 from specmesh.types import SamplingParams
 from specmesh.uno.serve import UnoDrafter
 from specmesh.v1 import drafter_pb2, drafter_pb2_grpc, router_pb2
-from specmesh.verifier import EngineVerifier
+from specmesh.verifier import EngineVerifier, Partial
 from tests.support import SMALL_DRAFT as DRAFT
 from tests.support import SMALL_N_NEW as N_NEW
 from tests.support import SMALL_PROMPT as PROMPT
@@ -66,13 +66,13 @@ class CountingVerifier(EngineVerifier):
     drafted = accepted = 0
     settle = None  # called with each verified session id before the answer goes back (draft-ahead cases)
 
-    def verify_batch(self, reqs):
-        out = super().verify_batch(reqs)
+    def verify_batch(self, reqs, limits=None):
+        out = super().verify_batch(reqs, limits)
         if self.settle is not None:
             for r in reqs:
                 self.settle(r.session_id)
         for r in out:
-            if not isinstance(r, BaseException):
+            if not isinstance(r, (BaseException, Partial)):
                 self.drafted += r.drafted
                 self.accepted += len(r.accepted)
         return out

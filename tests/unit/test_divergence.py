@@ -183,8 +183,8 @@ class _Recording(EngineVerifier):
         super().__init__(engine)
         self.rounds = []
 
-    def verify_batch(self, reqs):
-        out = super().verify_batch(reqs)
+    def verify_batch(self, reqs, limits=None):
+        out = super().verify_batch(reqs, limits)
         for r, res in zip(reqs, out):
             if r.self_draft is not None and not isinstance(res, BaseException) and res.drafted:
                 spec = self.self_drafters["specialist"].draft_logits(r.session_id)

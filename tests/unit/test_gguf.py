@@ -234,3 +234,21 @@ def test_a_safetensors_model_is_quantized_once_into_a_packed_cache(tmp_path, mon
     assert not calls  # every block read from the cache
     assert torch.equal(again.layers[1].down.qm.data, eng.layers[1].down.qm.data)
     assert torch.equal(again.prefill(0, [1, 2, 3]), eng.prefill(0, [1, 2, 3]))
+
+
+def test_the_engine_on_k_quant_blocks_is_batch_invariant(tiny_gguf):
+    """A chain scored in one forward gives each row the bits of the same tokens decoded one
+    at a time, beside another session or alone (the layer stack on Q4_K / Q6_K / the 32-blocks)."""
+    from specmesh.engine import LlamaEngine
+
+    eng = LlamaEngine(CFG, G.GGUFWeights(tiny_gguf, CFG), dtype="int4", n_slots=3, max_seq_len=64)
+    assert eng._layer_stack() is not None
+    ctx, chain = list(range(5, 25)), [30, 31, 32, 33, 34, 35, 36, 37]
+    eng.prefill(0, ctx)
+    one = eng.score(0, chain, list(range(-1, len(chain) - 1))).logits
+    eng.prefill(1, ctx)
+    steps = [eng.prefill(1, [t]) for t in chain]
+    eng.prefill(2, [9, 8, 7])
+    both = eng.score_batch([(2, [1, 2], [-1, 0]), (0, chain, list(range(-1, len(chain) - 1)))])[1].logits
+    for i in range(len(chain)):
+        assert torch.equal(one[i], steps[i]) and torch.equal(both[i], steps[i]), i

@@ -81,6 +81,15 @@ def register(subparsers) -> None:
     add_services_arguments(s)
     s.set_defaults(module="specmesh.cli.bench.services", func="main")
 
+    s = subparsers.add_parser("bench-serving", help="serving workloads through the OpenAI API beside "
+                              "llama-cpp-python's server: multi-turn chat (TTFT per turn), shared system prompt, "
+                              "streams while long prompts arrive, Poisson arrival sweep",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .serving import add_arguments as add_serving_arguments
+
+    add_serving_arguments(s)
+    s.set_defaults(module="specmesh.cli.bench.serving", func="main")
+
 
 def config_from_args(args):
     from .harness import BenchConfig

@@ -71,21 +71,23 @@ def ours(cfg: dict) -> dict:
                                       max_seq_len=max(2048, cfg["ctx"] + 64, cfg["prefill"] + 8), quiet=True)
     res = {"load_s": round(time.perf_counter() - t0, 2), "after_load": proc_mem_mb()}
     V = eng.vocab_size
-    ctx = [(100 + i) % V for i in range(cfg["ctx"])]
-    eng.reset(0)
-    eng.prefill(0, ctx)
-    fwd = {}
-    for m in cfg["rows"]:
-        fwd[str(m)] = _median_ms(lambda m=m: eng.score(0, [(7 * i + 11) % V for i in range(m)],
-                                                       list(range(-1, m - 1))), cfg["reps"])
-    res["forward_ms"] = fwd
-    pre = [(13 * i + 5) % V for i in range(cfg["prefill"])]
+    if cfg["rows"]:
+        ctx = [(100 + i) % V for i in range(cfg["ctx"])]
+        eng.reset(0)
+        eng.prefill(0, ctx)
+        fwd = {}
+        for m in cfg["rows"]:
+            fwd[str(m)] = _median_ms(lambda m=m: eng.score(0, [(7 * i + 11) % V for i in range(m)],
+                                                           list(range(-1, m - 1))), cfg["reps"])
+        res["forward_ms"] = fwd
+    if cfg["prefill"]:
+        pre = [(13 * i + 5) % V for i in range(cfg["prefill"])]
 
-    def prefill():
-        eng.reset(1)
-        eng.prefill(1, pre)
+        def prefill():
+            eng.reset(1)
+            eng.prefill(1, pre)
 
-    res["prefill_tok_s"] = round(cfg["prefill"] / (_median_ms(prefill, max(1, cfg["reps"] // 8)) / 1e3), 1)
+        res["prefill_tok_s"] = round(cfg["prefill"] / (_median_ms(prefill, max(1, cfg["reps"] // 8)) / 1e3), 1)
     if cfg.get("logits_file") and cfg.get("sequences"):
         rows = []
         for seq in cfg["sequences"]:
@@ -123,6 +125,8 @@ def run_ours(model: str, dtype: str, threads: int, ctx: int = 300, rows: Sequenc
 def agreement(ours_file: str, peer_file: str, chunk: int = 64) -> dict:
     """Teacher-forced top-1 agreement and mean KL(peer || ours) over the positions both
     files hold (fp32 logits [positions, V] each)."""
+    if not (Path(ours_file).exists() and Path(peer_file).exists()):
+        return {}
     import numpy as np
     import torch
 
@@ -144,10 +148,14 @@ if __name__ == "__main__":
 
 
 def vs_llamacpp(model: str, dtype: str, model_dir: Path, threads: int, sequences: list, out_dir: Path,
-                ctx: int = 300, rows: Sequence[int] = ROWS, reps: int = 15, prefill: int = 500, log=print) -> dict:
+                ctx: int = 300, rows: Sequence[int] = ROWS, reps: int = 15, prefill: int = 500, log=print,
+                reference: bool = True) -> dict:
     """Both probes, one after the other, and their agreement: {"ours": ..., "llamacpp": ...,
-    "agreement": ...}; a side that cannot run gives {"error": why}. ``sequences``: token id
-    lists both sides score (the agreement's positions)."""
+    "agreement": ..., "ours_vs_fp32": ..., "llamacpp_vs_fp32": ...}; a side that cannot run
+    gives {"error": why}. ``sequences``: token id lists both sides score (the agreement's
+    positions); ``reference``: also score them with our fp32 engine on the same weights (the
+    GGUF dequantised), so each side's distance from the model's own values shows beside
+    their distance from each other."""
     from .llamacpp_worker import LlamaCppWorker, PeerFailed
     from .peers import gguf_path
 
@@ -158,6 +166,7 @@ def vs_llamacpp(model: str, dtype: str, model_dir: Path, threads: int, sequences
                  "sequences": len(sequences), "positions": sum(len(s) for s in sequences)}
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         ours_file, peer_file = str(Path(tmp) / "ours.npy"), str(Path(tmp) / "llamacpp.npy")
+        ref_file = str(Path(tmp) / "fp32.npy")
         log(f"probe: our engine ({dtype}) in a child process")
         try:
             res["ours"] = run_ours(model, dtype, threads, ctx, rows, reps, prefill, sequences, ours_file)
@@ -177,6 +186,13 @@ def vs_llamacpp(model: str, dtype: str, model_dir: Path, threads: int, sequences
                 res["llamacpp"] = {"error": str(e)}
             finally:
                 w.close()
-        if Path(ours_file).exists() and Path(peer_file).exists():
-            res["agreement"] = agreement(ours_file, peer_file)
+        if reference and sequences:  # both against the model's own values: the GGUF dequantised, fp32 throughout
+            log("probe: the fp32 engine on the same weights (the reference both are measured against)")
+            try:
+                run_ours(model, "fp32", threads, rows=(), prefill=0, sequences=sequences, logits_file=ref_file)
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                res["reference_error"] = str(e)
+        res["agreement"] = agreement(ours_file, peer_file)
+        res["ours_vs_fp32"] = agreement(ours_file, ref_file)
+        res["llamacpp_vs_fp32"] = agreement(peer_file, ref_file)
     return res

@@ -195,10 +195,12 @@ def probe_verdicts(p: Optional[dict]) -> list[tuple[str, str]]:
                     f"{a / b:.2f}x llama.cpp's {b:.0f} MiB (target <= {PROBE_RSS_RATIO:g}x)"))
     ag = p.get("agreement")
     if ag:
+        ref = [(w, p.get(k)) for w, k in (("ours", "ours_vs_fp32"), ("llama.cpp", "llamacpp_vs_fp32")) if p.get(k)]
         out.append(("PASS" if ag["top1_agreement"] >= PROBE_AGREEMENT else "FAIL",
                     f"teacher-forced top-1 agreement with llama.cpp {ag['top1_agreement']:.2%} over "
                     f"{ag['positions']} positions, KL(llama.cpp || ours) {ag['kl']:.4f} (target >= "
-                    f"{PROBE_AGREEMENT:.0%})"))
+                    f"{PROBE_AGREEMENT:.0%})" + ("; against the fp32 engine on the same weights: " + ", ".join(
+                        f"{w} {r['top1_agreement']:.2%} (KL {r['kl']:.4f})" for w, r in ref) if ref else "")))
     for side, d in (("ours", ours), ("llama.cpp", lc)):
         if d.get("error"):
             out.append(("n/a", f"engine probe, {side}: {d['error']}"))
@@ -231,6 +233,11 @@ def probe_section(p: dict) -> list[str]:
         L.append(f"- agreement: {ag['top1_agreement']:.2%} of {ag['positions']} teacher-forced positions take the same "
                  f"top-1 token (our plain decoding's outputs after the bench prompts); mean KL(llama.cpp || ours) "
                  f"{ag['kl']:.4f}")
+        for key, who in (("ours_vs_fp32", "ours"), ("llamacpp_vs_fp32", "llama.cpp")):
+            r = p.get(key)
+            if r:
+                L.append(f"- {who} against the fp32 engine on the same weights (the GGUF dequantised, no int8 rounding "
+                         f"of activations): top-1 {r['top1_agreement']:.2%}, KL(fp32 || {who}) {r['kl']:.4f}")
     L.append("![forward cost](forward_costs.png)")
     return L
 
