@@ -61,6 +61,8 @@ class DrafterHost:
         self._lock = threading.Lock()
         self._ahead: dict[str, AheadDrafter] = {}  # draft-ahead caches, made by the first ProposeAhead
         self.ahead_options: dict = {}  # their AheadDrafter options (width, max_outcomes, ttl_s)
+        self.draft_model = ""  # the real draft model draft_lm runs, loaded and measured (load_draft_model)
+        self.draft_speed = (0.0, 0.0)  # its ms per prompt token prefilled and per token drafted
 
     @property
     def names(self) -> list[str]:
@@ -106,6 +108,16 @@ class DrafterHost:
         for name in names:
             if name in self.factories:
                 self._drafter(name)
+
+    def load_draft_model(self, model: str) -> None:
+        """Build ``draft_lm`` now and measure its speed (``DraftLMDrafter.measure_speed``, on
+        the model thread); Info then names ``model`` as the real draft model it runs."""
+        d = self._drafter("draft_lm")
+        measure = getattr(d, "measure_speed", None)
+        if measure is not None:
+            with self._locks["draft_lm"]:
+                self.draft_speed = tuple(self.run(measure))
+        self.draft_model = model
 
     def feature_drafters(self) -> list[dict]:
         """The hosted drafters that need features, and which (builds them on first use)."""
@@ -289,4 +301,6 @@ class DrafterHost:
             ids = list(self._sessions)
         return {"drafters": self.names, "sessions": len(ids), "session_ids": ids[:1000],
                 "max_sessions": self.max_sessions, "proposals": self.proposals, "vocab_size": self.vocab_size,
-                "max_tree_nodes": self.max_tree_nodes, "feature_drafters": self.feature_drafters()}
+                "max_tree_nodes": self.max_tree_nodes, "feature_drafters": self.feature_drafters(),
+                "draft_model": self.draft_model, "draft_prefill_ms": self.draft_speed[0],
+                "draft_token_ms": self.draft_speed[1]}

@@ -98,9 +98,11 @@ def default_factories(settings: ServeSettings) -> dict:
     def draft_lm():
         from specmesh.drafters.model_drafters import DraftLMDrafter
         from specmesh.runtime import default_draft_model, make_engine
+        from specmesh.serving import limits
 
         path = settings.draft_model or str(default_draft_model(settings.model))
-        return DraftLMDrafter(make_engine(path, settings.dtype, settings.n_slots, settings.max_seq_len,
+        seq = limits.resolve(settings, limits.model_context(settings.model)).max_seq_len  # the target's context
+        return DraftLMDrafter(make_engine(path, settings.dtype, settings.n_slots, seq,
                                           settings.device, settings.cuda_graphs, quiet=True))
 
     def adaptive_lookup():
@@ -150,9 +152,15 @@ def preload_draft_lm(settings: ServeSettings) -> bool:
     target's paired draft model, or ``draft_model`` set), not the cheap layer subset."""
     if settings.preload_draft_lm is not None:
         return settings.preload_draft_lm
+    return bool(draft_model_name(settings))
+
+
+def draft_model_name(settings: ServeSettings) -> str:
+    """The draft LM's name: ``draft_model``, else the target's paired draft model, else
+    "" (the stand-in: a layer subset of the target)."""
     from specmesh.models.loading import PAIRED_DRAFT_MODELS
 
-    return bool(settings.draft_model) or settings.model.lower() in PAIRED_DRAFT_MODELS
+    return settings.draft_model or PAIRED_DRAFT_MODELS.get(settings.model.lower(), "")
 
 
 def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
@@ -171,7 +179,9 @@ def drafter_service(settings: ServeSettings, vocab_size: Optional[int] = None,
     host.ahead_options = dict(width=settings.draft_ahead_width, max_outcomes=settings.draft_ahead_outcomes,
                               ttl_s=settings.draft_ahead_ttl_s)
     host.feature_drafters()  # load the block drafter now: its first Info and Propose would wait for it
-    if preload_draft_lm(settings):  # and a real draft LM: loading it can take longer than drafter_timeout_s
-        host.preload(["draft_lm"])
+    if preload_draft_lm(settings) and "draft_lm" in host.factories:
+        # and a real draft LM (loading it can take longer than a drafter call's deadline), measured: Info names it,
+        # so the router's auto strategy tries it, and gives its speed, which the router's deadline follows
+        host.load_draft_model(draft_model_name(settings))
     return Service(drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name,
                    drafter_pb2_grpc.add_DrafterServicer_to_server, DrafterServicer(host, settings.workers // 2))

@@ -44,7 +44,8 @@
 - Both measure network time: RPC wall time minus the server's handler time.
 - One-off calls of the strategy runner, in domain terms: ``seed_cache``,
   ``prefill_session`` (also a fork of another session's KV prefix),
-  ``release_session``, ``verifier_drafter_names``, ``drafter_feature_drafters``;
+  ``release_session``, ``verifier_drafter_names``, ``drafter_facts`` (the drafter
+  service's feature drafters, real draft model and its measured speed);
   ``drafter_failure`` classifies a drafter call's exception (down or broken).
 
 This module knows nothing about tokenizers, strategies or how servers are built.
@@ -56,7 +57,8 @@ import logging
 import queue
 import threading
 import time
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
 
 import grpc
 
@@ -74,15 +76,60 @@ DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 RELEASE_TIMEOUT_S = 2.0
 
 
+class CancelFlag(threading.Event):
+    """A generation's cancel flag: an Event whose ``set()`` also runs the hooks that
+    calls in flight registered (``on_set``), so a call that would otherwise run on
+    (a Decode stream the verifier decodes ahead on) is cancelled when the generation
+    is, not when the round waiting on it comes back."""
+
+    def __init__(self):
+        super().__init__()
+        self._hooks: dict[int, Callable[[], None]] = {}
+        self._hook_lock = threading.Lock()
+        self._next = 0
+
+    def on_set(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Run ``fn`` when the flag is set (at once if it is); returns the function
+        that removes it."""
+        with self._hook_lock:
+            if not self.is_set():
+                key, self._next = self._next, self._next + 1
+                self._hooks[key] = fn
+                return lambda: self._drop(key)
+        fn()
+        return lambda: None
+
+    def _drop(self, key: int) -> None:
+        with self._hook_lock:
+            self._hooks.pop(key, None)
+
+    def set(self) -> None:
+        with self._hook_lock:
+            super().set()
+            hooks, self._hooks = list(self._hooks.values()), {}
+        for fn in hooks:
+            fn()
+
+
+class GenerationCancelled(Exception):
+    """A call of a generation that was cancelled ended because of it: the generation
+    stops here (nothing is sent to a caller who has gone)."""
+
+
 class Calls:
     """Per-generation call settings: auth metadata, timeouts and an optional
-    absolute deadline (``time.monotonic()`` based) and cancel flag."""
+    absolute deadline (``time.monotonic()`` based) and cancel flag (``CancelFlag``:
+    setting it cancels the calls that registered with ``on_cancel``)."""
 
     def __init__(self, token: Optional[str] = None, timeout_s: float = 30.0, deadline: Optional[float] = None,
-                 cancelled: Optional[threading.Event] = None):
+                 cancelled: Optional[CancelFlag] = None):
         self.metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self.timeout_s, self.deadline = timeout_s, deadline
-        self.cancelled = cancelled or threading.Event()
+        self.cancelled = cancelled if cancelled is not None else CancelFlag()
+
+    def on_cancel(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """``fn`` runs when the generation is cancelled (at once if it was); returns its remover."""
+        return self.cancelled.on_set(fn)
 
     def timeout(self, cap: Optional[float] = None) -> float:
         t = min(self.timeout_s, cap or self.timeout_s)
@@ -145,8 +192,11 @@ class RemoteDrafter:
     """The drafter contract over the Drafter service (one instance per generation)."""
 
     def __init__(self, peer: Peer, drafter: str, calls: Calls, timeout_s: float = 2.0, cache_id: str = "",
-                 features: Optional[FeatureLog] = None):
+                 features: Optional[FeatureLog] = None, speed: Optional[DraftSpeed] = None):
+        """``timeout_s``: a call's deadline; with ``speed`` (a draft model's measured speed)
+        its base, to which the call's work at that speed is added (``DraftSpeed.deadline_s``)."""
         self.peer, self.name, self.calls, self.timeout_s = peer, drafter, calls, timeout_s
+        self.speed = speed
         self.cache_id = cache_id  # draft cache the "cache" drafter reads
         self.features = features  # the generation's hidden features, for a drafter that needs them
         self._held: dict[str, list[int]] = {}  # session -> tokens the service holds
@@ -155,6 +205,12 @@ class RemoteDrafter:
         self.skipped = 0  # rounds without drafting while the drafter was down
         self.feature_bytes = 0  # feature bytes sent to the drafter service
         self._ahead: dict[str, tuple] = {}  # session -> (ProposeAhead future, tokens sent, perf_counter sent)
+
+    def _deadline(self, sent: int, budget: int) -> float:
+        """This call's deadline (seconds): ``timeout_s``, or with a measured ``speed`` what
+        its ``sent`` tokens to prefill and ``budget`` to draft need (capped by the generation's)."""
+        t = self.timeout_s if self.speed is None else self.speed.deadline_s(self.timeout_s, sent, budget)
+        return self.calls.timeout(t)
 
     def _feature_delta(self, sid: str, keep: int) -> Optional[FeatureRows]:
         log = self.features
@@ -187,7 +243,7 @@ class RemoteDrafter:
             session_id=sid, drafter=self.name, sync=convert.sync_to_proto(keep, tokens[keep:]),
             prompt_len=ctx.prompt_len, sampling=convert.sampling_to_proto(ctx.sampling), budget=budget,
             cache_id=ctx.cache_id or self.cache_id, tree=convert.tree_to_proto(tree), return_first=True)
-        fut = self.peer.stub.ProposeAhead.future(req, timeout=self.calls.timeout(self.timeout_s),
+        fut = self.peer.stub.ProposeAhead.future(req, timeout=self._deadline(len(tokens) - keep, budget),
                                                  metadata=self.calls.metadata)
         self._ahead[sid] = (fut, list(tokens), time.perf_counter(), main_path(tree))
         return True
@@ -283,7 +339,7 @@ class RemoteDrafter:
                 req.features.CopyFrom(convert.features_to_proto(feats))
             t0 = time.perf_counter()
             try:
-                resp = self.peer.stub.Propose(req, timeout=self.calls.timeout(self.timeout_s),
+                resp = self.peer.stub.Propose(req, timeout=self._deadline(len(tokens) - keep, budget),
                                               metadata=self.calls.metadata)
                 break
             except grpc.RpcError as e:
@@ -333,7 +389,10 @@ class DecodeStream:
     for a grant (``lead`` 0: all ``total`` at once). With every step granted the
     request side is closed. ``key``: what the stream's next step answers (the caller's)."""
 
-    def __init__(self, stub, first, total: int, lead: int, key, timeout: Optional[float] = None, metadata=None):
+    def __init__(self, stub, first, total: int, lead: int, key, timeout: Optional[float] = None, metadata=None,
+                 calls: Optional[Calls] = None):
+        """``calls``: the generation's; cancelling it cancels this stream at once (the
+        verifier stops decoding ahead for a caller who has gone)."""
         self.total, self.lead, self.key = total, lead, key
         self.budget = first.self_draft.budget if first.HasField("self_draft") else 0  # the last one sent
         self.method = first.self_draft.method  # the self drafter ("": none)
@@ -345,6 +404,7 @@ class DecodeStream:
         if self.granted >= total:
             self._requests.put(None)
         self.call = stub.Decode(iter(self._requests.get, None), timeout=timeout, metadata=metadata)
+        self._unhook = calls.on_cancel(self.cancel) if calls is not None else (lambda: None)
 
     def __next__(self):
         resp = next(self.call)
@@ -367,6 +427,7 @@ class DecodeStream:
                 self_draft=verifier_pb2.SelfDraft(method=self.method, budget=budget)))
 
     def cancel(self) -> None:
+        self._unhook()
         self.call.cancel()
         self._requests.put(None)  # ends the request iterator the channel's thread waits on
 
@@ -512,7 +573,7 @@ class RemoteVerifier:
                 msg.self_draft.method, msg.self_draft.budget = self.decode_self, budget
                 msg.tokens_left = self.decode_left
             self._stream = DecodeStream(self.peer.stub, msg, self.decode_left, self.decode_lead, key,
-                                        timeout=self.calls.timeout(), metadata=self.calls.metadata)
+                                        timeout=self.calls.timeout(), metadata=self.calls.metadata, calls=self.calls)
         else:
             self._stream.set_budget(budget)  # from the next step the verifier starts (a step it decoded ahead
             # keeps the budget it had: with greedy acceptance the tokens are the same either way, and a
@@ -524,7 +585,10 @@ class RemoteVerifier:
             self._end_stream()
             return None
         except grpc.RpcError as e:
-            self._end_stream()  # the Verify call of this round answers with authority (or the error)
+            self._end_stream()
+            if self.calls.cancelled.is_set():  # cancelled with the generation: no Verify call after it
+                raise GenerationCancelled("the generation was cancelled") from None
+            # the Verify call of this round answers with authority (or the error)
             self.decode_left = 0  # and every later round: no stream re-opened per round
             log.info("Decode stream failed (%s); plain rounds go as Verify calls", e.code())
             return None
@@ -611,15 +675,41 @@ def verifier_drafter_names(peer: Peer, calls: Calls, timeout_s: float) -> Option
     return frozenset(m.self_drafters), frozenset(m.context_drafters)
 
 
-def drafter_feature_drafters(peer: Peer, calls: Calls, timeout_s: float) -> Optional[dict]:
-    """name -> (layers, dim, context_window) of the drafter service's drafters that need
-    hidden features (``DrafterInfo.feature_drafters``); None when it does not answer."""
+@dataclass(frozen=True)
+class DrafterFacts:
+    """What the drafter service's Info says the router needs: its drafters that need hidden
+    features, name -> (layers, dim, context_window); the real draft model ``draft_lm`` runs
+    ("" : the stand-in) and that model's measured speed (``DraftSpeed``, None: not measured)."""
+
+    feature_drafters: dict
+    draft_model: str = ""
+    draft_speed: Optional["DraftSpeed"] = None
+
+
+@dataclass(frozen=True)
+class DraftSpeed:
+    """A draft model's measured milliseconds per prompt token prefilled and per token drafted."""
+
+    prefill_ms: float
+    token_ms: float
+
+    def deadline_s(self, base_s: float, prefill_tokens: int, budget: int, slack: float = 4.0) -> float:
+        """A call's deadline: ``base_s`` plus ``slack`` times the call's work at this speed
+        (the tokens it syncs, prefilled, and the budget drafted): a first Propose of a long
+        prompt gets the time to prefill it; a busy machine, ``slack`` times the measured."""
+        return base_s + slack * (prefill_tokens * self.prefill_ms + budget * self.token_ms) / 1e3
+
+
+def drafter_facts(peer: Peer, calls: Calls, timeout_s: float) -> Optional[DrafterFacts]:
+    """The drafter service's ``DrafterFacts`` (``Drafter/Info``); None when it does not answer."""
     try:
         m = peer.stub.Info(drafter_pb2.DrafterInfoRequest(), timeout=timeout_s, metadata=calls.metadata)
     except grpc.RpcError as e:
-        log.info("Info of the drafter service failed (%s); its feature drafters unknown", e.code())
+        log.info("Info of the drafter service failed (%s); its feature drafters and draft model unknown", e.code())
         return None
-    return {f.drafter: (tuple(f.layers), f.dim, f.context_window) for f in m.feature_drafters}
+    speed = DraftSpeed(m.draft_prefill_ms, m.draft_token_ms) if m.draft_token_ms > 0 else None
+    return DrafterFacts({f.drafter: (tuple(f.layers), f.dim, f.context_window) for f in m.feature_drafters},
+                        m.draft_model, speed)
 
 
 def drafter_failure(e: BaseException) -> tuple[str, bool]:

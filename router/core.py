@@ -9,7 +9,8 @@ pinned to a replica; the loop re-prefills from the committed tokens it holds
 when a replica loses the session or dies) and, for the ``external`` strategy, a
 ``RemoteDrafter`` (a dead drafter degrades the rounds to plain decoding, so
 greedy output never changes). ``Generation.cancel()`` (client cancelled, or
-deadline passed) stops it between rounds and releases the session on the
+deadline passed) stops it between rounds, cancels its Decode stream at once (the
+verifier stops decoding ahead; ``adapters.CancelFlag``) and releases the session on the
 verifier and the drafter. Stop strings (``GenerateSpec.stop``) end a generation
 just before the first one in its text (``StopText``, the OpenAI/vLLM rule;
 finish reason ``stop``; the kept token ids run through the one that completed it).
@@ -51,11 +52,12 @@ from specmesh.ahead import check_mode
 from specmesh.observability.requests import RouterObserver
 from specmesh.observability.throughput import ThroughputLog
 from specmesh.wire.convert import RouterStats
+from specmesh.serving import limits
 from specmesh.serving.settings import ServeSettings
 from specmesh.strategies.ssr import reasoning_messages
 from specmesh.types import InvalidArgument, ResourceExhausted, SamplingParams
 
-from .adapters import Calls, drafter_failure
+from .adapters import CancelFlag, Calls, GenerationCancelled, drafter_failure
 from .readiness import Readiness
 from .replicas import Peer, ReplicaSet
 from .strategies import (EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STRATEGIES,  # noqa: F401
@@ -285,7 +287,13 @@ class Generation:
 
 class Router:
     def __init__(self, settings: ServeSettings, codec, replicas: ReplicaSet, drafter: Optional[Peer],
-                 vocab_size: int, token: Optional[str] = None):
+                 vocab_size: int, token: Optional[str] = None, context: Optional[int] = None):
+        """``context``: the served model's context length (None: unknown), which the
+        limits not set default from (``serving.limits``); ``self.s`` holds the resolved ones."""
+        self.limits = limits.resolve(settings, context)
+        settings = settings.model_copy(update={"max_seq_len": self.limits.max_seq_len,
+                                               "max_prompt_tokens": self.limits.max_prompt_tokens,
+                                               "default_max_new_tokens": self.limits.default_max_new_tokens})
         self.s, self.codec, self.replicas, self.drafter = settings, codec, replicas, drafter
         self.vocab_size, self.token = vocab_size, token
         # the periodic throughput log line (log_stats_interval_s; 0 = off), fed by the observer
@@ -309,13 +317,11 @@ class Router:
             raise InvalidArgument("prompt", "give prompt or messages, not both")
         if not spec.prompt and not spec.messages:
             raise InvalidArgument("prompt", "is empty (give prompt or messages)")
-        limit = self.s.max_prompt_tokens
         for i, m in enumerate(spec.messages or []):
             if m.get("role") not in ROLES:
                 raise InvalidArgument("messages", f"entry {i} has role {m.get('role')!r}; use one of {list(ROLES)}")
         chars = len(spec.prompt) + sum(len(m.get("content") or "") for m in spec.messages or [])
-        if chars > 32 * limit:  # cheap guard before tokenizing
-            raise InvalidArgument("prompt", f"{chars} characters is far over max_prompt_tokens {limit}")
+        self.limits.check_chars(chars)  # cheap guard before tokenizing
         if reasoning and not spec.raw_prompt:  # system instruction + an opened thinking section
             msgs = reasoning_messages(spec.messages or [{"role": "user", "content": spec.prompt}])
             ids = list(self.codec.encode(None, msgs)) + list(self.runner.think_format().open_ids)
@@ -333,8 +339,7 @@ class Router:
                 ids = list(ids) + list(self.runner.think_format().open_ids)
         if not ids:
             raise InvalidArgument("prompt", "encodes to no tokens")
-        if len(ids) > limit:
-            raise InvalidArgument("prompt", f"{len(ids)} tokens exceed max_prompt_tokens {limit}")
+        self.limits.check_prompt(len(ids))
         return ids
 
     def _tools(self, spec: GenerateSpec) -> GenerateSpec:
@@ -369,8 +374,7 @@ class Router:
         n = self.s.default_max_new_tokens if spec.max_new_tokens is None else spec.max_new_tokens
         if not isinstance(n, int) or n <= 0:
             raise InvalidArgument("max_new_tokens", f"must be a positive integer, got {n!r}")
-        if n > self.s.max_new_tokens:
-            raise InvalidArgument("max_new_tokens", f"{n} exceeds the limit {self.s.max_new_tokens}")
+        self.limits.check_requested(n)
         budget = self.s.draft_budget if spec.draft_budget is None else spec.draft_budget
         if not 1 <= budget <= self.s.max_tree_nodes:
             raise InvalidArgument("draft_budget", f"must be in [1, {self.s.max_tree_nodes}], got {budget}")
@@ -385,21 +389,17 @@ class Router:
         reasoning = spec.reasoning or spec.strategy == "ssr"
         self._check_processors(spec, reasoning)
         ids = self._prompt_ids(spec, reasoning)
-        if len(ids) + n + 1 > self.s.max_seq_len:
-            raise InvalidArgument("max_new_tokens", f"prompt ({len(ids)} tokens) + {n} new tokens exceed the "
-                                  f"context of {self.s.max_seq_len} tokens")
+        # more than the prompt leaves of the context: clamped to it (finish reason "length" there), as
+        # OpenAI-compatible servers do (serving/limits.py)
+        n = self.limits.new_tokens(n, len(ids))
         strategy, reason, drafter, self_draft = self._strategy(spec, ids, reasoning)
         messages = spec.messages or ([{"role": "user", "content": spec.prompt}] if not spec.raw_prompt else None)
         resume = self._resume(spec, n)
         prediction: tuple[int, ...] = ()
         if spec.prediction:
-            if len(spec.prediction) > 32 * self.s.max_prompt_tokens:
-                raise InvalidArgument("prediction", f"{len(spec.prediction)} characters is far over "
-                                      f"max_prompt_tokens {self.s.max_prompt_tokens}")
+            self.limits.check_chars(len(spec.prediction), "prediction")
             prediction = tuple(self.codec.encode(spec.prediction, None, chat=False))
-            if len(prediction) > self.s.max_prompt_tokens:
-                raise InvalidArgument("prediction", f"{len(prediction)} tokens exceed max_prompt_tokens "
-                                      f"{self.s.max_prompt_tokens}")
+            self.limits.check_prompt(len(prediction), "prediction")
         return Plan(ids, strategy, reason, drafter, self_draft, n, budget, spec.sampling, spec.conversation_id,
                     reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
@@ -450,7 +450,7 @@ class Router:
         self.readiness.require()  # UNAVAILABLE with the reason while no verifier serves
         plan = self.plan(spec)
         plan.client = client
-        cancelled = threading.Event()
+        cancelled = CancelFlag()  # setting it also cancels the generation's Decode stream at once
         return Generation(self._events(plan, client, deadline, cancelled), cancelled)
 
     def _acquire(self, client: str) -> None:
@@ -531,6 +531,8 @@ class Router:
                         return
                     if stop is not None and stop.matched is not None:
                         break
+            except GenerationCancelled:
+                return  # the caller has gone: nothing more is sent
             finally:
                 rounds.close()  # the loop's own finally releases verifier and drafter sessions
             stopped = stop is not None and stop.matched is not None  # in a round: out_ids already cut

@@ -130,8 +130,18 @@ def router_service(settings: ServeSettings, codec=None) -> tuple[Service, Router
     if target:
         drafter = drafter_peer(target, peer_channel(settings, target), settings.drafter_backoff_s,
                                settings.drafter_backoff_max_s)
-    router = Router(settings, codec, replicas, drafter, codec.vocab_size, settings.token())
+    router = Router(settings, codec, replicas, drafter, codec.vocab_size, settings.token(), _context(settings))
     return _service(router), router
+
+
+def _context(settings: ServeSettings):
+    """The served model's context length, read where a limit defaults from it
+    (``serving.limits``); None where every limit is set (the model's config is not read)."""
+    if settings.max_seq_len is not None:
+        return None
+    from specmesh.serving.limits import model_context
+
+    return model_context(settings.model)
 
 
 def dynamic_router(settings: ServeSettings, codec=None) -> tuple[Service, Router, ReplicaSet, DrafterPool]:
@@ -143,5 +153,5 @@ def dynamic_router(settings: ServeSettings, codec=None) -> tuple[Service, Router
     verifiers = ReplicaSet(mk, choice=settings.replica_choice, wait_s=min(30.0, settings.verifier_retry_s),
                            block_size=settings.prefix_block)
     drafters = DrafterPool(mk, settings.drafter_backoff_s, settings.drafter_backoff_max_s)
-    router = Router(settings, codec, verifiers, drafters.peer, codec.vocab_size, settings.token())
+    router = Router(settings, codec, verifiers, drafters.peer, codec.vocab_size, settings.token(), _context(settings))
     return _service(router), router, verifiers, drafters

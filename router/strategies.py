@@ -51,7 +51,7 @@ from specmesh.strategies.proactive import Anticipator, Config, Gate, cache_id
 from specmesh.strategies.ssr import ThinkFormat, reasoning_generate
 from specmesh.types import InvalidArgument
 
-from .adapters import (Calls, FeatureLog, RemoteDrafter, RemoteVerifier, drafter_feature_drafters, prefill_session,
+from .adapters import (Calls, DrafterFacts, FeatureLog, RemoteDrafter, RemoteVerifier, drafter_facts, prefill_session,
                        release_session, seed_cache, verifier_drafter_names)
 from .replicas import Peer, ReplicaSet
 
@@ -73,7 +73,9 @@ STRATEGIES = {
     "ssr": "reasoning: early answers from partial thinking seed a cache that drafts the final answer",
     "auto": "picks one of the above from the request's features and the session's measured speedups: "
             "suffix decoding where the answer reuses the prompt or conversation, self block_tree on fresh text "
-            "when the verifier has the trained block drafter, speculation off where a choice measured a slowdown "
+            "when the verifier has the trained block drafter, else the draft LM where the drafter service runs a "
+            "real draft model (the target's paired one), kept where it measures faster, speculation off where a "
+            "choice measured a slowdown "
             "(the router's default strategy unless --default-strategy says otherwise; acceptance divergence: "
             "self specialist)",
 }
@@ -92,6 +94,7 @@ DECODE_AFTER = 3
 # steps and the next was opened: under load each new stream's first step missed the batch the others
 # were in, 16 streams of self:block_tree ran 11.6 sessions a forward against 13.3 with unbounded streams.)
 DECODE_LEAD = 8
+DRAFTER_TIMEOUT_S = 2.0  # a drafter call's deadline unless drafter_timeout_s says otherwise (plus a draft LM's work)
 THINK_DRAFTER = "suffix"  # drafts the thinking of ssr requests (and their side branches)
 SSR_CACHE_TTL_S = 300.0
 SELF_INFO_TTL_S = 30.0  # how long the verifiers' self-drafter list is trusted
@@ -114,6 +117,12 @@ def jump_forward(plan) -> bool:
     """A grammar's forced tokens are free drafts for every strategy but plain decoding
     asked for by name (the baseline); auto's plain decoding keeps them."""
     return plan.strategy != "autoregressive" or plan.reason.startswith("auto")
+
+
+def drafter_timeout(s) -> float:
+    """A drafter call's deadline: ``drafter_timeout_s``, else ``DRAFTER_TIMEOUT_S`` (to which a
+    real draft model's calls add their measured work: ``adapters.DraftSpeed``)."""
+    return s.drafter_timeout_s if s.drafter_timeout_s is not None else DRAFTER_TIMEOUT_S
 
 
 def _drafter_up(parts: Collaborators) -> bool:
@@ -167,12 +176,12 @@ class RemoteBackend:
         r = self.parts
         calls = self._calls()
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
-        drafter = RemoteDrafter(r.drafter, "prompt_lookup", calls, r.s.drafter_timeout_s) if _drafter_up(r) else None
+        drafter = RemoteDrafter(r.drafter, "prompt_lookup", calls, drafter_timeout(r.s)) if _drafter_up(r) else None
         return speculative_generate(drafter, verifier, prompt_ids, max_new_tokens=max_new_tokens,
                                     stop_ids=self.stop_ids, session_id=session_id, budget=AdaptiveBudget(8))
 
     def seed(self, cache: str, texts: list[list[int]], ttl_s: float, replace: bool) -> None:
-        seed_cache(self.parts.drafter, cache, texts, ttl_s, replace, self._calls(), self.parts.s.drafter_timeout_s * 5)
+        seed_cache(self.parts.drafter, cache, texts, ttl_s, replace, self._calls(), drafter_timeout(self.parts.s) * 5)
 
     def warm(self, session_id: str, tokens: list[int]) -> Optional[str]:
         r = self.parts
@@ -242,7 +251,7 @@ class Run:
 
     def _think_drafter(self):
         r = self.owner.parts
-        d = RemoteDrafter(r.drafter, THINK_DRAFTER, self.verifier.calls, r.s.drafter_timeout_s)
+        d = RemoteDrafter(r.drafter, THINK_DRAFTER, self.verifier.calls, drafter_timeout(r.s))
         self.side.append(d)
         return d
 
@@ -252,7 +261,7 @@ class Run:
         r = self.owner.parts
         calls = self.verifier.calls
         v = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
-        d = RemoteDrafter(r.drafter, THINK_DRAFTER, calls, r.s.drafter_timeout_s)
+        d = RemoteDrafter(r.drafter, THINK_DRAFTER, calls, drafter_timeout(r.s))
         self.side += [v, d]
         sid = f"{main_session}-side-{len(self.side)}"
         loop_v = v
@@ -316,7 +325,7 @@ class Strategies:
         self._context_drafters: frozenset = frozenset()  # context-only drafters every verifier replica runs
         self._self_until = 0.0
         self.info_answered: set = set()  # verifier replicas that answered the last Info look-up
-        self._feature_drafters: Optional[dict] = None  # drafter service's DrafterInfo.feature_drafters, by name
+        self._drafter_facts: Optional[DrafterFacts] = None  # the drafter service's Info, as last answered
         self._feature_until = 0.0
         self._tree_schedule = None  # (loaded,) the block drafter checkpoint's entropy-switched tree budgets
 
@@ -433,23 +442,35 @@ class Strategies:
         """Whether an external request's ``drafter`` runs in the verifiers (``hosted_drafters``)."""
         return bool(drafter) and drafter in self.hosted_drafters()
 
-    def feature_drafters(self) -> Optional[dict]:
-        """name -> (layers, dim, context_window) of the drafter service's drafters that
-        need features (``DrafterInfo.feature_drafters``); None while the service has not
+    def drafter_facts(self) -> Optional[DrafterFacts]:
+        """The drafter service's Info (``adapters.DrafterFacts``); None while it has not
         answered. Cached like ``self_drafters``; the last answer is kept while it is down."""
         now = time.monotonic()
         with self._info_lock:
             r = self.parts
             if now < self._feature_until or r.drafter is None:
-                return self._feature_drafters
-            found = drafter_feature_drafters(r.drafter, Calls(r.token),
-                                             min(SELF_INFO_TIMEOUT_S * 5, r.s.drafter_timeout_s * 5))
+                return self._drafter_facts
+            found = drafter_facts(r.drafter, Calls(r.token), min(SELF_INFO_TIMEOUT_S * 5, drafter_timeout(r.s) * 5))
             if found is None:
                 self._feature_until = now + SELF_INFO_RETRY_S
-                return self._feature_drafters
-            self._feature_drafters = found
+                return self._drafter_facts
+            self._drafter_facts = found
             self._feature_until = now + SELF_INFO_TTL_S
-            return self._feature_drafters
+            return self._drafter_facts
+
+    def feature_drafters(self) -> Optional[dict]:
+        """name -> (layers, dim, context_window) of the drafter service's drafters that
+        need features (``DrafterInfo.feature_drafters``); None while the service has not
+        answered."""
+        facts = self.drafter_facts()
+        return None if facts is None else facts.feature_drafters
+
+    def draft_model(self) -> str:
+        """The real draft model the drafter service runs as ``draft_lm`` (``DrafterInfo.draft_model``:
+        the target's paired draft model or the one it was given, loaded and measured), "" where
+        there is none (the stand-in layer subset), no drafter service, or no answer yet."""
+        facts = self.drafter_facts()
+        return facts.draft_model if facts is not None else ""
 
     def default_drafters(self) -> dict[str, str]:
         """strategy -> the drafter a request without one gets ("" = none, or chosen per request)."""
@@ -494,10 +515,11 @@ class Strategies:
         if name == "auto":
             msgs = spec.messages or []
             text = spec.prompt or "\n".join(m.get("content", "") for m in msgs)
+            up = _drafter_up(r)
             f = auto.features_from(ids, text, max(1, len(msgs)), reasoning,
-                                   self.anticipation_ready(spec.conversation_id), _drafter_up(r),
+                                   self.anticipation_ready(spec.conversation_id), up,
                                    self.layerskip_speedup(), block_drafter=auto.BLOCK_SELF in self.self_drafters(),
-                                   in_verifier=self.hosted_drafters())
+                                   in_verifier=self.hosted_drafters(), draft_model=self.draft_model() if up else "")
             key = self.session_key(spec.conversation_id)
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
@@ -589,7 +611,10 @@ class Strategies:
                 cid = cache_id(plan.conversation_id)
             elif plan.strategy == "ssr":
                 cid = f"ssr:{sid}"
-            drafter = RemoteDrafter(r.drafter, plan.drafter, calls, r.s.drafter_timeout_s, cache_id=cid,
+            # the draft LM's deadline follows its measured speed unless drafter_timeout_s is set
+            facts = self.drafter_facts() if plan.drafter == "draft_lm" and r.s.drafter_timeout_s is None else None
+            drafter = RemoteDrafter(r.drafter, plan.drafter, calls, drafter_timeout(r.s), cache_id=cid,
+                                    speed=facts.draft_speed if facts is not None else None,
                                     features=features)
         loop_d = drafter
         predicted = None

@@ -36,6 +36,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.verifier = verifier
         self.batcher = batcher
         self.decode_steps = 0  # steps answered on Decode streams (Info)
+        self.decode_abandoned = 0  # Decode streams whose caller went away (cancel, deadline) before they ended
         self._decoding: dict[str, int] = {}  # session -> its Decode handlers still running
         self._decode_cv = threading.Condition()
 
@@ -92,6 +93,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         draft = _self_draft(request)
         left = request.tokens_left if request.tokens_left > 0 else None  # caps the draft near the end
         granted, closed = request.max_steps, False
+        ended = threading.Event()  # set when this handler ends of itself
+        context.add_callback(lambda: ended.is_set() or self._abandoned())  # on every end of the call
         with self._decode_cv:
             self._decoding[sid] = self._decoding.get(sid, 0) + 1
         try:
@@ -131,11 +134,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if left is not None:
                     left -= len(res.accepted) + 1
         finally:
+            ended.set()
             with self._decode_cv:
                 self._decoding[sid] -= 1
                 if not self._decoding[sid]:
                     del self._decoding[sid]
                 self._decode_cv.notify_all()
+
+    def _abandoned(self) -> None:
+        """A Decode stream's caller went away while its handler ran: counted the moment
+        gRPC learns it (the handler stops before its next step)."""
+        with self._decode_cv:
+            self.decode_abandoned += 1
 
     def Release(self, request, context):
         sid = check_session_id(request.session_id)
@@ -203,11 +213,13 @@ def verifier_service(settings: ServeSettings, verifier=None, thread=None) -> tup
     on; None: a thread of the batcher's own)."""
     if verifier is None:
         from specmesh.runtime import Runtime
+        from specmesh.serving import limits
         from specmesh.threads import model_thread
 
         thread = model_thread(settings.model_threads("verifier"))
+        seq = limits.resolve(settings, limits.model_context(settings.model)).max_seq_len  # the model's, by default
         rt = thread.run(Runtime, settings.model, dtype=settings.dtype, n_slots=settings.n_slots,
-                        max_seq_len=settings.max_seq_len, draft_model=settings.draft_model,
+                        max_seq_len=seq, draft_model=settings.draft_model,
                         layerskip_exit=settings.layerskip_exit, quiet=True, device=settings.device,
                         cuda_graphs=settings.cuda_graphs)
         verifier = rt.verifier

@@ -68,6 +68,47 @@ COMMAND_GROUPS = (
                               "train-specialist", "train-uno", "uno-study")),
 )
 
+# command -> (the module whose ``register(subparsers)`` adds it, its one-line help): ``specmesh
+# --help`` lists them from here and a command's module is imported only to parse and run it,
+# so the listing, a command's --help and an argument error import neither torch nor grpc
+# (issue 62; tests/unit/test_cli.py checks this table against the modules' own parsers)
+HERE = "specmesh.cli"
+COMMANDS = {
+    "demo": (HERE, "plain decoding vs each drafter on built-in prompts"),
+    "convert": (HERE, "convert a model alias into the safetensors cache (one time)"),
+    "make-draft-model": (HERE, "draft LM from a subset of the target's layers"),
+    "device-check": (HERE, "on a CUDA machine: the CUDA tests and a short GPU benchmark"),
+    "serve": ("specmesh.cli.serve", "run the gRPC services (one, or all three as processes)"),
+    "generate": ("specmesh.cli.serve", "stream a generation from a running router"),
+    "bench": ("specmesh.cli.bench", "benchmark our decoding vs HF generate and llama.cpp on workloads"),
+    "bench-sweep": ("specmesh.cli.bench", "concurrency sweep through the gRPC services (1/4/8 streams)"),
+    "bench-services": ("specmesh.cli.bench", "the same prompts in process and through `specmesh serve` (SDK and "
+                       "OpenAI HTTP), side by side: the services' ratio to their own engine"),
+    "bench-serving": ("specmesh.cli.bench", "serving workloads through the OpenAI API beside llama-cpp-python's "
+                      "server: multi-turn chat (TTFT per turn), shared system prompt, streams while long prompts "
+                      "arrive, Poisson arrival sweep"),
+    "distill-data": ("specmesh.cli.blockdraft", "target self-distillation data (resumable shards)"),
+    "train-drafter": ("specmesh.cli.blockdraft", "train the DFlash-style block drafter"),
+    "floor": ("specmesh.cli.blockdraft", "per-slot information floor and the drafter's model gap"),
+    "tree-study": ("specmesh.cli.blockdraft", "draft trees on held-out bench prompts: prefix-blind vs "
+                   "path-conditioned scoring per node budget, entropy-switched budgets (writes JSON, table, PNG)"),
+    "accel-drafter": ("specmesh.cli.blockdraft", "the whole drafter recipe on one accelerator in a time budget "
+                      "(synthesised instructions, greedy responses, batched training, held-out τ)"),
+    "trace": ("specmesh.cli.observability", "read a JSON-lines trace file (SPECMESH_TRACE_FILE)"),
+    "stats": ("specmesh.cli.observability", "acceptance histogram, ceiling bin and block-size verdict"),
+    "calibrate-layerskip": ("specmesh.cli.bench.calibrate", "measure tau and tokens/s per layer-skip exit layer E; "
+                            "write the best E"),
+    "bench-strategies": ("specmesh.cli.bench.strategies", "workloads x router strategies through the services"),
+    "costs": ("specmesh.cli.bench.costs", "measure the speculation cost model (verify/draft times, break-even tau, "
+              "the S <= tau/2 bound) for this device and dtype"),
+    "quality": ("specmesh.cli.bench.quality", "speed vs quality of each acceptance rule against the target, and "
+                "speculative vs vanilla contrastive decoding, in one run"),
+    "train-specialist": ("specmesh.cli.specialist", "LoRA-tune a domain specialist of the target (divergence "
+                         "decoding)"),
+    "train-uno": ("specmesh.cli.uno", "train the mask-gated adapter (the target drafting for itself)"),
+    "uno-study": ("specmesh.cli.uno_study", "the mask-gated adapter's layouts and diffusion mode, side by side"),
+}
+
 
 def _grouped_commands(sub) -> str:
     """The subcommands' one-line helps, grouped (``COMMAND_GROUPS``), as the text
@@ -98,13 +139,9 @@ def _draft_lm_note() -> str:
     return DRAFT_LM_NOTE.replace("%", "%%")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="specmesh", description="speculative decoding served as microservices",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands",
-                            help="one of the commands below")
-
-    p = sub.add_parser("demo", help="plain decoding vs each drafter on built-in prompts")
+def register(sub) -> None:
+    """The commands of this module: demo, convert, make-draft-model, device-check."""
+    p = sub.add_parser("demo", help=COMMANDS["demo"][1])
     _add_model_args(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", default="prompt_lookup,suffix,draft_lm,layerskip,block,block_tree",
@@ -118,34 +155,50 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--show-text", action="store_true")
     p.set_defaults(module="specmesh.cli.demo", func="main")
 
-    p = sub.add_parser("convert", help="convert a model alias into the safetensors cache (one time)")
+    p = sub.add_parser("convert", help=COMMANDS["convert"][1])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.set_defaults(module="specmesh.cli", func="convert_main")
 
-    p = sub.add_parser("make-draft-model", help="draft LM from a subset of the target's layers")
+    p = sub.add_parser("make-draft-model", help=COMMANDS["make-draft-model"][1])
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--layers", default="0,1,2,29")
     p.add_argument("--out", required=True)
     p.set_defaults(module="specmesh.cli", func="make_draft_main")
 
-    p = sub.add_parser("device-check", help="on a CUDA machine: the CUDA tests and a short GPU benchmark")
+    p = sub.add_parser("device-check", help=COMMANDS["device-check"][1])
     from .bench.device_check import add_arguments
 
     add_arguments(p)
     p.set_defaults(module="specmesh.cli.bench.device_check", func="main")
 
-    for mod, register in (("specmesh.cli.serve", "register"), ("specmesh.cli.bench", "register"),
-                          ("specmesh.cli.blockdraft", "register"), ("specmesh.cli.observability", "register"),
-                          ("specmesh.cli.bench.calibrate", "register"), ("specmesh.cli.bench.strategies", "register"),
-                          ("specmesh.cli.bench.costs", "register"), ("specmesh.cli.bench.quality", "register"),
-                          ("specmesh.cli.specialist", "register"), ("specmesh.cli.uno", "register"),
-                          ("specmesh.cli.uno_study", "register")):
+
+def build_parser(argv=None) -> argparse.ArgumentParser:
+    """The ``specmesh`` parser. ``argv`` given: only the module of the command it names
+    (its first word that is not an option) registers its commands; the others are listed
+    from ``COMMANDS`` without importing anything. None: every module registers (the
+    full parser, as the tests read it)."""
+    from .helpfmt import Parser
+
+    ap = argparse.ArgumentParser(prog="specmesh", description="speculative decoding served as microservices",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND", title="commands",
+                            help="one of the commands below", parser_class=Parser)
+    modules = list(dict.fromkeys(m for m, _ in COMMANDS.values()))
+    if argv is not None:
+        cmd = next((a for a in argv if not a.startswith("-")), None)
+        modules = [COMMANDS[cmd][0]] if cmd in COMMANDS else []
+    for mod in modules:
+        fn = register if mod == HERE else getattr(importlib.import_module(mod), "register")
         try:
-            getattr(importlib.import_module(mod), register)(sub)
+            fn(sub)
         except ModuleNotFoundError as e:
             if e.name is None or not mod.startswith(e.name):
                 raise
+    for name, (mod, hlp) in COMMANDS.items():
+        if mod not in modules:
+            sub.add_parser(name, help=hlp, add_help=False)  # listed; parsed only by its module's parser
     ap.epilog = _grouped_commands(sub)
+    ap.command_helps = {a.dest: a.help for a in sub._choices_actions}  # each command's line in the epilog
     sub._choices_actions[:] = []  # listed, grouped, in the epilog instead of one flat list
     return ap
 
@@ -181,7 +234,7 @@ def main(argv=None) -> int:
         from .. import spin_threads
 
         spin_threads()  # before build_parser imports torch
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     fn = getattr(importlib.import_module(args.module), args.func)
     try:
         return int(fn(args) or 0)

@@ -134,8 +134,24 @@ def main(args) -> int:
     for w in warnings:
         con.print(f"[yellow]{w}[/yellow]", highlight=False)
     con.print(f"peak RSS {peak_rss_mb():.0f} MB; total {time.perf_counter() - t0:.0f}s")
+    for line in closing_lines(args.model, args.dtype, repeats):
+        con.print(line, highlight=False, markup=False, soft_wrap=True)
     sys.stdout.flush()
     return 0
+
+
+def closing_lines(model: str, dtype: str, repeats: int) -> list[str]:
+    """The two lines the demo ends with: what the table's tau and speedup mean, and the
+    command to try next (the same model served, and a request to it)."""
+    from ..models.loading import DEFAULT_MODEL
+
+    flags = "" if model == DEFAULT_MODEL and dtype == "bf16" else f" --model {model} --dtype {dtype}"
+    fastest = f"the fastest of {repeats} passes each" if repeats > 1 else "one pass each"
+    return [f"tau: tokens per forward of the model (plain decoding 1.00; a drafter's accepted tokens + 1 a round); "
+            f"speedup: tok/s over plain decoding on the same prompt ({fastest}); identical: the same tokens as "
+            f"plain decoding.",
+            f"Next: serve it: `specmesh serve{flags}`, then in another terminal `specmesh generate \"Write a haiku "
+            f"about the sea\"` (or any OpenAI client at http://127.0.0.1:8000/v1)."]
 
 
 def unexplained(speedup: float, tau: float, slack: float = UNEXPLAINED_SLACK) -> bool:

@@ -42,86 +42,141 @@ SERVICES = ("drafter", "verifier", "router")
 # ---------------------------------------------------------------- settings flags (no pydantic import: --help stays fast)
 
 _FLAGS = [
-    # (flag, field, type, help)
-    ("--host", "host", str, "bind address (default 127.0.0.1)"),
-    ("--model", "model", str, "model alias or local HF directory (verifier, router tokenizer)"),
-    ("--dtype", "dtype", str, "fp32 | bf16 | int8 | int4 (verifier; default bf16)"),
-    ("--device", "device", str, "verifier and draft LM: auto | cpu | cuda | cuda:N (default auto)"),
+    # (flag, field, type, help); each flag's default and variable (SPECMESH_<FIELD>) are shown from the
+    # settings when the help is printed (SettingsFormatter), its group is GROUP_OF[field]
+    ("--host", "host", str, "bind address"),
+    ("--model", "model", str, "model alias, .gguf file or Hugging Face directory (verifier, drafter, router "
+     "tokenizer)"),
+    ("--dtype", "dtype", str, "fp32 | bf16 | int8 | int4 (verifier and draft LM)"),
+    ("--device", "device", str, "verifier and draft LM: auto | cpu | cuda | cuda:N"),
     ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false | "
      "invariant (one bucket shape for every forward: bf16 greedy identity)"),
-    ("--n-slots", "n_slots", int, "KV slots of the verifier"),
-    ("--prefix-cache", "prefix_cache", str, "verifier: reuse the KV of earlier requests' common prefixes: true | "
-     "false (default true)"),
-    ("--prefix-cache-mib", "prefix_cache_mib", float, "verifier: the prefix cache's budget in MiB (default 512)"),
-    ("--prefix-block", "prefix_block", int, "verifier: tokens per prefix-cache block (default 16)"),
-    ("--prefill-chunk", "prefill_chunk", int, "verifier: a prompt's tokens per forward at most, between the running "
-     "streams' rounds (default 256; 0 = a prompt in one forward)"),
-    ("--prefill-stall-ratio", "prefill_stall_ratio", float, "verifier: while streams run, a forward with a prefill "
-     "chunk costs at most this many times theirs (default 2; 0 = off)"),
-    ("--max-seq-len", "max_seq_len", int, "longest sequence per slot"),
-    ("--draft-model", "draft_model", str, "drafter: the draft LM's alias or directory (default: the target's "
-     "paired draft model, else a subset of its layers)"),
-    ("--preload-draft-lm", "preload_draft_lm", str, "drafter: load the draft LM at start: true | false "
-     "(default: when it is a model of its own)"),
-    ("--drafter-address", "drafter_address", str, "router: drafter host:port ('none' = no drafter)"),
-    ("--drafter-timeout-s", "drafter_timeout_s", float, "router: deadline of one drafter call (default 2)"),
-    ("--draft-ahead", "draft_ahead", str, "router: external token-only drafters draft the next round while the "
-     "verifier verifies this one: off | on | auto (measured; default specmesh.ahead.AHEAD_DEFAULT)"),
-    ("--decode-stream", "decode_stream", str, "router: rounds without a draft and self drafters' rounds read "
-     "their tokens from a Verifier/Decode stream, the verifier decoding ahead: true | false (default true)"),
-    ("--context-drafters", "context_drafters", str, "router: where an external request's context-only drafter "
-     "(prompt_lookup, suffix) runs: verifier (default: in the verifiers' own turn, no hop a round, where they host "
-     "it) | drafter (the drafter service)"),
-    ("--verifier-drafters", "verifier_drafters", str, "verifier: comma-separated context-only drafters it runs "
-     "for external requests (default prompt_lookup,suffix; '' = none)"),
-    ("--verifier-addresses", "verifier_addresses", str, "router: comma-separated verifier host:port list"),
-    ("--replica-choice", "replica_choice", str, "router: a new session's verifier replica: prefix (default: by cached "
-     "prefix and conversation, unless much busier) | least_loaded | hash"),
-    ("--router-addresses", "router_addresses", str, "openai: comma-separated router host:port list (or one DNS "
-     "name with several records); a stream whose router dies is resumed on the next"),
-    ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens, after the chat template (default "
-     "1536; a longer prompt is INVALID_ARGUMENT)"),
-    ("--max-new-tokens-limit", "max_new_tokens", int, "limit on a request's max_new_tokens (default 1024)"),
-    ("--default-strategy", "default_strategy", str, "router: the strategy of requests that name none: auto "
-     "(default) | autoregressive | external | self | proactive | ssr"),
-    ("--default-drafter", "default_drafter", str, "router: the drafter of external requests that name none "
-     "(default prompt_lookup)"),
+    ("--n-slots", "n_slots", int, "KV slots of the verifier (and of the draft LM)"),
+    ("--prefix-cache", "prefix_cache", str, "reuse the KV of earlier requests' common prefixes: true | false"),
+    ("--prefix-cache-mib", "prefix_cache_mib", float, "the prefix cache's budget in MiB"),
+    ("--prefix-block", "prefix_block", int, "tokens per prefix-cache block"),
+    ("--prefill-chunk", "prefill_chunk", int, "a prompt's tokens per forward at most, between the running "
+     "streams' rounds (0 = a prompt in one forward)"),
+    ("--prefill-stall-ratio", "prefill_stall_ratio", float, "while streams run, a forward with a prefill chunk "
+     "costs at most this many times theirs (0 = off)"),
+    ("--max-seq-len", "max_seq_len", int, "KV positions per slot: the longest prompt + reply (verifier, draft "
+     "LM; the router's limits follow it; unset: the model's context, at most 8192)"),
+    ("--draft-model", "draft_model", str, "the draft LM's alias or directory (unset: the target's paired draft "
+     "model, else a subset of its layers)"),
+    ("--preload-draft-lm", "preload_draft_lm", str, "load the draft LM at start: true | false (unset: when it "
+     "is a model of its own)"),
+    ("--drafter-address", "drafter_address", str, "drafter host:port ('': host:drafter-port, 'none': no drafter)"),
+    ("--drafter-timeout-s", "drafter_timeout_s", float, "deadline of one drafter call (unset: 2 s, plus for the "
+     "draft LM 4x its measured time for the call's tokens)"),
+    ("--draft-ahead", "draft_ahead", str, "external token-only drafters draft the next round while the verifier "
+     "verifies this one: off | on | auto (measured)"),
+    ("--decode-stream", "decode_stream", str, "rounds without a draft and self drafters' rounds read their "
+     "tokens from a Verifier/Decode stream, the verifier decoding ahead: true | false"),
+    ("--context-drafters", "context_drafters", str, "where an external request's context-only drafter "
+     "(prompt_lookup, suffix) runs: verifier (in the verifiers' own turn, no hop a round, where they host it) | "
+     "drafter (the drafter service)"),
+    ("--verifier-drafters", "verifier_drafters", str, "comma-separated context-only drafters the verifier runs "
+     "for external requests ('' = none)"),
+    ("--verifier-addresses", "verifier_addresses", str, "comma-separated verifier host:port list ('': "
+     "host:verifier-port)"),
+    ("--replica-choice", "replica_choice", str, "a new session's verifier replica: prefix (by cached prefix and "
+     "conversation, unless much busier) | least_loaded | hash"),
+    ("--router-addresses", "router_addresses", str, "comma-separated router host:port list (or one DNS name with "
+     "several records); a stream whose router dies is resumed on the next ('': host:router-port)"),
+    ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens, after the chat template; a longer "
+     "prompt is INVALID_ARGUMENT / HTTP 400 (unset: what the context leaves a reply, max-seq-len - 2)"),
+    ("--max-new-tokens-limit", "max_new_tokens", int, "cap on a request's max_new_tokens, refused above it "
+     "(unset: none; a request's is clamped to what its prompt leaves of the context)"),
+    ("--default-strategy", "default_strategy", str, "the strategy of requests that name none: auto | "
+     "autoregressive | external | self | proactive | ssr"),
+    ("--default-drafter", "default_drafter", str, "the drafter of external requests that name none"),
     ("--max-sessions-per-client", "max_sessions_per_client", int, "concurrent streams per client"),
     ("--max-message-bytes", "max_message_bytes", int, "largest request accepted"),
-    ("--batch-window-ms", "batch_window_ms", float, "verifier: dynamic batching window"),
-    ("--max-batch", "max_batch", int, "verifier: largest batch"),
-    ("--workers", "workers", int, "handler threads"),
+    ("--batch-window-ms", "batch_window_ms", float, "how long a forward waits for the other active sessions' "
+     "requests (a lone session never waits)"),
+    ("--max-batch", "max_batch", int, "most sessions in one forward"),
+    ("--workers", "workers", int, "gRPC handler threads per server"),
     ("--cpus", "cpus", str, "CPUs per service, which also sets its torch threads: verifier=0-1,drafter=1,router=0 "
-     "(all three) or 0-1 (this service); default: every CPU, shared (docs/serving.md, \"Placement\")"),
+     "(all three) or 0-1 (this service); '' = every CPU, shared (docs/serving.md, \"Placement\")"),
     ("--tls-cert", "tls_cert", str, "server certificate (PEM); enables TLS"),
     ("--tls-key", "tls_key", str, "server private key (PEM)"),
     ("--tls-client-ca", "tls_client_ca", str, "require client certificates signed by this CA (mTLS)"),
-    ("--peer-ca", "peer_ca", str, "router: CA of the drafter/verifier certificates"),
-    ("--peer-cert", "peer_cert", str, "router: client certificate for mTLS to drafter/verifier"),
-    ("--peer-key", "peer_key", str, "router: client key for mTLS to drafter/verifier"),
-    ("--auth-token-file", "auth_token_file", str, "bearer token file (or env SPECMESH_AUTH_TOKEN)"),
+    ("--peer-ca", "peer_ca", str, "CA of the drafter/verifier certificates"),
+    ("--peer-cert", "peer_cert", str, "client certificate for mTLS to drafter/verifier"),
+    ("--peer-key", "peer_key", str, "client key for mTLS to drafter/verifier"),
+    ("--auth-token-file", "auth_token_file", str, "bearer token file (or the variable SPECMESH_AUTH_TOKEN)"),
     ("--drain-s", "drain_s", float, "grace period on SIGTERM"),
-    ("--metrics", "metrics", str, "serve Prometheus /metrics over HTTP: true | false (default true)"),
-    ("--metrics-port", "metrics_port", int, "/metrics port of a single service (0 = any free port)"),
-    ("--log-stats-interval-s", "log_stats_interval_s", float, "router: log a throughput line (prompt and "
-     "generation tok/s, running requests) every this many seconds when there was traffic (default 10; 0 = off)"),
-    ("--http", "http", str, "router: serve the OpenAI-compatible HTTP API: true | false (default true)"),
-    ("--http-port", "http_port", int, "router: port of the OpenAI HTTP API (default 8000; 0 = any free port)"),
-    ("--http-timeout-s", "http_timeout_s", float, "OpenAI front: deadline of each generation (504 when it passes; "
-     "default none)"),
-    ("--resume-window-s", "resume_window_s", float, "OpenAI front: how long a stream whose router died waits for "
-     "one to resume on (default 60; then 503)"),
+    ("--metrics", "metrics", str, "serve Prometheus /metrics over HTTP: true | false"),
+    ("--metrics-port", "metrics_port", int, "/metrics port of a single service (0 = any free port; unset: "
+     "<service>-metrics-port)"),
+    ("--log-stats-interval-s", "log_stats_interval_s", float, "log a throughput line (prompt and generation "
+     "tok/s, running requests) every this many seconds when there was traffic (0 = off)"),
+    ("--http", "http", str, "serve the OpenAI-compatible HTTP API: true | false"),
+    ("--http-port", "http_port", int, "port of the OpenAI HTTP API (0 = any free port)"),
+    ("--http-timeout-s", "http_timeout_s", float, "deadline of each generation (504 when it passes; unset: none)"),
+    ("--resume-window-s", "resume_window_s", float, "how long a stream whose router died waits for one to resume "
+     "on (then 503)"),
 ]
+
+# the --help groups, by the service a setting configures (the rest: common)
+GROUPS = ("common", "router", "verifier", "drafter", "OpenAI front")
+GROUP_OF = {
+    **dict.fromkeys(("router_port", "router_metrics_port", "drafter_address", "verifier_addresses", "replica_choice",
+                     "default_strategy", "default_drafter", "draft_ahead", "decode_stream", "context_drafters",
+                     "drafter_timeout_s", "max_prompt_tokens", "max_new_tokens", "max_sessions_per_client",
+                     "peer_ca", "peer_cert", "peer_key", "log_stats_interval_s"), "router"),
+    **dict.fromkeys(("verifier_port", "verifier_metrics_port", "n_slots", "max_seq_len", "batch_window_ms",
+                     "max_batch", "verifier_drafters", "cuda_graphs",
+                     # issue 59's prefix cache and chunked prefill
+                     "prefix_cache", "prefix_cache_mib", "prefix_block", "prefill_chunk", "prefill_stall_ratio"),
+                    "verifier"),
+    **dict.fromkeys(("drafter_port", "drafter_metrics_port", "draft_model", "preload_draft_lm"), "drafter"),
+    **dict.fromkeys(("router_addresses", "http", "http_port", "http_timeout_s", "resume_window_s"), "OpenAI front"),
+}
+GROUP_HELP = {
+    "common": "every service (each flag is also the variable SPECMESH_<FIELD>, shown with its default)",
+    "router": "the router: strategies, drafter calls and the request limits it enforces",
+    "verifier": "the verifier: KV slots, batching and the drafters it runs itself",
+    "drafter": "the drafter service: the draft LM",
+    "OpenAI front": "the OpenAI-compatible HTTP API (`serve openai`, or the router's own with --http)",
+}
+
+
+class SettingsFormatter:
+    """``helpfmt.Formatter`` for the settings flags: their defaults are read from
+    ``ServeSettings`` when the help is printed (the flags default to SUPPRESS)."""
+
+    @staticmethod
+    def default_of(action) -> "str | None":
+        from ..serving.settings import ServeSettings
+        from .helpfmt import show
+
+        f = ServeSettings.model_fields.get(action.dest)
+        if f is None:
+            return None
+        v = f.get_default(call_default_factory=True)
+        env = f"SPECMESH_{action.dest.upper()}"
+        if v is None:  # unset: the help says what that means where it means more than "off"
+            return env if "unset" in (action.help or "") else f"unset by default; {env}"
+        return f"default: {show(v)}; {env}"
+
+
+def _groups(p: argparse.ArgumentParser) -> dict:
+    """The parser's argument groups by name (made once, in GROUPS order)."""
+    have = {g.title: g for g in p._action_groups}
+    return {name: have.get(name) or p.add_argument_group(name, GROUP_HELP.get(name)) for name in GROUPS}
 
 
 def add_settings_flags(p: argparse.ArgumentParser, port: bool = True) -> None:
-    p.add_argument("--config", default=argparse.SUPPRESS, help="YAML settings file (or env SPECMESH_CONFIG)")
+    g = _groups(p)
+    g["common"].add_argument("--config", default=argparse.SUPPRESS, metavar="CONFIG",
+                             help="YAML settings file (or the variable SPECMESH_CONFIG)")
     if port:
-        p.add_argument("--port", type=int, default=argparse.SUPPRESS,
-                       help="port of a single service (0 = any); with all three it is refused: use --router-port, "
-                            "--drafter-port, --verifier-port")
+        g["common"].add_argument("--port", type=int, default=argparse.SUPPRESS, metavar="PORT",
+                                 help="port of a single service (0 = any; unset: its --<service>-port); with all "
+                                      "three it is refused: use --router-port, --drafter-port, --verifier-port")
     for flag, dest, typ, hlp in _FLAGS:
-        p.add_argument(flag, dest=dest, type=typ, default=argparse.SUPPRESS, help=hlp)
+        g[GROUP_OF.get(dest, "common")].add_argument(flag, dest=dest, type=typ, default=argparse.SUPPRESS, help=hlp)
 
 
 def settings_from_args(args: argparse.Namespace):
@@ -133,76 +188,95 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def register(sub) -> None:
-    p = sub.add_parser("serve", help="run the gRPC services (one, or all three as processes)")
+    from .helpfmt import Formatter
+
+    fmt = type("ServeFormatter", (Formatter,), {"defaults": staticmethod(SettingsFormatter.default_of)})
+    p = sub.add_parser("serve", help="run the gRPC services (one, or all three as processes)", formatter_class=fmt,
+                       description="Run the gRPC services: one (drafter | verifier | router | openai), or all three "
+                                   "and the OpenAI HTTP front as processes. Every setting comes from (highest "
+                                   "first) its flag, the variable SPECMESH_<FIELD>, the --config YAML, its default.")
     p.add_argument("service", nargs="?", choices=SERVICES + ("openai",),
                    help="the service to run (default: all three, and the OpenAI HTTP front as a fourth process); "
                         "openai: the OpenAI HTTP API alone, in front of --router-addresses")
     add_settings_flags(p)
+    g = _groups(p)
     for svc in SERVICES:
-        p.add_argument(f"--{svc}-port", dest=f"{svc}_port", type=int, default=argparse.SUPPRESS,
-                       help=f"port of the {svc} when starting all three (0 = any free port)")
-        p.add_argument(f"--{svc}-metrics-port", dest=f"{svc}_metrics_port", type=int, default=argparse.SUPPRESS,
-                       help=f"/metrics port of the {svc} when starting all three (0 = any free port)")
-    p.add_argument("--supervisor-metrics-port", dest="supervisor_metrics_port", type=int, default=argparse.SUPPRESS,
-                   help="/metrics of the supervisor (service restarts) when starting all three (0 = any free port)")
-    p.add_argument("--restart-backoff-s", dest="restart_backoff_s", type=float, default=argparse.SUPPRESS,
-                   help="wait before restarting a service that died (doubles per crash in a row, up to 30 s)")
-    p.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR (default INFO)")
-    p.add_argument("--ray", action="store_true",
-                   help="run the three as Ray Serve deployments on a local Ray cluster; --config is then a Serve "
-                        "config or RayAppConfig YAML (specmesh.deploy.ray)")
+        g[svc].add_argument(f"--{svc}-port", dest=f"{svc}_port", type=int, default=argparse.SUPPRESS,
+                            help=f"port of the {svc} when starting all three (0 = any free port)")
+        g[svc].add_argument(f"--{svc}-metrics-port", dest=f"{svc}_metrics_port", type=int, default=argparse.SUPPRESS,
+                            help=f"/metrics port of the {svc} when starting all three (0 = any free port)")
+    g["common"].add_argument("--supervisor-metrics-port", dest="supervisor_metrics_port", type=int,
+                             default=argparse.SUPPRESS, help="/metrics of the supervisor (service restarts) when "
+                             "starting all three (0 = any free port)")
+    g["common"].add_argument("--restart-backoff-s", dest="restart_backoff_s", type=float, default=argparse.SUPPRESS,
+                             help="wait before restarting a service that died (doubles per crash in a row, up to "
+                                  "30 s)")
+    g["common"].add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
+    g["common"].add_argument("--ray", action="store_true",
+                             help="run the three as Ray Serve deployments on a local Ray cluster; --config is then a "
+                                  "Serve config or RayAppConfig YAML (docs/deploy.md)")
     p.set_defaults(module="specmesh.cli.serve", func="serve_main")
 
-    g = sub.add_parser("generate", help="stream a generation from a running router")
-    g.add_argument("prompt", help="prompt text (one user turn with the chat template unless --raw; at most the "
-                   "router's --max-prompt-tokens, 1536 tokens by default)")
-    g.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", "127.0.0.1:50051"),
+    gp = sub.add_parser("generate", help="stream a generation from a running router",
+                        description="Stream a generation from a running router: the text to stdout, then the "
+                                    "stats to stderr (--json: the stats alone on stdout). Options left unset take "
+                                    "the router's defaults.")
+    gp.add_argument("prompt", help="prompt text (one user turn with the chat template unless --raw; at most the "
+                    "router's prompt limit: what its context leaves a reply unless --max-prompt-tokens is set)")
+    c = gp.add_argument_group("connection")
+    c.add_argument("--address", default=os.environ.get("SPECMESH_ADDRESS", "127.0.0.1:50051"),
                    help="the router, host:port, or several comma-separated (a stream whose router dies is "
-                        "resumed on the next; default: env SPECMESH_ADDRESS, else 127.0.0.1:50051)")
-    g.add_argument("--strategy", default="",
+                        "resumed on the next; default: the variable SPECMESH_ADDRESS, else 127.0.0.1:50051)")
+    c.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds (unset: none)")
+    c.add_argument("--no-resume", action="store_true",
+                   help="fail when the router dies mid-stream instead of resuming the stream (resumed by default)")
+    c.add_argument("--token-file", default=None, help="bearer token file (or the variable SPECMESH_AUTH_TOKEN)")
+    c.add_argument("--ca", default=None, help="CA certificate (PEM): connect with TLS")
+    c.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
+    c.add_argument("--key", default=None, help="client key (PEM) for mutual TLS")
+    r = gp.add_argument_group("request")
+    r.add_argument("--strategy", default="",
                    help="autoregressive | external | self | proactive | ssr | auto (default: the router's "
                         "--default-strategy, auto unless set)")
     from specmesh.drafters import registry
 
-    g.add_argument("--drafter", default="", help="external drafter: " + " | ".join(registry.EXTERNAL)
-                   + "; self: " + " | ".join(registry.SELF) + " (specmesh.drafters.registry). "
+    r.add_argument("--drafter", default="", help="external drafter: " + " | ".join(registry.EXTERNAL)
+                   + "; self: " + " | ".join(registry.SELF) + " (default: the strategy's). "
                    + registry.DRAFT_LM_NOTE.replace("%", "%%"))
-    g.add_argument("--conversation-id", default="", help="conversation (proactive strategy)")
-    g.add_argument("--reasoning", action="store_true", help="think inside <think>...</think> first")
-    g.add_argument("--thinking-budget", type=int, default=None, help="maximum thinking tokens (reasoning)")
-    g.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens to generate at most (default: the router's, 256; its limit: 1024)")
-    g.add_argument("--temperature", type=float, default=None,
-                   help="0 = greedy (default); > 0 samples (with the exact acceptance rule, from the target's own "
-                        "distribution)")
-    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the top-p mass (default 1)")
-    g.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
-    g.add_argument("--seed", type=int, default=None, help="seed of the sampled draws (same seed, same output)")
-    g.add_argument("--draft-budget", type=int, default=None,
+    r.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate at most (default: the router's, 256; more than the prompt leaves of "
+                        "the context is clamped to it, unless the router sets --max-new-tokens-limit)")
+    r.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string, repeatable: the output ends just before the first one")
+    r.add_argument("--raw", action="store_true", help="no chat template")
+    r.add_argument("--conversation-id", default="", help="conversation (proactive strategy)")
+    r.add_argument("--reasoning", action="store_true", help="think inside <think>...</think> first")
+    r.add_argument("--thinking-budget", type=int, default=None,
+                   help="maximum thinking tokens (reasoning; default: half of --max-new-tokens)")
+    r.add_argument("--draft-budget", type=int, default=None,
                    help="draft tokens per round at most (default: the router's, adapted per round)")
-    g.add_argument("--draft-ahead", default="", choices=["", "on", "off", "auto"],
+    r.add_argument("--draft-ahead", default="", choices=["", "on", "off", "auto"], metavar="DRAFT_AHEAD",
                    help="external token-only drafters: draft the next round while this one verifies (default: "
                         "the router's --draft-ahead)")
-    g.add_argument("--acceptance", default=None,
-                   help="verify rule: exact (default) | typical | lenient | topk (lossy) | contrastive | "
-                        "divergence (lossy; the verifier's specialist drafts: the router picks strategy self, "
-                        "drafter specialist unless a drafter is named)")
-    g.add_argument("--acceptance-param", action="append", default=[], metavar="NAME=VALUE",
-                   help="the rule's parameter, repeatable: lenience=0.5, accept_top_k=4, cd_alpha=0.1, "
-                        "cd_beta=0.5, typical_epsilon=0.3, jsd_threshold=0.3, ...")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop string, repeatable: the output ends just before the first one")
-    g.add_argument("--raw", action="store_true", help="no chat template")
-    g.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
-    g.add_argument("--no-resume", action="store_true",
-                   help="fail when the router dies mid-stream instead of resuming the stream (on by default)")
-    g.add_argument("--token-file", default=None, help="bearer token file (or env SPECMESH_AUTH_TOKEN)")
-    g.add_argument("--ca", default=None, help="CA certificate (PEM): connect with TLS")
-    g.add_argument("--cert", default=None, help="client certificate (PEM) for mutual TLS")
-    g.add_argument("--key", default=None, help="client key (PEM) for mutual TLS")
-    g.add_argument("--json", action="store_true",
+    sp = gp.add_argument_group("sampling and acceptance")
+    sp.add_argument("--temperature", type=float, default=None,
+                    help="0 = greedy (default); > 0 samples (with the exact acceptance rule, from the target's own "
+                         "distribution)")
+    sp.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the top-p mass (default: 1)")
+    sp.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest tokens (default: all)")
+    sp.add_argument("--seed", type=int, default=None, help="seed of the sampled draws (same seed, same output; "
+                    "default: a fresh one)")
+    sp.add_argument("--acceptance", default=None,
+                    help="verify rule: exact (default) | typical | lenient | topk (lossy) | contrastive | "
+                         "divergence (lossy; the verifier's specialist drafts: the router picks strategy self, "
+                         "drafter specialist unless a drafter is named)")
+    sp.add_argument("--acceptance-param", action="append", default=[], metavar="NAME=VALUE",
+                    help="the rule's parameter, repeatable: lenience=0.5, accept_top_k=4, cd_alpha=0.1, "
+                         "cd_beta=0.5, typical_epsilon=0.3, jsd_threshold=0.3, ...")
+    o = gp.add_argument_group("output")
+    o.add_argument("--json", action="store_true",
                    help="print only the stats as one JSON object on stdout (the text streams to stderr)")
-    g.set_defaults(module="specmesh.cli.serve", func="generate_main")
+    gp.set_defaults(module="specmesh.cli.serve", func="generate_main")
 
 
 # ---------------------------------------------------------------- serve

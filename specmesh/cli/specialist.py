@@ -6,13 +6,13 @@ This module only parses the flags and prints the result.
 
 from __future__ import annotations
 
-from ..drafters.specialist import DEFAULT_MODEL, DOMAINS, train
+from ..models.loading import DEFAULT_MODEL
 
 
 def register(sub) -> None:
     p = sub.add_parser("train-specialist", help="LoRA-tune a domain specialist of the target (divergence decoding)")
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--domain", default="code", choices=DOMAINS)
+    p.add_argument("--domain", default="code", help="the specialist's domain (specialists know: code)")
     p.add_argument("--steps", type=int, default=150, help="AdamW steps of --batch x --seq-len tokens")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
@@ -30,6 +30,12 @@ def register(sub) -> None:
 
 
 def train_main(args) -> int:
+    from ..drafters.specialist import DOMAINS, train  # imports torch: only to run
+
+    if args.domain not in DOMAINS:
+        from ..types import InvalidArgument
+
+        raise InvalidArgument("--domain", f"must be one of {list(DOMAINS)}, got {args.domain!r}")
     m = train(args.model, args.domain, steps=args.steps, seq_len=args.seq_len, batch=args.batch, lr=args.lr,
               rank=args.rank, alpha=args.alpha, seed=args.seed, threads=args.threads, eval_chunks=args.eval_chunks,
               out=args.out, save_merged=args.merged, max_minutes=args.max_minutes)

@@ -29,7 +29,7 @@ class LocalStack:
     one thread and run on another is slower, ``specmesh.threads``).
 
     Attributes: ``s`` / ``rs`` (services' / router's settings), ``verifiers``,
-    ``batchers``, ``vservers`` (one each per verifier; ``verifier``, ``batcher`` and
+    ``batchers``, ``vservers``, ``vsvcs`` (the Verifier services; one each per verifier; ``verifier``, ``batcher`` and
     ``vserver`` name the first), ``dsvc``, ``dserver``, ``host`` (the drafter host),
     ``rsvc``, ``router``, ``rserver``, ``address`` (the router's), ``stub`` (a Router stub
     on a channel opened on first use). ``close()`` stops the servers, then the batchers,
@@ -50,12 +50,13 @@ class LocalStack:
         self._channel = None
         self._metrics: list = []
         self.s = settings()
-        self.verifiers, self.batchers, self.vservers, vmetrics = [], [], [], []
+        self.verifiers, self.batchers, self.vservers, self.vsvcs, vmetrics = [], [], [], [], []
         for v in verifiers:
             if isinstance(v, type) or (callable(v) and not hasattr(v, "verify_batch")):
                 v = thread.run(v) if thread is not None else v()  # a factory
             svc, batcher = verifier_service(self.s, v, thread)
             self.verifiers.append(v)
+            self.vsvcs.append(svc)
             self.batchers.append(batcher)
             if metrics:
                 vmetrics.append(self._instrument("verifier", svc))

@@ -58,7 +58,9 @@ class ServeSettings(BaseSettings):
     # batch-invariant on CPU, so greedy speculation equals plain decoding; docs/performance.md)
     dtype: Literal["fp32", "bf16", "int8", "int4"] = "bf16"
     n_slots: int = Field(8, ge=1, description="KV slots of the verifier")
-    max_seq_len: int = Field(2048, ge=16)
+    # the limits below default from the served model's context (serving/limits.py)
+    max_seq_len: Optional[int] = Field(None, ge=16, description="KV positions per slot (verifier, draft LM): the "
+                                       "longest prompt + reply; None = the model's context, at most 8192")
     layerskip_exit: Optional[int] = Field(None, ge=1, description="layer-skip exit layer; None = the calibrated "
                                           "one (specmesh calibrate-layerskip), else 24")
     draft_model: Optional[str] = Field(None, description="draft LM directory for draft_lm (default: derived)")
@@ -84,9 +86,12 @@ class ServeSettings(BaseSettings):
         "shape for every forward (prompts in chunks), so bf16 greedy speculation equals plain decoding")
 
     # ---- limits
-    max_prompt_tokens: int = Field(1536, ge=1)
-    max_new_tokens: int = Field(1024, ge=1, description="upper limit of GenerateRequest.max_new_tokens")
-    default_max_new_tokens: int = Field(256, ge=1)
+    max_prompt_tokens: Optional[int] = Field(None, ge=1, description="limit on prompt tokens; None = all the "
+                                             "context leaves a reply (max_seq_len - 2)")
+    max_new_tokens: Optional[int] = Field(None, ge=1, description="cap on GenerateRequest.max_new_tokens (refused "
+                                          "above it); None = none: a request's is clamped to the context its "
+                                          "prompt leaves")
+    default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens of a request that names none")
     max_sessions_per_client: int = Field(16, ge=1, description="concurrent Generate streams per client")
     max_message_bytes: int = Field(4 * MiB, ge=1024, description="larger requests are INVALID_ARGUMENT")
     max_tree_nodes: int = Field(64, ge=1)
@@ -146,7 +151,9 @@ class ServeSettings(BaseSettings):
 
     # ---- timeouts, retries
     drain_s: float = Field(5.0, ge=0, description="grace period for in-flight calls on SIGTERM")
-    drafter_timeout_s: float = Field(2.0, gt=0)
+    drafter_timeout_s: Optional[float] = Field(
+        None, gt=0, description="router: deadline of one drafter call; None = 2 s, plus for a real draft model "
+        "4x its measured time for the call's tokens (DrafterInfo draft_prefill_ms / draft_token_ms)")
     verifier_timeout_s: float = Field(60.0, gt=0)
     verifier_retry_s: float = Field(15.0, ge=0, description="how long the router retries unreachable verifiers")
     drafter_backoff_s: float = Field(1.0, gt=0, description="first wait before retrying an unhealthy drafter")
@@ -282,11 +289,8 @@ class ServeSettings(BaseSettings):
             p = getattr(self, name)
             if p is not None and not Path(p).is_file():
                 raise ValueError(f"{name}: file {p} does not exist")
-        self.default_max_new_tokens = min(self.default_max_new_tokens, self.max_new_tokens)
         if self.prefill_stall_ratio and self.prefill_stall_ratio < 1:
             raise ValueError(f"prefill_stall_ratio: must be 0 (off) or >= 1, got {self.prefill_stall_ratio}")
-        if self.max_prompt_tokens >= self.max_seq_len:
-            self.max_prompt_tokens = self.max_seq_len - 1
         return self
 
     # ---- derived values

@@ -18,14 +18,19 @@ session's live stats, and say why.
       1.32–1.45x; docs/block-drafter.md), where n-gram drafters find little to copy;
    b. layer-skip if its calibration measured a speedup (untrained: it measured at
       most 0.96x here, so in practice never);
-   c. the draft LM if this session measured one above 1x;
-   d. external suffix — a cheap drafter that drafts only where the text repeats
+   c. the draft LM where the drafter service runs a real draft model
+      (``Features.draft_model``: the target's paired draft model, e.g. Qwen2.5-Coder
+      0.5B for 1.5B, or one it was given) and the drafter service is up: tried on the
+      session's first such request, kept while it measures a speedup (issue 62: on
+      the pair it ran at 28.6 tok/s, τ 5.08, where suffix decoding gave 22.1, τ 1.20);
+   d. the draft LM if this session measured one above 1x;
+   e. external suffix — a cheap drafter that drafts only where the text repeats
       (draft length bounded by the match length).
 
 Then the session's stats overrule: when the chosen (strategy, drafter) has been
 measured in this session at a speedup under ``off_below``, it is switched away —
-the block drafter to the next fresh-text choice (b–d, itself subject to the same
-rule), anything else to autoregressive — and re-tried every ``probe_every``-th
+the block drafter and the real draft model to the next fresh-text choice (itself
+subject to the same rule), anything else to autoregressive — and re-tried every ``probe_every``-th
 request of the session that would have chosen it (requests measured plus requests
 switched away, ``Measured.skipped``), so a changing workload can win it back. A drafter
 unavailable (no drafter service) degrades to self (block drafter, or a calibrated
@@ -78,6 +83,7 @@ class Features:
     layerskip_speedup: Optional[float] = None  # from calibrate-layerskip, None = not calibrated
     block_drafter: bool = False  # the verifier has the trained block drafter (self drafters block, block_tree)
     in_verifier: frozenset = frozenset()  # external drafters the verifiers run themselves (no drafter service needed)
+    draft_model: str = ""  # the real draft model the drafter service runs as draft_lm ("": none, the stand-in)
 
 
 def text_features(text: str) -> dict:
@@ -129,6 +135,11 @@ def _by_features(f: Features, stats: dict[str, Measured]) -> Choice:
         return Choice("self", "layerskip", f"auto: fresh text; layer-skip calibrated at "
                       f"{f.layerskip_speedup:.2f}x -> self")
     lm = stats.get(label("external", "draft_lm"))
+    if f.draft_model and f.drafter_up:
+        why = (f"measured {lm.speedup:.2f}x here" if lm is not None and lm.n else
+               "first try in this session; kept where it measures faster")
+        return Choice("external", "draft_lm", f"auto: fresh text; the drafter service runs the draft model "
+                      f"{f.draft_model} -> draft LM ({why})")
     if lm is not None and lm.n and lm.speedup > 1.0:
         return Choice("external", "draft_lm", f"auto: fresh text; draft LM measured {lm.speedup:.2f}x here")
     ls = "not calibrated" if f.layerskip_speedup is None else f"calibrated at {f.layerskip_speedup:.2f}x"
@@ -152,17 +163,22 @@ def choose(f: Features, stats: Optional[dict[str, Measured]] = None, off_below: 
     from (the caller counts them with ``SessionBook.skip``, so re-probes come round)."""
     stats = stats or {}
     c = _by_features(f, stats)
-    if c.strategy == "self" and c.drafter == BLOCK_SELF:
+    # the fresh-text choices that step aside for the next one where the session measured them slower
+    for chosen, without in ((("self", BLOCK_SELF), {"block_drafter": False}),
+                            (("external", "draft_lm"), {"draft_model": ""})):
+        if (c.strategy, c.drafter) != chosen or (chosen[1] == "draft_lm" and not f.draft_model):
+            continue
         lab = label(c.strategy, c.drafter)
         m = stats.get(lab)
         v = _verdict(m, off_below, probe_every)
         if v == "probe":
-            return Choice(c.strategy, c.drafter, c.reason + f"; re-probing (measured {m.speedup:.2f}x)")
+            return Choice(c.strategy, c.drafter, c.reason + f"; re-probing (measured {m.speedup:.2f}x)",
+                          c.switched_from)
         if v == "off":
-            f = replace(f, block_drafter=False)
-            alt = _by_features(f, stats)
+            f = replace(f, **without)
+            alt = _by_features(f, {k: x for k, x in stats.items() if k != lab})
             c = Choice(alt.strategy, alt.drafter, f"{c.reason}; but it measured {m.speedup:.2f}x in this session "
-                       f"-> {alt.reason.removeprefix('auto: ')}", (lab,))
+                       f"-> {alt.reason.removeprefix('auto: ')}", c.switched_from + (lab,))
     needs_drafter = c.strategy in ("external", "proactive", "ssr")
     if needs_drafter and not f.drafter_up and not (c.strategy == "external" and c.drafter in f.in_verifier):
         if c.strategy == "external" and f.block_drafter:
@@ -253,11 +269,11 @@ class SessionBook:
 
 def features_from(prompt_ids: Sequence[int], text: str, turns: int, reasoning: bool, anticipation_ready: bool,
                   drafter_up: bool, layerskip_speedup: Optional[float], block_drafter: bool = False,
-                  in_verifier: frozenset = frozenset()) -> Features:
+                  in_verifier: frozenset = frozenset(), draft_model: str = "") -> Features:
     return Features(prompt_tokens=len(prompt_ids), turns=turns, reasoning=reasoning,
                     anticipation_ready=anticipation_ready, drafter_up=drafter_up,
                     layerskip_speedup=layerskip_speedup, block_drafter=block_drafter, in_verifier=in_verifier,
-                    **text_features(text))
+                    draft_model=draft_model, **text_features(text))
 
 
 __all__ = ["BLOCK_SELF", "Choice", "Features", "Measured", "SessionBook", "choose", "features_from", "label", "measured_speedup",

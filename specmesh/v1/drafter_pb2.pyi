@@ -140,7 +140,7 @@ class DrafterInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DrafterInfo(_message.Message):
-    __slots__ = ("drafters", "sessions", "session_ids", "max_sessions", "proposals", "vocab_size", "max_tree_nodes", "feature_drafters")
+    __slots__ = ("drafters", "sessions", "session_ids", "max_sessions", "proposals", "vocab_size", "max_tree_nodes", "feature_drafters", "draft_model", "draft_prefill_ms", "draft_token_ms")
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,9 @@ class DrafterInfo(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     drafters: _containers.RepeatedScalarFieldContainer[str]
     sessions: int
     session_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -157,7 +160,10 @@ class DrafterInfo(_message.Message):
     vocab_size: int
     max_tree_nodes: int
     feature_drafters: _containers.RepeatedCompositeFieldContainer[FeatureDrafter]
-    def __init__(self, drafters: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., max_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., feature_drafters: _Optional[_Iterable[_Union[FeatureDrafter, _Mapping]]] = ...) -> None: ...
+    draft_model: str
+    draft_prefill_ms: float
+    draft_token_ms: float
+    def __init__(self, drafters: _Optional[_Iterable[str]] = ..., sessions: _Optional[int] = ..., session_ids: _Optional[_Iterable[str]] = ..., max_sessions: _Optional[int] = ..., proposals: _Optional[int] = ..., vocab_size: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., feature_drafters: _Optional[_Iterable[_Union[FeatureDrafter, _Mapping]]] = ..., draft_model: _Optional[str] = ..., draft_prefill_ms: _Optional[float] = ..., draft_token_ms: _Optional[float] = ...) -> None: ...
 
 class FeatureDrafter(_message.Message):
     __slots__ = ("drafter", "layers", "dim", "context_window")

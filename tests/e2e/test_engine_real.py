@@ -27,6 +27,8 @@ def test_demo_command_runs_every_default_drafter_identically(capsys):
         assert len(re.findall(rf": {name} [0-9.]+ tok/s", out)) == 3, name
     assert out.count(", identical") == 3 * len(drafters)
     assert "peak RSS" in out
+    last = out.rstrip("\n").splitlines()[-2:]  # what tau and speedup mean, and what to try next
+    assert last[0].startswith("tau: ") and last[1].startswith("Next: ") and "specmesh serve" in last[1]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "int8"])

@@ -55,3 +55,18 @@ def test_the_05b_drafts_for_the_15b_through_the_services(stack):
     assert ext.token_ids == ref
     assert ext.stats.fallbacks == 0 and ext.stats.accepted_tokens > 0
     assert "def" in stack.rt.decode(ref)  # the pair writes code: the conversion is sane end to end
+
+
+def test_auto_tries_the_05b_on_fresh_text_by_default(stack):
+    """Issue 62: the drafter service names the 0.5B it loaded (and its measured speed), and a
+    request naming no strategy on fresh text gets the draft LM, with plain decoding's tokens."""
+    from specmesh import Client
+
+    info = stack.drafter_info(timeout=60)
+    assert info.draft_model == DRAFT and info.draft_prefill_ms > 0 and info.draft_token_ms > 0
+    fresh = "Write a short poem about the sea."
+    ref = stack.ref(fresh, N)
+    with Client(stack.address, timeout=600) as c:
+        a = c.generate(fresh, max_new_tokens=N, conversation_id="issue-62")
+    assert (a.stats.strategy, a.stats.drafter) == ("external", "draft_lm"), a.stats.strategy_reason
+    assert DRAFT in a.stats.strategy_reason and a.token_ids == ref

@@ -169,3 +169,56 @@ def test_external_context_drafters_run_in_the_verifiers_that_all_host_them(monke
     assert (r.strategy, r.drafter, r.self_draft) == ("external", None, "suffix")
     no_suffix = rs.Strategies(_router(_Stub(["layerskip"])))
     assert no_suffix.resolve(code, ids, False).strategy == "autoregressive"  # drafter service down, none hosts it
+
+
+class _DrafterStub:
+    """A drafter service's Info: a real draft model, measured (issue 62)."""
+
+    def __init__(self, model="qwen2.5-coder-0.5b-instruct", prefill_ms=2.0, token_ms=25.0):
+        self.model, self.prefill_ms, self.token_ms, self.calls = model, prefill_ms, token_ms, 0
+
+    def Info(self, req, timeout=None, metadata=()):
+        self.calls += 1
+        return SimpleNamespace(feature_drafters=[], draft_model=self.model, draft_prefill_ms=self.prefill_ms,
+                               draft_token_ms=self.token_ms)
+
+
+def test_resolve_auto_tries_the_paired_draft_model_the_drafter_service_runs(monkeypatch):
+    monkeypatch.setattr(rs.Strategies, "layerskip_speedup", lambda self: None)
+    stub = _DrafterStub()
+    peer = SimpleNamespace(address="d", stub=stub, health=SimpleNamespace(available=lambda: True))
+    parts = _router(_Stub(["layerskip"]), drafter=peer)
+    parts.s.drafter_timeout_s = None
+    st = rs.Strategies(parts)
+    ids = list(range(2, 30))
+    fresh = GenerateSpec(prompt="Write a function that merges two sorted lists.", strategy="auto",
+                         conversation_id="c1")
+    r = st.resolve(fresh, ids, False)
+    assert (r.strategy, r.drafter) == ("external", "draft_lm") and "qwen2.5-coder-0.5b-instruct" in r.reason
+    code = GenerateSpec(prompt="Fix this:\n```python\nx = 1\n```", strategy="auto", conversation_id="c1")
+    assert st.resolve(code, ids, False).drafter == "suffix"  # copy cues keep suffix decoding
+    # measured faster in the session: kept; slower: suffix decoding, the switch counted
+    st.book.record("conv:c1", "external:draft_lm", 5.0, 1.4)
+    assert st.resolve(fresh, ids, False).drafter == "draft_lm"
+    st.book.record("conv:c2", "external:draft_lm", 1.1, 0.6)
+    r = st.resolve(GenerateSpec(prompt=fresh.prompt, strategy="auto", conversation_id="c2"), ids, False)
+    assert r.drafter == "suffix" and "0.60x" in r.reason and st.book.get("conv:c2")["external:draft_lm"].skipped == 1
+    assert stub.calls == 1  # the drafter's Info is cached
+    # the stand-in draft LM (no real model): fresh text goes to suffix decoding as before
+    stub.model = ""
+    st2 = rs.Strategies(parts)
+    assert st2.resolve(fresh, ids, False).drafter == "suffix"
+
+
+def test_the_draft_lm_deadline_follows_its_measured_speed():
+    from specmesh.router.adapters import Calls, DraftSpeed, RemoteDrafter
+
+    speed = DraftSpeed(prefill_ms=2.0, token_ms=25.0)
+    # a first Propose of a 2,000-token prompt and 8 draft tokens: 2 + 4 x (4 + 0.2) s
+    assert speed.deadline_s(2.0, 2000, 8) == pytest.approx(2.0 + 4 * (2000 * 2.0 + 8 * 25.0) / 1e3)
+    d = RemoteDrafter(SimpleNamespace(), "draft_lm", Calls(timeout_s=60.0), 2.0, speed=speed)
+    assert d._deadline(2000, 8) == pytest.approx(18.8) and d._deadline(1, 8) == pytest.approx(2.808)
+    assert RemoteDrafter(SimpleNamespace(), "suffix", Calls(timeout_s=60.0), 2.0)._deadline(2000, 8) == 2.0
+    assert d._deadline(100_000, 8) == 60.0  # never past the generation's own deadline
+    assert rs.drafter_timeout(SimpleNamespace(drafter_timeout_s=None)) == rs.DRAFTER_TIMEOUT_S
+    assert rs.drafter_timeout(SimpleNamespace(drafter_timeout_s=30.0)) == 30.0

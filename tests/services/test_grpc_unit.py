@@ -565,21 +565,24 @@ def test_router_bad_requests(cluster):
 def test_cancel_and_deadline_free_the_slot(cluster, strategy):
     from specmesh.client import Client
 
-    v = cluster.verifiers[0]
+    v, servicer = cluster.verifiers[0], cluster.vsvcs[0].servicer
     with Client(cluster.address, timeout=30) as c:
-        v.arm(3)
+        v.arm(3)  # the 3rd forward (a step of the Decode stream the verifier decodes ahead on) waits
         s = c.stream(PROMPT, strategy=strategy, max_new_tokens=60)
         it = iter(s)
         next(it)
         assert v.reached.wait(10)
         assert len(cluster.verifier_info().sessions) == 1
-        forwards = cluster.verifier_info().forwards
+        forwards, abandoned = cluster.verifier_info().forwards, servicer.decode_abandoned
         s.cancel()
-        time.sleep(0.1)
+        # the router cancels the Decode stream as soon as its caller cancels (not when the step in flight
+        # returns): the verifier learns it while the step still waits, so no step follows it (no timing:
+        # the order is cancel -> the verifier knows -> the step ends)
+        assert wait_for(lambda: servicer.decode_abandoned == abandoned + 1), "the Decode stream must be cancelled"
         v.resume.set()
         assert wait_for(lambda: len(cluster.verifier_info().sessions) == 0), "cancel must free the KV slot"
         assert wait_for(lambda: cluster.drafter_info().sessions == 0)
-        assert cluster.verifier_info().forwards - forwards <= 2  # stopped, not run to the end
+        assert cluster.verifier_info().forwards - forwards == 1  # the step in flight, then stopped
         # an expired deadline frees it too
         v.arm(3)
         s = c.stream(PROMPT, strategy=strategy, max_new_tokens=60, timeout=1.0)

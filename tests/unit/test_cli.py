@@ -41,13 +41,105 @@ def test_generate_and_serve_flags_have_help_and_state_their_limits():
     g = _help_of(ap, "generate")
     for flag in ("--address", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--json"):
         assert g[flag], flag
-    assert "1024" in g["--max-new-tokens"]
+    assert "clamped" in g["--max-new-tokens"] and "--max-new-tokens-limit" in g["--max-new-tokens"]
     gen = ap._subparsers._group_actions[0].choices["generate"]
     prompt = next(a for a in gen._actions if a.dest == "prompt")
-    assert "1536" in prompt.help  # the prompt limit, not only in the error
+    assert "--max-prompt-tokens" in prompt.help  # the prompt limit, not only in the error
     s = _help_of(ap, "serve")
-    assert s["--log-level"] and "1536" in s["--max-prompt-tokens"]
+    assert s["--log-level"] and "max-seq-len" in s["--max-prompt-tokens"] and "model's context" in s["--max-seq-len"]
     assert "auto" in s["--default-strategy"] and "refused" in s["--port"]
+
+
+def _sub(ap, cmd: str):
+    return ap._subparsers._group_actions[0].choices[cmd]
+
+
+def test_serve_help_is_grouped_by_service_with_every_default_as_its_value():
+    from specmesh.cli.helpfmt import show
+    from specmesh.cli.serve import GROUPS
+    from specmesh.serving.settings import ServeSettings
+
+    p = _sub(build_parser(), "serve")
+    text = p.format_help()
+    titles = [g.title for g in p._action_groups]
+    assert all(t in titles for t in GROUPS)
+    sections = {t: text[text.index(f"\n{t}:\n"):] for t in GROUPS}
+    for t, body in sections.items():  # each section up to the next
+        nxt = [body.index(f"\n{u}:\n", 1) for u in GROUPS if f"\n{u}:\n" in body[1:]]
+        sections[t] = body[: min(nxt)] if nxt else body
+    where = {"--n-slots": "verifier", "--max-seq-len": "verifier", "--batch-window-ms": "verifier",
+             "--max-batch": "verifier", "--draft-model": "drafter", "--drafter-timeout-s": "router",
+             "--max-prompt-tokens": "router", "--max-new-tokens-limit": "router", "--default-strategy": "router",
+             "--http-port": "OpenAI front", "--router-addresses": "OpenAI front", "--model": "common",
+             "--dtype": "common"}
+    for flag, group in where.items():
+        assert f"  {flag} " in sections[group], (flag, group)
+    fields = ServeSettings.model_fields
+    for a in p._actions:
+        if a.dest not in fields or not a.option_strings:
+            continue
+        flag, default = a.option_strings[0], fields[a.dest].get_default(call_default_factory=True)
+        line = " ".join(text[text.index(f"  {flag} "):].split("\n  --")[0].split())
+        env = f"SPECMESH_{a.dest.upper()}"
+        assert env in line, flag
+        if default is None:
+            assert "unset" in line, f"{flag}: say what unset means"
+        else:
+            assert f"default: {show(default)}; {env}" in line, (flag, line)
+        # the value is named after the flag (--max-new-tokens-limit MAX_NEW_TOKENS_LIMIT, not MAX_NEW_TOKENS)
+        assert a.metavar or f"{flag} {flag[2:].upper().replace('-', '_')}" in text, flag
+    assert "default: off; SPECMESH_DRAFT_AHEAD" in text  # not a Python name (issue 62)
+
+
+def test_no_help_shows_a_python_name_and_every_default_is_shown():
+    import argparse
+    import re
+
+    ap = build_parser()
+    for name, p in ap._subparsers._group_actions[0].choices.items():
+        text = p.format_help()
+        usage = p.format_usage()
+        names = set(re.findall(r"specmesh\.[a-z_]+\.[\w.]+|\bNone\b|\bTrue\b|\bFalse\b|object at 0x|"
+                               r"[A-Z]{3,}_[A-Z_]{3,}", text))
+        names -= set(re.findall(r"[A-Z]{3,}_[A-Z_]+", usage))  # the value names
+        names = {n for n in names if not n.startswith("SPECMESH_") and n != "INVALID_ARGUMENT"}
+        assert not names, (name, names)
+        for a in p._actions:
+            if (a.option_strings and a.default not in (None, False, argparse.SUPPRESS) and a.help != argparse.SUPPRESS
+                    and a.nargs != 0 and not isinstance(a, (argparse._AppendAction, argparse._HelpAction))):
+                flag = a.option_strings[-1]
+                line = text[text.index(f"  {a.option_strings[0]}"):].split("\n  -")[0].lower()
+                assert "default" in line, (name, flag)
+
+
+def test_the_command_list_matches_the_modules_and_needs_none_of_them():
+    """`specmesh --help` lists COMMANDS without importing a module; the table says what
+    each module registers; building one command's parser (its --help, an argument error)
+    imports neither torch nor grpc."""
+    import subprocess
+    import sys
+
+    from specmesh.cli import COMMANDS
+
+    sub = build_parser()._subparsers._group_actions[0]
+    assert set(sub.choices) == set(COMMANDS)
+    assert build_parser(["--help"]).command_helps == {c: h for c, (_, h) in COMMANDS.items()}
+    code = ("import sys, json; from specmesh.cli import build_parser, COMMANDS\n"
+            "helps, heavy = {}, {}\n"
+            "for c in COMMANDS:\n"
+            "    ap = build_parser([c, '--bogus'])\n"
+            "    helps[c] = ap.command_helps[c]\n"
+            "    heavy[c] = [m for m in ('torch', 'grpc', 'transformers', 'numpy', 'pydantic') if m in sys.modules]\n"
+            "ap = build_parser(['--help'])\n"
+            "print(json.dumps({'helps': helps, 'heavy': heavy}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    out = json.loads(r.stdout)
+    for c, (mod, hlp) in COMMANDS.items():
+        assert out["helps"][c] == hlp, c  # the module registers the help the list shows
+        assert out["heavy"][c] == [], (c, out["heavy"][c])
 
 
 def test_serve_default_strategy_flag_parses_and_reaches_the_settings(monkeypatch):

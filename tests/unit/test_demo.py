@@ -67,6 +67,26 @@ def test_fastest_pass_in_rotation_and_a_speedup_tau_cannot_explain(monkeypatch, 
     assert "3.00x" in out and "2.00x" in out
     assert out.count("WARNING") == len(demo.PROMPTS) and "busy measured 3.00x plain with tau 1.00" in out
     assert "good measured" not in out and "fastest of 2 passes" in out
+    # it ends with two lines: what tau and the speedup column mean, and the next command to try
+    last = out.rstrip("\n").splitlines()[-2:]
+    assert last == demo.closing_lines("fake", "fp32", 2)
+    assert last[0].startswith("tau: tokens per forward") and "speedup: tok/s over plain decoding" in last[0]
+    assert last[1].startswith("Next: ") and "`specmesh serve --model fake --dtype fp32`" in last[1]
+
+
+def test_the_next_command_is_one_the_cli_takes():
+    import re
+    import shlex
+
+    from specmesh.cli import build_parser
+
+    for model, dtype in (("smollm2-135m-instruct", "bf16"), ("qwen2.5-coder-1.5b-instruct", "int4")):
+        cmds = re.findall(r"`(specmesh [^`]+)`", demo.closing_lines(model, dtype, 2)[1])
+        assert [c.split()[1] for c in cmds] == ["serve", "generate"]
+        for c in cmds:
+            argv = shlex.split(c)[1:]
+            build_parser(argv).parse_args(argv)  # parses: no typo in what a new user copies
+        assert ("--model" in cmds[0]) == (model != "smollm2-135m-instruct")
 
 
 def test_bad_repeats_is_refused_before_the_model_loads(monkeypatch):

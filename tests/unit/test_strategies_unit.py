@@ -119,6 +119,48 @@ def test_auto_switches_the_block_tree_away_where_it_does_not_pay_and_reprobes():
     assert seen == ["suffix", "suffix", "suffix", "block_tree", "suffix", "suffix", "suffix", "block_tree"]
 
 
+def test_auto_tries_a_real_draft_model_on_fresh_text_and_keeps_it_where_it_pays():
+    """Issue 62: where the drafter service runs a real draft model (the target's paired one),
+    fresh text gets the draft LM first; the session's measurement then keeps it (faster) or
+    switches to the next fresh-text choice (slower), re-probed every probe_every-th request."""
+    F = auto.Features
+    pair = F(draft_model="qwen2.5-coder-0.5b-instruct")
+    c = auto.choose(pair)
+    assert (c.strategy, c.drafter) == ("external", "draft_lm") and "qwen2.5-coder-0.5b-instruct" in c.reason
+    assert "first try" in c.reason
+    # without a real draft model (the stand-in), nothing changes: suffix decoding on fresh text
+    assert auto.choose(F()).drafter == "suffix"
+    # measured faster: kept
+    c = auto.choose(pair, {"external:draft_lm": auto.Measured(speedup=1.4, n=1)})
+    assert c.drafter == "draft_lm" and "1.40x" in c.reason
+    # measured slower: the next fresh-text choice, the switch counted
+    slow = {"external:draft_lm": auto.Measured(speedup=0.7, n=1)}
+    c = auto.choose(pair, slow)
+    assert (c.strategy, c.drafter) == ("external", "suffix") and "0.70x" in c.reason
+    assert c.switched_from == ("external:draft_lm",)
+    book = auto.SessionBook()
+    book.record("s", "external:draft_lm", 1.5, 0.7)
+    seen = []
+    for _ in range(8):
+        c = auto.choose(pair, book.get("s"))
+        seen.append(c.drafter)
+        if c.switched_from:
+            book.skip("s", c.switched_from)
+        elif c.drafter == "draft_lm":
+            book.record("s", "external:draft_lm", 1.5, 0.7)  # re-probed and still slow
+    assert seen == ["suffix", "suffix", "suffix", "draft_lm", "suffix", "suffix", "suffix", "draft_lm"]
+    # copy cues, long conversations, the block drafter and a down drafter service keep their choices
+    assert auto.choose(F(draft_model="d", code_block=True)).drafter == "suffix"
+    assert auto.choose(F(draft_model="d", turns=4)).drafter == "suffix"
+    assert auto.choose(F(draft_model="d", block_drafter=True)).drafter == "block_tree"
+    c = auto.choose(F(draft_model="d", drafter_up=False, in_verifier=frozenset({"suffix"})))
+    assert (c.strategy, c.drafter) == ("external", "suffix")  # drafted in the verifier: no drafter service needed
+    # the block tree measured slow: the draft model is the next fresh-text choice
+    c = auto.choose(F(draft_model="d", block_drafter=True), {"self:block_tree": auto.Measured(speedup=0.8, n=1)})
+    assert c.drafter == "draft_lm" and c.switched_from == ("self:block_tree",)
+    assert auto.features_from([1], "Write a poem.", 1, False, False, True, None, draft_model="d").draft_model == "d"
+
+
 def test_auto_reprobes_a_switched_off_choice_every_probe_every_requests():
     F = auto.Features(code_block=True)
     book = auto.SessionBook()

@@ -32,8 +32,6 @@ from typing import Optional
 
 from ...drafters import registry
 from ...types import InvalidArgument
-from .harness import faster, rotated
-from .systems import OVERLAP_SUFFIXES
 from .sweep import Services, _free_port
 
 PATHS = ("in_process", "serve", "http")
@@ -65,6 +63,8 @@ def add_arguments(p) -> None:
 
 def systems_of(text: str) -> list[dict]:
     """``ar,block_tree,suffix`` -> the in-process name and the served strategy of each."""
+    from .systems import OVERLAP_SUFFIXES  # imports torch: not at module level (`specmesh --help` stays fast)
+
     out = []
     for name in (x.strip() for x in str(text).split(",")):
         if not name:
@@ -160,6 +160,7 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 def run_bench(args) -> dict:
     from ... import workloads as wl
     from ...runtime import Runtime
+    from .harness import faster, rotated
 
     if args.repeats < 1:
         raise InvalidArgument("repeats", f"must be at least 1, got {args.repeats}")
