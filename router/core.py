@@ -389,9 +389,9 @@ class Router:
         reasoning = spec.reasoning or spec.strategy == "ssr"
         self._check_processors(spec, reasoning)
         ids = self._prompt_ids(spec, reasoning)
-        # more than the prompt leaves of the context: clamped to it (finish reason "length" there), as
-        # OpenAI-compatible servers do (serving/limits.py)
-        n = self.limits.new_tokens(n, len(ids))
+        # more than the prompt leaves of the context: refused where the request named it (as OpenAI
+        # and vLLM refuse it), the default cut to it (finish reason "length" there): serving/limits.py
+        n = self.limits.new_tokens(n, len(ids), requested=spec.max_new_tokens is not None)
         strategy, reason, drafter, self_draft = self._strategy(spec, ids, reasoning)
         messages = spec.messages or ([{"role": "user", "content": spec.prompt}] if not spec.raw_prompt else None)
         resume = self._resume(spec, n)

@@ -86,7 +86,7 @@ _FLAGS = [
     ("--max-prompt-tokens", "max_prompt_tokens", int, "limit on prompt tokens, after the chat template; a longer "
      "prompt is INVALID_ARGUMENT / HTTP 400 (unset: what the context leaves a reply, max-seq-len - 2)"),
     ("--max-new-tokens-limit", "max_new_tokens", int, "cap on a request's max_new_tokens, refused above it "
-     "(unset: none; a request's is clamped to what its prompt leaves of the context)"),
+     "(unset: none but the context: a request for more than its prompt leaves is refused)"),
     ("--default-strategy", "default_strategy", str, "the strategy of requests that name none: auto | "
      "autoregressive | external | self | proactive | ssr"),
     ("--default-drafter", "default_drafter", str, "the drafter of external requests that name none"),
@@ -244,8 +244,9 @@ def register(sub) -> None:
                    + "; self: " + " | ".join(registry.SELF) + " (default: the strategy's). "
                    + registry.DRAFT_LM_NOTE.replace("%", "%%"))
     r.add_argument("--max-new-tokens", type=int, default=None,
-                   help="tokens to generate at most (default: the router's, 256; more than the prompt leaves of "
-                        "the context is clamped to it, unless the router sets --max-new-tokens-limit)")
+                   help="tokens to generate at most (default: the router's, 256, cut to what the prompt leaves of "
+                        "the context; more than that is refused, as is more than the router's "
+                        "--max-new-tokens-limit)")
     r.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string, repeatable: the output ends just before the first one")
     r.add_argument("--raw", action="store_true", help="no chat template")

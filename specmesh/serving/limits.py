@@ -12,11 +12,12 @@ directory carries from the GGUF's context length) into ``Limits``:
 - ``max_prompt_tokens``: the setting, else all the context leaves a reply of at least one
   token (``max_seq_len`` - 2); never more than that.
 - ``max_new_tokens``: the operator's cap on a request's ``max_new_tokens`` (a request
-  above it is refused); None (the default): no cap but the context, and a request's
-  ``max_new_tokens`` larger than what its prompt leaves of the context is clamped to it
-  (``new_tokens``), as vLLM's OpenAI server does (``get_max_tokens``: the least of the
-  request's ``max_tokens`` and the context left) and llama.cpp's stops at a full context;
-  the reply then ends with finish reason ``length``.
+  above it is refused); None (the default): no cap but the context. A request that names
+  a ``max_new_tokens`` larger than what its prompt leaves of the context is refused
+  (``new_tokens``), as OpenAI's API and vLLM's server refuse it (a 400 saying how many
+  tokens the context holds and how many were asked for); a request that names none gets
+  the server's default, cut to what the prompt leaves (the reply then ends with finish
+  reason ``length``).
 
 A refusal is an ``InvalidArgument`` naming the request's field, the limit and the
 setting that raises it, as its flag and its environment variable (``hint``). Nothing here
@@ -91,15 +92,21 @@ class Limits:
                                   f"with {setting('max_new_tokens')}, or leave it unset: a request is then "
                                   f"limited by the context it leaves)")
 
-    def new_tokens(self, n: int, prompt_tokens: int, field: str = "max_new_tokens") -> int:
-        """The tokens a request of ``prompt_tokens`` may generate when it asked for ``n``:
-        ``n`` clamped to what the prompt leaves of the context (the KV holds prompt + reply,
-        plus one position of slack); a prompt that leaves no room is refused."""
+    def new_tokens(self, n: int, prompt_tokens: int, field: str = "max_new_tokens", requested: bool = True) -> int:
+        """The tokens a request of ``prompt_tokens`` may generate for ``n``. The KV holds
+        prompt + reply plus one position of slack; a prompt that leaves no room is refused.
+        ``requested`` (the request named ``n``): more than the prompt leaves is refused,
+        naming ``field``, the context and the setting that raises it; else (the server's
+        default) ``n`` is cut to what the prompt leaves."""
         self.check_requested(n, field)
         room = self.max_seq_len - prompt_tokens - 1
         if room < 1:
             raise InvalidArgument("prompt", f"{prompt_tokens} tokens leave no room for a reply in the context of "
                                   f"{self.max_seq_len} tokens ({self._seq_hint()})")
+        if n > room and requested:
+            raise InvalidArgument(field, f"{n} new tokens after a prompt of {prompt_tokens} exceed the context of "
+                                  f"{self.max_seq_len} tokens: at most {room} fit (ask for fewer, or leave it unset "
+                                  f"for the rest of the context up to the default; the context is {self._seq_hint()})")
         return min(n, room)
 
 

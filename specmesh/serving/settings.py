@@ -89,8 +89,8 @@ class ServeSettings(BaseSettings):
     max_prompt_tokens: Optional[int] = Field(None, ge=1, description="limit on prompt tokens; None = all the "
                                              "context leaves a reply (max_seq_len - 2)")
     max_new_tokens: Optional[int] = Field(None, ge=1, description="cap on GenerateRequest.max_new_tokens (refused "
-                                          "above it); None = none: a request's is clamped to the context its "
-                                          "prompt leaves")
+                                          "above it); None = none but the context: a request for more than "
+                                          "its prompt leaves is refused")
     default_max_new_tokens: int = Field(256, ge=1, description="max_new_tokens of a request that names none")
     max_sessions_per_client: int = Field(16, ge=1, description="concurrent Generate streams per client")
     max_message_bytes: int = Field(4 * MiB, ge=1024, description="larger requests are INVALID_ARGUMENT")

@@ -41,7 +41,7 @@ def test_generate_and_serve_flags_have_help_and_state_their_limits():
     g = _help_of(ap, "generate")
     for flag in ("--address", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--json"):
         assert g[flag], flag
-    assert "clamped" in g["--max-new-tokens"] and "--max-new-tokens-limit" in g["--max-new-tokens"]
+    assert "refused" in g["--max-new-tokens"] and "--max-new-tokens-limit" in g["--max-new-tokens"]
     gen = ap._subparsers._group_actions[0].choices["generate"]
     prompt = next(a for a in gen._actions if a.dest == "prompt")
     assert "--max-prompt-tokens" in prompt.help  # the prompt limit, not only in the error

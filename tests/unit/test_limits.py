@@ -1,7 +1,8 @@
 """The request limits default from the served model's context (issue 62,
 ``specmesh.serving.limits``): the KV positions of a slot from the model's context
 (capped by default), the prompt limit from those, no cap on ``max_new_tokens`` but
-the context (a request over it is clamped to what its prompt leaves); every refusal
+the context (a request naming more than its prompt leaves is refused, the default cut
+to it); every refusal
 names the field, the limit and the setting that raises it (flag and environment
 variable), and each named setting is one ``specmesh serve`` parses. The context is
 read from the model's config, which a GGUF's cache directory carries from the GGUF.
@@ -34,7 +35,13 @@ def test_limits_default_from_the_models_context():
     # the issue's requests: a 2,120-token system prompt, then max_tokens 4096 as many clients send
     qwen.check_prompt(2120)
     assert qwen.new_tokens(4096, 2120) == 4096
-    assert resolve(load_settings(max_seq_len=4096), 32768).new_tokens(4096, 2120) == 4096 - 2120 - 1  # clamped
+    small_kv = resolve(load_settings(max_seq_len=4096), 32768)
+    with pytest.raises(InvalidArgument) as e:  # asked for more than the prompt leaves: refused, saying how many fit
+        small_kv.new_tokens(4096, 2120)
+    assert e.value.field == "max_new_tokens"
+    for part in ("4096", "2120", str(4096 - 2120 - 1), "context of 4096", "--max-seq-len", "SPECMESH_MAX_SEQ_LEN"):
+        assert part in str(e.value), part
+    assert small_kv.new_tokens(4096, 2120, requested=False) == 4096 - 2120 - 1  # the default: cut to fit
     assert qwen.new_tokens(256, 2120) == 256
 
 
