@@ -10,14 +10,18 @@ greedy and sampled (seeded), the schema's prompt is sent as a chat with the sche
 structured output (``Client.generate(json_schema=...)``) to a router + drafter service +
 verifier service in this process, on loopback (``specmesh.cli.bench.strategies.Services``:
 what ``specmesh serve`` runs, in one process). Every output is validated with the
-``jsonschema`` package (Draft 2020-12 with format checks, date-time added), and greedy
-outputs are compared with plain decoding's (lossless: they must be identical).
+``jsonschema`` package (Draft 2020-12 with that draft's format checks, RFC 3339 time and
+date-time added), and greedy outputs are compared with plain decoding's (lossless: they
+must be identical).
 
-Prints a table (valid / total per strategy and mode, outputs cut at ``--max-tokens``,
-greedy outputs identical to plain decoding, forced tokens) and writes every output with its
-verdict to ``--out`` (JSON). An output cut by the token limit counts as invalid (it is not
-JSON); the table shows how many were cut. Run under the CPU lock:
-``flock -s /tmp/specmesh-cpu.lock .venv/bin/python scripts/schema_suite.py``.
+Prints a table (valid / total per strategy and mode, outputs cut at ``--max-tokens``, valid
+of the completed ones, greedy outputs identical to plain decoding, forced tokens) and
+writes every output with its verdict to ``--out`` (JSON). An output cut by the token limit
+counts as invalid (it is not JSON); the grammar cannot make a model close what it keeps
+extending (digits of a number, a free object's keys). ``--recheck RESULT`` validates a
+saved result again (and generates its errored rows again). Exit status 0 when every
+completed output is valid. Run under the CPU lock (~40 min for 1220 generations on 2
+shared cores): ``flock -s /tmp/specmesh-cpu.lock .venv/bin/python scripts/schema_suite.py``.
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ import json
 import re
 import sys
 import time
-from datetime import datetime
+from datetime import date
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITE = ROOT / "tests" / "data" / "json_schemas.json"
 SYSTEM = "You answer with JSON only."
-RFC3339 = re.compile(r"^\d{4}-\d{2}-\d{2}[Tt ]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})$")
+# RFC 3339 full-time (JSON Schema's "time") and date-time; jsonschema checks them only with the
+# rfc3339-validator package installed, so they are checked here
+TIME = re.compile(r"^(\d{2}):(\d{2}):(\d{2})(\.\d+)?([Zz]|[+-](\d{2}):(\d{2}))$")
 # left out of the default list: ssr (reasoning: refuses grammars) and proactive (drafts from a
 # conversation's anticipation cache, which a one-shot request has not got)
 SKIP = ("ssr", "proactive")
@@ -44,22 +50,33 @@ def load_suite(path: Path = SUITE) -> list[dict]:
     return json.loads(Path(path).read_text())["schemas"]
 
 
+def _time(s) -> bool:
+    m = TIME.match(s) if isinstance(s, str) else None
+    if m is None:
+        return False
+    h, mi, sec, oh, om = (int(x) if x else 0 for x in (m[1], m[2], m[3], m[6], m[7]))
+    return h <= 23 and mi <= 59 and sec <= 60 and oh <= 23 and om <= 59
+
+
 def _date_time(s) -> bool:
-    if not isinstance(s, str) or not RFC3339.match(s):
+    if not isinstance(s, str) or len(s) < 11 or s[10] not in "Tt":
         return False
     try:
-        datetime.fromisoformat(s.replace("Z", "+00:00").replace("z", "+00:00").replace("t", "T"))
+        date.fromisoformat(s[:10])
     except ValueError:
         return False
-    return True
+    return _time(s[11:])
 
 
 def validator(schema: dict):
-    """A Draft 2020-12 validator of ``schema`` checking formats (jsonschema's, plus RFC 3339 date-time)."""
+    """A Draft 2020-12 validator of ``schema`` checking formats (that draft's checks, plus RFC 3339
+    time and date-time)."""
     import jsonschema
 
-    fc = jsonschema.FormatChecker()
+    fc = jsonschema.FormatChecker(())
+    fc.checkers = dict(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers)
     fc.checks("date-time")(_date_time)
+    fc.checks("time")(_time)
     return jsonschema.Draft202012Validator(schema, format_checker=fc)
 
 
@@ -99,29 +116,35 @@ def label(case: tuple[str, str]) -> str:
     return case[0] + (f":{case[1]}" if case[1] else "")
 
 
+def generate(client, entry: dict, case: tuple[str, str], mode: str, max_tokens: int, seed: int) -> dict:
+    """One generation of the suite, validated: a row of the result."""
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": entry["prompt"]}]
+    kw = dict(temperature=0.0) if mode == "greedy" else dict(temperature=1.0, seed=seed)
+    row = dict(schema=entry["name"], strategy=label(case), mode=mode)
+    t0 = time.perf_counter()
+    try:
+        r = client.generate(messages=messages, json_schema=entry["schema"], strategy=case[0], drafter=case[1],
+                            max_new_tokens=max_tokens, **kw)
+    except Exception as e:  # noqa: BLE001 - a refusal is a result of the suite too
+        return dict(row, valid=False, why=f"refused: {e}", text="", finish="error", tokens=0, forced=0, actual="")
+    ok, why = check_output(r.text, entry["schema"])
+    return dict(row, valid=ok, why=why, text=r.text, finish=r.finish_reason, tokens=len(r.token_ids),
+                forced=r.stats.forced_tokens, actual=f"{r.stats.strategy}:{r.stats.drafter}",
+                seconds=round(time.perf_counter() - t0, 3))
+
+
 def run(client, suite, cases, modes, max_tokens: int, seed: int, progress) -> list[dict]:
     rows = []
     for entry in suite:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": entry["prompt"]}]
         for mode in modes:
             for case in cases:
-                kw = dict(temperature=0.0) if mode == "greedy" else dict(temperature=1.0, seed=seed)
-                t0 = time.perf_counter()
-                try:
-                    r = client.generate(messages=messages, json_schema=entry["schema"], strategy=case[0],
-                                        drafter=case[1], max_new_tokens=max_tokens, **kw)
-                except Exception as e:  # noqa: BLE001 - a refusal is a result of the suite too
-                    rows.append(dict(schema=entry["name"], strategy=label(case), mode=mode, valid=False,
-                                     why=f"refused: {e}", text="", finish="error", tokens=0, forced=0,
-                                     actual=""))
-                    progress()
-                    continue
-                ok, why = check_output(r.text, entry["schema"])
-                rows.append(dict(schema=entry["name"], strategy=label(case), mode=mode, valid=ok, why=why,
-                                 text=r.text, finish=r.finish_reason, tokens=len(r.token_ids),
-                                 forced=r.stats.forced_tokens, actual=f"{r.stats.strategy}:{r.stats.drafter}",
-                                 seconds=round(time.perf_counter() - t0, 3)))
+                rows.append(generate(client, entry, case, mode, max_tokens, seed))
                 progress()
+    return compare(rows)
+
+
+def compare(rows: list[dict]) -> list[dict]:
+    """Mark each greedy row with whether it is plain decoding's output of the same schema."""
     plain = {(x["schema"]): x["text"] for x in rows if x["mode"] == "greedy" and x["strategy"] == "autoregressive"}
     for x in rows:
         if x["mode"] == "greedy" and x["schema"] in plain:
@@ -144,6 +167,71 @@ def summary(rows: list[dict]) -> list[dict]:
     return list(out.values())
 
 
+def services(model: str, dtype: str):
+    from specmesh.cli.bench.strategies import Services
+
+    print(f"loading {model} {dtype} behind a router, a drafter service and a verifier service ...", file=sys.stderr)
+    return Services(model, dtype, slots=2, max_seq_len=1024)
+
+
+def recheck(path: Path, suite: list[dict]) -> dict:
+    """A saved result validated again with this validator; rows that ended in an error
+    (a deadline, a lost peer) generated again."""
+    from specmesh import Client
+
+    res = json.loads(path.read_text())
+    by_name = {e["name"]: e for e in suite}
+    for x in res["rows"]:
+        if x["finish"] != "error":
+            x["valid"], x["why"] = check_output(x["text"], by_name[x["schema"]]["schema"])
+    errors = [k for k, x in enumerate(res["rows"]) if x["finish"] == "error"]
+    if errors:
+        stack = services(res["model"], res["dtype"])
+        try:
+            with Client(stack.address, timeout=600) as c:
+                for k in errors:
+                    x = res["rows"][k]
+                    case = tuple((x["strategy"] + ":").split(":")[:2])
+                    res["rows"][k] = generate(c, by_name[x["schema"]], case, x["mode"], res["max_tokens"],
+                                              res["seed"])
+                    print(f"generated again: {x['schema']} {x['strategy']} {x['mode']} (was: {x['why']})",
+                          file=sys.stderr)
+        finally:
+            stack.close()
+    compare(res["rows"])
+    return res
+
+
+def report(res: dict, out: Path) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = res["rows"]
+    lines = summary(rows)
+    t = Table(title=f"JSON-schema suite: {res['schemas']} schemas, {res['model']} {res['dtype']} through the services "
+                    f"(max {res['max_tokens']} tokens; sampled: temperature 1, seed {res['seed']})")
+    for col in ("strategy", "mode", "valid", "valid %", "cut at limit", "valid of completed", "greedy = plain",
+                "forced / tokens"):
+        t.add_column(col)
+    for s in lines:
+        done = s["total"] - s["cut"]
+        t.add_row(s["strategy"], s["mode"], f"{s['valid']}/{s['total']}", f"{100 * s['valid'] / s['total']:.1f}",
+                  str(s["cut"]), f"{s['valid']}/{done}", f"{s['same']}/{s['total']}" if s["mode"] == "greedy" else "-",
+                  f"{s['forced']}/{s['tokens']}")
+    Console(width=160).print(t)
+    valid, total = sum(s["valid"] for s in lines), sum(s["total"] for s in lines)
+    cut = sum(s["cut"] for s in lines)
+    for x in [x for x in rows if not x["valid"]][:30]:
+        print(f"  invalid: {x['schema']} {x['strategy']} {x['mode']} ({x['finish']}): {x['why']} :: {x['text'][:100]!r}")
+    print(f"valid {valid}/{total} = {100 * valid / max(1, total):.1f}%; {cut} cut at the token limit; valid of the "
+          f"completed outputs {valid}/{total - cut} = {100 * valid / max(1, total - cut):.1f}%")
+    res.update(valid=valid, total=total, cut=cut, summary=lines)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1, ensure_ascii=False))
+    print(f"wrote {out}")
+    return 0 if valid == total - cut else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -155,21 +243,20 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="bench-out/schema_suite.json")
+    ap.add_argument("--recheck", metavar="RESULT", help="validate a saved result (--out of an earlier run) again and "
+                    "generate its rows that ended in an error again; writes --out")
     args = ap.parse_args(argv)
 
-    from rich.console import Console
-    from rich.table import Table
     from tqdm import tqdm
 
     from specmesh import Client
-    from specmesh.cli.bench.strategies import Services
 
     suite = load_suite(Path(args.suite))
+    if args.recheck:
+        return report(recheck(Path(args.recheck), suite), Path(args.out))
     if args.schemas:
         suite = [e for e in suite if e["name"] in set(args.schemas)]
-    print(f"loading {args.model} {args.dtype} behind a router, a drafter service and a verifier service ...",
-          file=sys.stderr)
-    stack = Services(args.model, args.dtype, slots=2, max_seq_len=1024)
+    stack = services(args.model, args.dtype)
     try:
         with Client(stack.address, timeout=600) as c:
             cases = strategy_cases(c, args.strategies)
@@ -181,29 +268,9 @@ def main(argv=None) -> int:
             wall = time.perf_counter() - t0
     finally:
         stack.close()
-    lines = summary(rows)
-    t = Table(title=f"JSON-schema suite: {len(suite)} schemas, {args.model} {args.dtype} through the services "
-                    f"(max {args.max_tokens} tokens; sampled: temperature 1, seed {args.seed})")
-    for col in ("strategy", "mode", "valid", "valid %", "cut at limit", "greedy = plain", "forced / tokens"):
-        t.add_column(col)
-    for s in lines:
-        t.add_row(s["strategy"], s["mode"], f"{s['valid']}/{s['total']}", f"{100 * s['valid'] / s['total']:.1f}",
-                  str(s["cut"]), f"{s['same']}/{s['total']}" if s["mode"] == "greedy" else "-",
-                  f"{s['forced']}/{s['tokens']}")
-    Console(width=150).print(t)
-    valid, total = sum(s["valid"] for s in lines), sum(s["total"] for s in lines)
-    bad = [x for x in rows if not x["valid"]]
-    for x in bad[:20]:
-        print(f"  invalid: {x['schema']} {x['strategy']} {x['mode']} ({x['finish']}): {x['why']} :: {x['text'][:120]!r}")
-    print(f"valid {valid}/{total} = {100 * valid / max(1, total):.1f}% ({wall:.0f} s)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, seed=args.seed,
-                                   schemas=len(suite), strategies=[label(c) for c in cases], modes=args.modes,
-                                   valid=valid, total=total, wall_s=round(wall, 1), summary=lines, rows=rows),
-                              indent=1, ensure_ascii=False))
-    print(f"wrote {out}")
-    return 0 if valid == total else 1
+    res = dict(model=args.model, dtype=args.dtype, max_tokens=args.max_tokens, seed=args.seed, schemas=len(suite),
+               strategies=[label(c) for c in cases], modes=args.modes, wall_s=round(wall, 1), rows=rows)
+    return report(res, Path(args.out))
 
 
 if __name__ == "__main__":

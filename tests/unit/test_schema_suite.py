@@ -68,6 +68,11 @@ def test_the_validator_tells_valid_outputs_from_invalid_ones():
     assert not SS.check_output('{"zip":"1234","street":"a","city":"b"}', BY_NAME["address"]["schema"])[0]  # pattern
     assert not SS.check_output('{"eggs":13}', BY_NAME["multiple_of"]["schema"])[0]
     assert not SS.check_output('{"ip":"300.1.1.1","port":80}', BY_NAME["host"]["schema"])[0]  # format ipv4
+    t = BY_NAME["time_slot"]["schema"]  # RFC 3339 full-time: an offset is part of it
+    assert SS.check_output('{"topic":"x","start":"20:00:00-23:00"}', t)[0]
+    assert SS.check_output('{"topic":"x","start":"09:30:00.5Z"}', t)[0]
+    for bad in ("20:00:00", "25:00:00Z", "20:00Z"):
+        assert not SS.check_output('{"topic":"x","start":"%s"}' % bad, t)[0], bad
 
 
 SUBSET = ["person", "order", "shape_any", "directions", "http_request", "tuple"]
