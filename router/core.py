@@ -153,6 +153,7 @@ class Plan:
     budget_pinned: bool = False  # the request set draft_budget: every round drafts ``budget``
     prediction: tuple[int, ...] = ()  # predicted output tokens (drafted through a lookup drafter)
     parse_tools: bool = False  # the output's tool calls are parsed (tools given, tool_choice not none)
+    tool_names: tuple = ()  # the request's tools (a reply that is one untagged call of one is that call)
 
 
 class TextStream:
@@ -404,7 +405,8 @@ class Router:
                     reasoning or strategy == "ssr", spec.thinking_budget, messages, stop=tuple(spec.stop),
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
                     draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None, prediction=prediction,
-                    parse_tools=bool(spec.tools) and spec.tool_choice != "none")
+                    parse_tools=bool(spec.tools) and spec.tool_choice != "none",
+                    tool_names=tuple(t.name for t in spec.tools or ()))
 
     def _check_processors(self, spec: GenerateSpec, reasoning: bool) -> None:
         """Logits processors, logprobs and grammars: the values the sampling cannot judge alone."""
@@ -556,7 +558,7 @@ class Router:
             if plan.parse_tools:
                 from specmesh.tools import parse
 
-                final, calls = parse(final)
+                final, calls = parse(final, plan.tool_names)
                 if calls:
                     stats.finish_reason = "tool_calls"
             yield Final(final, out_ids, stats, sid, calls)

@@ -1,7 +1,8 @@
 """Structured outputs and predicted outputs: speed against plain decoding, same run.
 
 In process (the one loop over the served engine's verifier: ``Runtime``), greedy,
-SmolLM2-135M-Instruct, each pair alternating for ``--repeats`` rounds, each side keeping
+SmolLM2-135M-Instruct (``--model`` another, e.g. qwen2.5-coder-1.5b-instruct with
+``--dtype int4``), each pair alternating for ``--repeats`` rounds, each side keeping
 its best tokens/s:
 - constrained speculation (jump-forward + prompt lookup) / constrained plain decoding, on
   JSON with many fixed keys and enums (target: >= 1.3x);
@@ -47,10 +48,34 @@ CODE = '''def total(xs):
 def mean(xs):
     return total(xs) / len(xs)
 '''
-EDITS = [("Rename the variable s to acc in this code. Answer with the whole code only.\\n\\n" + CODE,
-          CODE.replace("s = 0", "acc = 0").replace("s = s + x", "acc = acc + x").replace("return s\\n", "return acc\\n")),
-         ("Add a docstring to mean in this code. Answer with the whole code only.\\n\\n" + CODE,
-          CODE.replace("def mean(xs):\\n", 'def mean(xs):\\n    """The mean of xs."""\\n'))]
+LONG = CODE + '''
+
+def variance(xs):
+    m = mean(xs)
+    return total([(x - m) ** 2 for x in xs]) / len(xs)
+
+
+def clamp(x, lo, hi):
+    if x < lo:
+        return lo
+    if x > hi:
+        return hi
+    return x
+
+
+def normalize(xs):
+    lo, hi = min(xs), max(xs)
+    return [(x - lo) / (hi - lo) for x in xs]
+'''
+# as code-editing tools ask (OpenAI's predicted-outputs guide: "Respond only with code, and with no markdown
+# formatting"); the prediction is the code with the edit made
+ONLY = " Respond only with the whole code, with no explanation and no markdown formatting.\n\n"
+EDITS = [("Rename the variable s to acc in this code." + ONLY + CODE,
+          CODE.replace("s = 0", "acc = 0").replace("s = s + x", "acc = acc + x").replace("return s\n", "return acc\n")),
+         ('Add the one-line docstring """The mean of xs.""" to mean in this code.' + ONLY + CODE,
+          CODE.replace("def mean(xs):\n", 'def mean(xs):\n    """The mean of xs."""\n')),
+         ("Rename the function total to sum_of in this code, and its calls." + ONLY + LONG,
+          LONG.replace("total(", "sum_of("))]
 
 
 def timed(rt, ids, drafter, sampling, n, jump_forward=True, budget=8):
@@ -79,14 +104,16 @@ def pair(name, a, b, repeats):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--max-new-tokens", type=int, default=200, help="code edits' token limit")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only-code", action="store_true")
     args = ap.parse_args()
-    rt = Runtime("smollm2-135m-instruct", dtype=args.dtype, n_slots=2, max_seq_len=1024, quiet=True,
+    rt = Runtime(args.model, dtype=args.dtype, n_slots=2, max_seq_len=1024, quiet=True,
                  block_drafter=False, uno=False)
     cons = SamplingParams(grammar_kind="json_schema", grammar=json.dumps(SCHEMA))
-    print(f"SmolLM2-135M-Instruct {args.dtype}, greedy, best of {args.repeats} alternating")
+    print(f"{args.model} {args.dtype}, greedy, best of {args.repeats} alternating")
     for p in JSON_PROMPTS if not args.only_code else []:
         ids = rt.encode(messages=[{"role": "user", "content": p}])
         _, outs, st = pair("  json: constrained speculation / constrained plain",
@@ -104,10 +131,10 @@ def main() -> None:
 
         def predicted():
             holder["d"] = d = PredictionDrafter(pred)
-            return timed(rt, ids, d, SamplingParams(), 200, budget=32)
+            return timed(rt, ids, d, SamplingParams(), args.max_new_tokens, budget=32)
 
         _, outs, _ = pair("  code edit: prediction / plain", predicted,
-                          lambda: timed(rt, ids, None, SamplingParams(), 200), args.repeats)
+                          lambda: timed(rt, ids, None, SamplingParams(), args.max_new_tokens), args.repeats)
         print(f"    accepted {holder['d'].accepted} / rejected {holder['d'].rejected} prediction tokens; "
               f"output: {rt.decode(outs[0])!r}")
 

@@ -14,11 +14,15 @@ written in it, and tool results as user turns inside ``<tool_response>`` tags.
   grammar (llguidance, with each tool's parameters as an inline JSON schema) that only
   admits calls, so every call parses and its arguments hold the tool's schema; None for
   ``auto`` (the model chooses) and ``none``;
-- ``parse(text)`` -> (content, calls): the calls in the output (``ToolCall``: id, name,
-  arguments as JSON text) and the text around them; a block that does not parse stays
-  content;
+- ``parse(text, names)`` -> (content, calls): the calls in the output (``ToolCall``: id,
+  name, arguments as JSON text) and the text around them; a block that does not parse
+  stays content. A reply that is nothing but one untagged call object of a tool in
+  ``names``, bare or in a Markdown code fence (```` ```json\n{"name": "multiply",
+  "arguments": {...}}\n``` ````), is that call: Qwen2.5-Coder-1.5B-Instruct answers a
+  tool request that way instead of with the tags (``scripts/agent_loop.py``);
 - ``ToolStream``: the same, incrementally, for streams: text that may begin a call is
-  held back, each call is returned once its block closes.
+  held back (a reply that may be an untagged call: until it ends), each call is returned
+  once its block closes.
 
 Knows nothing about models, tokenizers, gRPC or HTTP.
 """
@@ -167,24 +171,63 @@ def _call(block: str) -> Optional[ToolCall]:
     return ToolCall(d["name"], args if isinstance(args, str) else json.dumps(args))
 
 
-def parse(text: str) -> tuple[str, list[ToolCall]]:
-    s = ToolStream()
+FENCES = ("```json", "```")
+
+
+def bare_call(text: str, names: Sequence[str]) -> Optional[ToolCall]:
+    """The call that ``text`` is when it is nothing but one untagged call object
+    (``{"name": ..., "arguments": {...}}``, bare or in a code fence) of a tool in ``names``."""
+    body = text.strip()
+    for f in FENCES:
+        if body.startswith(f) and body.endswith("```") and len(body) >= len(f) + 3:
+            body = body[len(f):-3].strip()
+            break
+    if not body.startswith("{"):
+        return None
+    try:
+        d = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(d, dict) or d.get("name") not in names or not set(d) <= {"name", "arguments", "parameters"}:
+        return None
+    args = d.get("arguments", d.get("parameters", {}))
+    return ToolCall(d["name"], json.dumps(args)) if isinstance(args, dict) else None
+
+
+def _may_be_bare(text: str) -> bool:
+    """Whether ``text`` may begin a reply that is an untagged call (held back in a stream)."""
+    t = text.lstrip()
+    return not t or t.startswith("{") or t.startswith("```") or "```".startswith(t)
+
+
+def parse(text: str, names: Sequence[str] = ()) -> tuple[str, list[ToolCall]]:
+    s = ToolStream(names)
     content = s.push(text) + s.flush()
     return content, s.calls
 
 
 class ToolStream:
-    """``push(piece)`` -> content safe to emit; ``calls`` grows as call blocks close."""
+    """``push(piece)`` -> content safe to emit; ``calls`` grows as call blocks close.
+    ``names``: the request's tools, whose untagged calls are recognised (empty: tags only)."""
 
-    def __init__(self):
+    def __init__(self, names: Sequence[str] = ()):
         self.buf = ""
         self.calls: list[ToolCall] = []
-        self.new: list[ToolCall] = []  # calls completed by the last push
+        self.new: list[ToolCall] = []  # calls completed by the last push (or by flush)
+        self.names = tuple(names)
+        self.emitted = False  # content was emitted: the reply is no untagged call
 
     def push(self, piece: str) -> str:
         self.buf += piece
-        out = []
         self.new = []
+        if self.names and not self.emitted and not self.calls and OPEN not in self.buf and _may_be_bare(self.buf):
+            return ""  # may be an untagged call: held until the reply ends (flush)
+        text = self._push()
+        self.emitted = self.emitted or bool(text.strip())
+        return text
+
+    def _push(self) -> str:
+        out = []
         while True:
             i = self.buf.find(OPEN)
             if i < 0:
@@ -209,7 +252,14 @@ class ToolStream:
         return text.strip("\n") if self.calls and not text.strip() else text
 
     def flush(self) -> str:
+        """The rest of the reply: "" when it was one untagged call (then in ``calls`` and ``new``)."""
         out, self.buf = self.buf, ""
+        self.new = []
+        call = bare_call(out, self.names) if self.names and not self.emitted and not self.calls else None
+        if call is not None:
+            self.calls.append(call)
+            self.new.append(call)
+            return ""
         return out
 
 
@@ -221,5 +271,5 @@ def _partial(s: str, tag: str) -> int:
     return 0
 
 
-__all__ = ["Tool", "ToolCall", "ToolStream", "check_tools", "fallback_messages", "grammar", "parse",
+__all__ = ["Tool", "ToolCall", "ToolStream", "bare_call", "check_tools", "fallback_messages", "grammar", "parse",
            "system_prompt", "template_messages"]

@@ -288,19 +288,25 @@ class Api:
         async def events():
             sent = [0] * len(runs)  # characters of each choice sent (completions' text_offset)
             tools = job.kind == "chat" and bool(job.kwargs.get("tools")) and job.kwargs.get("tool_choice") != "none"
-            parsers = [ToolStream() for _ in runs] if tools else None
+            names = [t.get("name") for t in job.kwargs.get("tools") or []]
+            parsers = [ToolStream(names) for _ in runs] if tools else None
+
+            def calls_out(i, p):  # the calls the parser completed last, as tool_calls deltas
+                out = ""
+                for call in p.new:
+                    c = self._chunk(job, rid, created, None, index=i)
+                    c["choices"][0]["delta"]["tool_calls"] = _calls(
+                        [{"id": call.id, "name": call.name, "arguments": call.arguments}],
+                        len(p.calls) - len(p.new) + p.new.index(call))
+                    out += _sse(c, job.obfuscate)
+                return out
 
             def chunk(i, piece, lps):
                 out = ""
                 if parsers is not None:  # text that may begin a call is held back; a closed call is a delta
                     p = parsers[i]
                     piece = p.push(piece)
-                    for call in p.new:
-                        c = self._chunk(job, rid, created, None, index=i)
-                        c["choices"][0]["delta"]["tool_calls"] = _calls(
-                            [{"id": call.id, "name": call.name, "arguments": call.arguments}],
-                            len(p.calls) - len(p.new) + p.new.index(call))
-                        out += _sse(c, job.obfuscate)
+                    out = calls_out(i, p)
                     if not piece and not lps:
                         return out
                 c = self._chunk(job, rid, created, piece, index=i,
@@ -337,9 +343,14 @@ class Api:
                     yield chunk(i, *item)
                 stats = self._stats(job, runs)
                 for run in runs:
-                    if parsers is not None and parsers[run.index].buf:  # held back, and no call after all
-                        yield _sse(self._chunk(job, rid, created, parsers[run.index].flush(), index=run.index),
-                                   job.obfuscate)
+                    if parsers is not None and parsers[run.index].buf:  # held back: an untagged call, or content
+                        p = parsers[run.index]
+                        rest = p.flush()
+                        if rest:
+                            yield _sse(self._chunk(job, rid, created, rest, index=run.index), job.obfuscate)
+                        deltas = calls_out(run.index, p)
+                        if deltas:
+                            yield deltas
                     last = self._chunk(job, rid, created, None if job.kind == "chat" else "", run.finish_reason(),
                                        index=run.index)
                     if run.index == len(runs) - 1:

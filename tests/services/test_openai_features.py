@@ -301,3 +301,28 @@ def test_bad_tools_are_refused_naming_the_field(front):
         with pytest.raises(openai.BadRequestError) as e:
             chat(front, **kw)
         assert e.value.body["param"] == param, (kw, e.value.body)
+
+
+def test_an_untagged_call_reply_is_a_tool_call_streamed_and_not(front):
+    """A reply that is nothing but one untagged call object of a requested tool (what
+    Qwen2.5-Coder-1.5B-Instruct writes with tool_choice auto, in a code fence) comes back as
+    tool_calls, streamed and not; the tiny model is steered into that shape by a schema."""
+    params = CLOCK["function"]["parameters"]
+    schema = {"type": "object", "properties": {"name": {"const": "clock"}, "arguments": params},
+              "required": ["name", "arguments"], "additionalProperties": False}
+    rf = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}
+    r = chat(front, STRATEGIES[1], tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "clock" and r.choices[0].finish_reason == "tool_calls"
+    assert not r.choices[0].message.content
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    chunks = list(chat(front, STRATEGIES[1], tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60, stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
+        (0, "clock", call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    # without tools (or with tool_choice none) the same reply is content
+    for kw in ({}, {"tools": [CLOCK], "tool_choice": "none"}):
+        r = chat(front, STRATEGIES[1], response_format=rf, max_tokens=60, **kw)
+        assert r.choices[0].message.tool_calls is None and json.loads(r.choices[0].message.content)["name"] == "clock"
