@@ -28,6 +28,14 @@ streams by more than that factor; before a fit, ``MIN_CHUNK`` and twice it in tu
 chunked result equals the unchunked one (the verifier's steps are the same tokens in
 the same positions).
 
+Admission (a verifier with a session pool): a request that starts a session (no slot
+yet) runs only when a slot can take it without evicting a running stream: a free slot, or
+an idle session's (not mid-prefill, not seen within ``recent_s``, not in the forward).
+Otherwise it waits in the queue, first in line, until a session ends or goes idle, as
+vLLM's and llama.cpp's servers queue requests beyond their slots: more concurrent
+requests than slots are served in turn, never refused for the slots and never by evicting
+a stream that would then re-prefill its whole context.
+
 This module knows nothing about gRPC, protos or how results are accepted.
 """
 
@@ -44,6 +52,7 @@ from specmesh.threads import ModelThread
 from specmesh.types import VerifyRequest, VerifyResult
 
 PREFILL_MIN = 16  # appended tokens above which a request is a prefill: outside max_batch, under the token budget
+ADMIT_WAIT_S = 0.005  # a forward whose every request waits for a slot: the model thread waits this long
 MIN_CHUNK = 16  # a prefill's tokens a forward while streams run and the forward's cost line is not known yet
 
 
@@ -194,6 +203,13 @@ class VerifyBatcher:
                 self.verifier.abandon(j.req.session_id)  # a chunked prefill stops half way
             if j.fut.set_running_or_notify_cancel():
                 j.fut.set_exception(CancelledError("the caller went away"))
+        wait = self._admit(batch)
+        if wait:
+            batch = [j for j in batch if j not in wait]
+            with self._cv:
+                self._queue.extendleft(reversed(wait))  # first in line when a slot frees
+                if not batch:  # nothing else to run: give a session time to end, not a spin
+                    self._cv.wait(max(self.window, ADMIT_WAIT_S))
         limits, defer = self._plan(batch)
         if defer:
             batch = [j for j in batch if j not in defer]
@@ -230,6 +246,23 @@ class VerifyBatcher:
         if rest:
             with self._cv:
                 self._queue.extendleft(reversed(rest))
+
+    def _admit(self, batch: list) -> list:
+        """The jobs of ``batch`` that start a session no slot can take now (see the module
+        docstring), oldest first admitted."""
+        pool = getattr(self.verifier, "pool", None)
+        if pool is None:
+            return []
+        new = [j for j in batch if j.req.keep_len == 0 and pool.slots.get(j.req.session_id) is None]
+        if not new:
+            return []
+        with self._cv:
+            self._expected()  # drops the sessions idle for recent_s
+            active = set(self._recent)
+        in_batch = {j.req.session_id for j in batch}
+        room = len(pool.free) + sum(1 for sid in pool.slots if sid not in pool.pinned and sid not in pool.busy
+                                    and sid not in in_batch and sid not in active)
+        return new[room:] if room < len(new) else []
 
     def _plan(self, batch: list) -> tuple[Optional[dict], list]:
         """The forward's prefill budget: (job id -> the tokens it may compute, or None

@@ -77,7 +77,7 @@ import torch.nn.functional as F
 from .. import trees
 from ..types import InvalidArgument, ResourceExhausted
 from . import bf16_matmul, int4_matmul, qmatmul
-from .device import host_int, to_device
+from .device import host_int, lazy_zeros, to_device
 from .rowops import topk_rows
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -483,8 +483,8 @@ class LlamaEngine:
             return
         slots = self.n_slots if self._k_buf is None else self._k_buf.shape[1]  # (a subclass may hide some)
         shape = (self.n_layers, slots, self.n_kv, T, self.head_dim)
-        kb = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
-        vb = torch.zeros(shape, dtype=self.act_dtype, device=self.device)
+        kb = lazy_zeros(shape, self.act_dtype, self.device)  # resident as the slots fill, not at start
+        vb = lazy_zeros(shape, self.act_dtype, self.device)
         if self._k_buf is not None:
             kb[:, :, :, : self.max_seq_len] = self.k_cache
             vb[:, :, :, : self.max_seq_len] = self.v_cache

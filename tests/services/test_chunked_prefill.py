@@ -137,3 +137,27 @@ def test_cached_prefix_counts_and_a_gone_caller_frees_the_pin():
         assert "c" not in v.pool.pinned and "c" in v.pool.slots  # evictable again; the router releases it
     finally:
         b.stop()
+
+
+@pytest.mark.parametrize("chunk", [0, 256])
+def test_more_new_sessions_than_slots_wait_for_a_slot_instead_of_failing(chunk):
+    """Four prompts in one forward's queue on two slots, unchunked or within one chunk
+    budget: the two a slot cannot take wait in the queue (before: ResourceExhausted "all 2
+    KV slots are in use") until a session goes idle, no running session is evicted for
+    them, and every answer equals the one it gets alone."""
+    cfg, sd = shared_tiny_weights()
+    v = EngineVerifier(LlamaEngine(cfg, sd, dtype="bf16", n_slots=2, max_seq_len=256), prefix_cache=False)
+    ref = Recording(prefix_cache=False)
+    b = VerifyBatcher(v, window_ms=1, prefill_chunk=chunk, recent_s=0.05)
+    try:
+        reqs = [VerifyRequest(f"s{i}", 0, _prompt(10 + i, 60)) for i in range(4)]
+        hold = threading.Event()
+        b.thread.submit(lambda: hold.wait(20))  # the model thread busy: all four are queued before a forward
+        futs = [b.submit(r) for r in reqs]  # one batch: two new sessions beyond the slots
+        hold.set()
+        for r, f in zip(reqs, futs):
+            got, want = f.result(60), ref.verify(r)
+            assert (got.next_token, got.cache_len) == (want.next_token, want.cache_len), r.session_id
+        assert v.pool.evictions == 2 and len(v.pool.slots) == 2  # the first two, once idle, made room
+    finally:
+        b.stop()

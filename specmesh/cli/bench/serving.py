@@ -146,7 +146,9 @@ def start(system: str, args, out: Path):
             raise RuntimeError(f"no GGUF found for {args.model}")
         srv = LlamaCppServer(gguf, args.threads, out / "llamacpp.log")
         return srv, srv.url, str(gguf)
-    extra = ["--model", args.model, "--max-prompt-tokens", "2000", "--max-new-tokens-limit", "1024"]
+    # one client sends every user's requests: let it hold them all at once (the default caps a client at 8 here)
+    extra = ["--model", args.model, "--max-prompt-tokens", "2000", "--max-new-tokens-limit", "1024",
+             "--max-sessions-per-client", str(max(16, 2 * args.users))]
     if system == "ours_nocache":
         extra += ["--prefix-cache", "false", "--prefill-chunk", "0"]
     # a loaded machine may take minutes over a burst of long prompts: no router deadline cuts a request short

@@ -211,6 +211,16 @@ class Services:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"the services did not start; see {log_path}")
+        # `serve` prints its addresses before the verifier has loaded its model; the router is
+        # NOT_SERVING (the OpenAI front 503) until it has: wait for that too
+        from ...client import Client
+
+        with Client(self.address, timeout=30) as c:
+            while not c.ready()[0]:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the services did not become ready; see {log_path}")
+                time.sleep(0.5)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
