@@ -22,6 +22,7 @@ as it is written (the KV of every slot, allocated at start). Knows nothing about
 
 from __future__ import annotations
 
+import math
 import mmap
 import threading
 from collections import Counter
@@ -92,10 +93,7 @@ def lazy_zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
     slots of 8192 positions of Qwen2.5-Coder-1.5B before any request). Page-aligned."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    n = 1
-    for d in shape:
-        n *= int(d)
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
