@@ -13,6 +13,12 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# SIMDe's headers: the kernel tests build every int8 path (AVX-512 VNNI, AMX ...) through them on
+	# CPUs without those instructions (best effort: without them those tests skip, saying why)
+	test -e /usr/include/simde/x86/avx512.h || ! command -v apt-get >/dev/null || \
+	    apt-get install -y -q libsimde-dev >/dev/null 2>&1 || \
+	    (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libsimde-dev >/dev/null 2>&1) || \
+	    echo "note: could not install libsimde-dev (Debian/Ubuntu, as root); the SIMDe kernel tests will skip"
 	# torch first: the CPU build pinned here; an open range could pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,kernels,ray,k8s-validate,train]'

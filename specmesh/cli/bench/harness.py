@@ -264,6 +264,8 @@ class Bench:
                 close()
         self._stage("end of run")
         probe = self._probe(cfg, main, encoded, runs) if cfg.probe else None
+        from .engine_probe import cpu_model, kernel_path
+
         records = self.aggregate(list(encoded), runs)
         outputs = [{"system": s, "workload": w, "id": pid, "tokens": o.tokens, "seconds": round(o.seconds, 4),
                     "seconds_all": [round(t, 4) for t in times.get((s, w, pid), [])],
@@ -278,6 +280,7 @@ class Bench:
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
             "wall_s": round(time.time() - t_start, 1), "python": sys.version.split()[0],
             "hf_pld_tokens": 10, "device": str(_device_of(main)), "repeats": cfg.repeats,
+            "cpu": cpu_model(), "cpus": os.cpu_count(), "int8_path": kernel_path(cfg.dtype),
             "unstable_outputs": unstable,
             "cuda_graphs": type(main.engine).__name__ == "GraphedEngine",
         }

@@ -214,7 +214,8 @@ def probe_section(p: dict) -> list[str]:
     L = ["", "## Below the loop: our engine and llama.cpp on the same GGUF (engine probe)", "",
          f"Each in a child process of its own, one after the other, {p.get('threads')} threads; a forward scoring M "
          f"rows after {p.get('ctx')} tokens of context (median of {p.get('reps')}; llama.cpp keeps every row's "
-         f"logits, as a verify needs), a prefill of {p.get('prefill_tokens')} tokens.", "",
+         f"logits, as a verify needs), a prefill of {p.get('prefill_tokens')} tokens."
+         + (f" Our int8 path: {ours['kernel']}." if ours.get("kernel") else ""), "",
          "| scored rows | ours ms | ours / 1 row | llama.cpp ms | llama.cpp / 1 row | ours / llama.cpp |",
          "|---|---|---|---|---|---|"]
     for m in p.get("rows", []):
@@ -255,6 +256,8 @@ def render(result: dict) -> str:
              f"(hf_pld/llamacpp_pld: {meta.get('hf_pld_tokens')}), torch threads {meta.get('torch_threads')} "
              f"(OMP_WAIT_POLICY {meta.get('omp_wait_policy', '?')}, GOMP_SPINCOUNT {meta.get('gomp_spincount', '?')}), "
              f"started {meta.get('started')}, wall {meta.get('wall_s')} s."
+             + (f" CPU: {meta['cpu']}, {meta.get('cpus')} cores." if meta.get("cpu") else "")
+             + (f" Our int8 path (GGUF blocks): {meta['int8_path']}." if meta.get("int8_path") else "")
              + (f" Every prompt ran {meta['repeats']} times on every system (each pass rotated once more, our "
                 f"systems built afresh); each keeps its fastest run." if meta.get("repeats", 1) > 1 else "")
              + (f" Passes that generated other tokens: {', '.join(meta['unstable_outputs'])}."

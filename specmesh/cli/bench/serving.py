@@ -33,7 +33,6 @@ models beyond their tokenizer (prompt lengths) and GGUF path.
 from __future__ import annotations
 
 import json
-import platform
 import random
 import statistics
 import subprocess
@@ -458,8 +457,9 @@ def run(args) -> dict:
 
     import openai
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    from .engine_probe import cpu_model
+
+    cpu = cpu_model()
     result: dict = {"meta": {"model": args.model, "dtype": args.dtype, "cpu": cpu, "cpus": os.cpu_count(),
                              "date": time.strftime("%Y-%m-%d %H:%M"), "slo_ttft": args.slo_ttft,
                              "slo_tpot": args.slo_tpot, "systems": systems, "workloads": workloads}}
