@@ -404,15 +404,15 @@ typedef struct { const uint8_t* base; int64_t K, nseg; const qseg* seg; } qmat;
 enum { P_SCALAR, P_AVX2, P_VNNI256, P_AVX512, P_AMX, P_COUNT };
 static int qmm_isa = -1;  /* -1: the best this build has */
 
-/* Rows from which the AMX path runs a type on the tiles (0: never). Measured on a Xeon
-   with AMX-INT8, one thread, a [8960, 1536] weight, tiles against 512-bit VNNI: Q4_K
-   0.63 / 0.42 ms at 2 rows, 0.82 / 0.88 at 8, 1.12 / 1.45 at 16; Q4_0 / Q8_0 about even
-   at 8 rows, 0.55 / 0.70 at 16; Q6_K's groups (two scales of 16 inputs: vpmulld on the
-   sums) never won up to 64 rows (1.85 / 1.79 at 16). qmm_amx_min_rows overrides them. */
+/* Rows from which the AMX path runs a type on the tiles, the AVX-512 VNNI path below
+   (measured on a Xeon with AMX-INT8, one thread, [8960, 1536], tiles against 512-bit
+   VNNI: Q4_K 0.94 / 0.88 ms at 8 rows, 1.28 / 1.45 at 16; Q6_K 1.38 / 1.10 at 8, 1.62 /
+   1.79 at 16; Q4_0 / Q8_0 about even at 8, 0.55 / 0.70 at 16). qmm_amx_min_rows
+   overrides them. */
 static int amx_rows_forced = 0;
 static int amx_min_rows(int64_t t) {
     if (amx_rows_forced) return amx_rows_forced;
-    return t == QT_Q4_K ? 8 : t == QT_Q6_K ? 0 : 12;
+    return t == QT_Q6_K ? 14 : 12;
 }
 
 static int amx_usable(void) {
@@ -456,8 +456,8 @@ int qmm_path(int isa) {
 }
 
 /* n >= 1: every type runs on the tiles from n rows (the AMX path; for tests and
-   measurements); n == -1: the measured rows per type again; returns the override in
-   force before (0: none) */
+   measurements); n == -1: the measured rows again; returns the override in force before
+   (0: none) */
 int qmm_amx_min_rows(int n) {
     const int old = amx_rows_forced;
     if (n >= 1 || n == -1) amx_rows_forced = n < 0 ? 0 : n;
@@ -569,7 +569,7 @@ int qmm(const void* x, int64_t xtype, int64_t M, const qmat* W, int64_t ytype, v
     }
     const qacts A = acts_at(scratch, M, K);
     int tiles = 0;  /* whether a segment of W runs on the tiles at M rows */
-    for (int64_t s = 0; s < W->nseg; s++) tiles |= path == P_AMX && amx_min_rows(W->seg[s].type) && M >= amx_min_rows(W->seg[s].type);
+    for (int64_t s = 0; s < W->nseg; s++) tiles |= path == P_AMX && M >= amx_min_rows(W->seg[s].type);
     const int R = tiles ? (int)(M < 16 ? M : 16) : 0;  /* rows per A tile */
     _Pragma("omp parallel for schedule(static) if(M > 1)")
     for (int64_t r = 0; r < M; r++) quantize_row(x, xtype, r, &A, need, path >= P_AVX2);
@@ -590,7 +590,7 @@ int qmm(const void* x, int64_t xtype, int64_t M, const qmat* W, int64_t ytype, v
             for (int64_t m0 = 0; m0 < M; m0 += QMM_RB) {
                 const int64_t mc = M - m0 < QMM_RB ? M - m0 : QMM_RB;
                 memset(acc, 0, sizeof(float) * (size_t)(w * mc));
-                const int Rt = R && amx_min_rows(type) && M >= amx_min_rows(type) ? R : 0;
+                const int Rt = R && M >= amx_min_rows(type) ? R : 0;
                 if (pairs) run_pair(type, P0, P1, nb, &A, m0, mc, acc, Rt, work);
                 else run_tile(type, P0, nb, &A, m0, mc, acc, path);
                 put_rows(acc, w, n, m0, mc, n0, N, ytype, y);
