@@ -400,8 +400,11 @@ class Strategies:
         if self._calibration is None:
             from specmesh.drafters.calibration import load_calibration, speedup_of
 
+            from specmesh.models.loading import resolve_model
+            from specmesh.runtime import resolve_dtype
+
             s = self.parts.s
-            rec = load_calibration(s.model, s.dtype)
+            rec = load_calibration(s.model, resolve_dtype(s.dtype, resolve_model(s.model, quiet=True), s.device))
             self._calibration = (speedup_of(rec, s.layerskip_exit),)
         return self._calibration[0]
 

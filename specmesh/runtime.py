@@ -111,6 +111,24 @@ def default_draft_model(target: str = DEFAULT_MODEL) -> Path:
     return d
 
 
+AUTO_DTYPE = ("auto: int4 (the GGUF's own blocks on the int8 kernels: the fastest lossless path measured on a "
+              "CPU) where the model is a GGUF and the device a CPU that builds those kernels, else bf16")
+
+
+def resolve_dtype(dtype: str, model_dir, device="cpu") -> str:
+    """``dtype`` as the engine takes it: "auto" is int4 where the model's weights are a
+    GGUF's blocks (an alias or a ``.gguf`` path: its cache directory names the file) and the
+    device is a CPU where the block kernels build, else bf16 (``AUTO_DTYPE``); any other
+    name is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    if resolve_device(device).type != "cpu" or source_gguf(Path(model_dir)) is None:
+        return "bf16"
+    from .engine import blocks
+
+    return "int4" if blocks.available() else "bf16"
+
+
 def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048, device="cpu",
                 cuda_graphs=True, quiet: bool = False) -> LlamaEngine:
     """A serving engine on ``device`` (resolved here): ``GraphedEngine`` on CUDA unless
@@ -120,6 +138,7 @@ def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: i
     decoding; on a CPU the eager engine, batch-invariant there by default in bf16),
     else the eager ``LlamaEngine``."""
     dev = resolve_device(device)
+    dtype = resolve_dtype(dtype, path, dev)
     cls, kw = LlamaEngine, {}
     if cuda_graphs == "always" or (dev.type == "cuda" and cuda_graphs):
         from .engine.cudagraph import GraphedEngine
@@ -146,6 +165,7 @@ class Runtime:
                             self.device.type == "cuda" and (cuda_graphs if cuda_graphs == "invariant" else bool(cuda_graphs)))
         self.model_dir = resolve_model(model, quiet=quiet)
         self.model_name = model
+        dtype = resolve_dtype(dtype, self.model_dir, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         with freed_memory_returned():  # the engine, the block drafter and the adapter (models.loading)
             self.engine = make_engine(str(self.model_dir), dtype, n_slots, max_seq_len, self.device, self.cuda_graphs,

@@ -47,7 +47,8 @@ _FLAGS = [
     ("--host", "host", str, "bind address"),
     ("--model", "model", str, "model alias, .gguf file or Hugging Face directory (verifier, drafter, router "
      "tokenizer)"),
-    ("--dtype", "dtype", str, "fp32 | bf16 | int8 | int4 (verifier and draft LM)"),
+    ("--dtype", "dtype", str, "auto | fp32 | bf16 | int8 | int4 (verifier and draft LM; auto: int4 for a GGUF on a "
+                              "CPU with the int8 kernels, else bf16)"),
     ("--device", "device", str, "verifier and draft LM: auto | cpu | cuda | cuda:N"),
     ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false | "
      "invariant (one bucket shape for every forward: bf16 greedy identity)"),
