@@ -686,6 +686,8 @@ class Strategies:
             self.book.record_ar(stats.new_tokens, stats.total_s, stats.ttft_s)
         sp = auto.measured_speedup(stats.new_tokens, stats.total_s, stats.ttft_s, self.book.ar_token_s,
                                    stats.verify_s, stats.rounds, stats.drafted_tokens)
+        if stats.new_tokens < auto.MIN_MEASURED_TOKENS:
+            sp = None  # a short reply's few rounds say little: it must not switch a drafter off for the session
         self.book.record(key, auto.label(plan.strategy, plan.drafter or plan.self_draft or ""), stats.tau, sp, alpha)
 
     # ------------------------------------------------------------ anticipation API
