@@ -39,6 +39,20 @@ from pathlib import Path
 SERVICES = ("drafter", "verifier", "router")
 
 
+def model_dtype(s) -> str:
+    """The served model's dtype as resolved (``--dtype auto``), with the int8 path of int4."""
+    from specmesh.models.loading import resolve_model
+    from specmesh.runtime import resolve_dtype
+
+    dtype = resolve_dtype(s.dtype, resolve_model(s.model, quiet=True), s.torch_device())
+    if dtype != "int4":
+        return f"dtype {dtype}"
+    from specmesh.engine import qmatmul
+
+    k = qmatmul.load()
+    return f"dtype int4, int8 path {k.isa if k is not None else 'none'}"
+
+
 # ---------------------------------------------------------------- settings flags (no pydantic import: --help stays fast)
 
 _FLAGS = [
@@ -348,6 +362,8 @@ def serve_one(service: str, s) -> int:
     mode = "tls" if running.tls else "insecure"
     auth = "token" if s.token() else "no auth"
     dev = f", device {s.torch_device()}" if service == "verifier" else ""
+    if service == "verifier":
+        dev += f", {model_dtype(s)}"
     if service in ("verifier", "drafter"):
         import torch
 
