@@ -78,6 +78,8 @@ _FLAGS = [
      "LM; the router's limits follow it; unset: the model's context, at most 8192)"),
     ("--draft-model", "draft_model", str, "the draft LM's alias or directory (unset: the target's paired draft "
      "model, else a subset of its layers)"),
+    ("--draft-head-rows", "draft_head_rows", int, "the draft LM's head keeps the first N token ids (and the added "
+     "tokens) where its vocabulary is at least 2N; 0 = the whole head"),
     ("--preload-draft-lm", "preload_draft_lm", str, "load the draft LM at start: true | false (unset: when it "
      "is a model of its own)"),
     ("--drafter-address", "drafter_address", str, "drafter host:port ('': host:drafter-port, 'none': no drafter)"),
@@ -145,7 +147,8 @@ GROUP_OF = {
                      # issue 59's prefix cache and chunked prefill
                      "prefix_cache", "prefix_cache_mib", "prefix_block", "prefill_chunk", "prefill_stall_ratio"),
                     "verifier"),
-    **dict.fromkeys(("drafter_port", "drafter_metrics_port", "draft_model", "preload_draft_lm"), "drafter"),
+    **dict.fromkeys(("drafter_port", "drafter_metrics_port", "draft_model", "draft_head_rows", "preload_draft_lm"),
+                    "drafter"),
     **dict.fromkeys(("router_addresses", "http", "http_port", "http_timeout_s", "resume_window_s"), "OpenAI front"),
 }
 GROUP_HELP = {

@@ -258,6 +258,32 @@ class QMatrix:
             k.repack(p.type, p.raw, p.n, p.k, self.data[off: off + size])
         self._bind()
 
+    def rows_view(self, ranges: Sequence[tuple[int, int]]) -> "QMatrix":
+        """A weight of this one's output rows in ``ranges`` ([start, end) pairs, ascending,
+        each a multiple of 8 within one segment), sharing its bytes: ``mm`` gives those rows'
+        outputs, concatenated."""
+        v = object.__new__(QMatrix)
+        v.kernel, v.in_features, v.data = self.kernel, self.in_features, self.data
+        v.types, v.seg_rows, v.offsets = [], [], []
+        base = 0
+        bounds = [(sum(self.seg_rows[:i]), t, n, off) for i, (t, n, off) in
+                  enumerate(zip(self.types, self.seg_rows, self.offsets))]
+        for a, b in ranges:
+            if a % 8 or b % 8 or not 0 <= a < b <= self.out_features or a < base:
+                raise ValueError(f"rows_view: [{a}, {b}) must be ascending multiples of 8 within "
+                                 f"{self.out_features} rows")
+            seg = next((x for x in bounds if x[0] <= a and b <= x[0] + x[2]), None)
+            if seg is None:
+                raise ValueError(f"rows_view: [{a}, {b}) crosses a segment boundary")
+            start, t, _, off = seg
+            v.types.append(t)
+            v.seg_rows.append(b - a)
+            v.offsets.append(off + tile_bytes(t, a - start, self.in_features))
+            base = b
+        v.out_features = sum(v.seg_rows)
+        v._bind()
+        return v
+
     def _bind(self) -> None:
         self._segs = (_Seg * len(self.types))(*[_Seg(t, n, o) for t, n, o in zip(self.types, self.seg_rows,
                                                                                     self.offsets)])

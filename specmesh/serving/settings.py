@@ -59,6 +59,9 @@ class ServeSettings(BaseSettings):
     # on the CPU, so greedy speculation equals plain decoding; docs/performance.md
     dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     n_slots: int = Field(8, ge=1, description="KV slots of the verifier")
+    draft_head_rows: int = Field(65536, ge=0, description="the draft LM's head keeps the first N token ids (and "
+                                 "the added tokens) where its vocabulary is at least 2N: a draft step reads less "
+                                 "(output unchanged: the target verifies); 0 = the whole head")
     # the limits below default from the served model's context (serving/limits.py)
     max_seq_len: Optional[int] = Field(None, ge=16, description="KV positions per slot (verifier, draft LM): the "
                                        "longest prompt + reply; None = the model's context, at most 8192")
