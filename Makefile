@@ -7,7 +7,7 @@ ARGS    ?=
 # test processes (pytest-xdist; whole files per process, so module fixtures load once each)
 WORKERS ?= 2
 
-.PHONY: setup demo test test-fast bench bench-services bench-peers setup-qwen bench-qwen protos clean
+.PHONY: setup demo test test-fast bench bench-services bench-peers setup-qwen bench-qwen bench-openvino protos clean
 
 setup: $(STAMP)
 
@@ -79,6 +79,21 @@ bench-qwen: $(QWEN_STAMP) $(PEERS_STAMP)
 	$(BIN)/specmesh bench --model qwen2.5-coder-1.5b-instruct --dtype int4 --workloads code_edit,code_write \
 	    --systems ours_ar,ours_draft_lm,ours_prompt_lookup,ours_suffix,llamacpp --max-new-tokens 128 \
 	    --out bench-out/qwen $(ARGS)
+
+# OpenVINO GenAI beside us on the pair (the `bench-openvino` extra: wheels, no build): its plain
+# decoding, its speculative decoding with the 0.5B (re-packed Q5_0 -> Q8_0 and exported as an
+# OpenVINO model once, into the model cache) and its prompt lookup, each in a child process, on the
+# same GGUF, prompts and threads as ours, alternating, 128 tokens, greedy. Three OpenVINO children
+# hold ~3 GB each beside our engine.
+OPENVINO_STAMP := $(VENV)/.specmesh-bench-openvino
+$(OPENVINO_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[bench-openvino]'
+	touch $(OPENVINO_STAMP)
+
+bench-openvino: $(QWEN_STAMP) $(OPENVINO_STAMP)
+	$(BIN)/specmesh bench --model qwen2.5-coder-1.5b-instruct --dtype int4 --workloads code_edit,code_write \
+	    --systems ours_ar,ours_draft_lm,ours_prompt_lookup,ours_suffix,openvino --max-new-tokens 128 \
+	    --out bench-out/openvino $(ARGS)
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py

@@ -29,20 +29,9 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .peer_process import child_memory
+
 ROWS = (1, 2, 4, 8, 16)
-
-
-def proc_mem_mb() -> dict:
-    """This process's peak and current resident memory (``VmHWM``, ``VmRSS``), MB."""
-    out = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                k, v = line.split(":", 1)
-                out[k] = round(int(v.split()[0]) / 1024, 1)
-    except OSError:
-        pass
-    return {"peak_rss_mb": out.get("VmHWM"), "rss_mb": out.get("VmRSS")}
 
 
 def cpu_model() -> str:
@@ -95,7 +84,7 @@ def ours(cfg: dict) -> dict:
     t0 = time.perf_counter()
     eng = LlamaEngine.from_pretrained(cfg["model"], dtype=cfg["dtype"], n_slots=2,
                                       max_seq_len=max(2048, cfg["ctx"] + 64, cfg["prefill"] + 8), quiet=True)
-    res = {"load_s": round(time.perf_counter() - t0, 2), "after_load": proc_mem_mb(), "kernel": kernel_path(cfg["dtype"])}
+    res = {"load_s": round(time.perf_counter() - t0, 2), "after_load": child_memory(), "kernel": kernel_path(cfg["dtype"])}
     V = eng.vocab_size
     if cfg["rows"]:
         ctx = [(100 + i) % V for i in range(cfg["ctx"])]
@@ -120,7 +109,7 @@ def ours(cfg: dict) -> dict:
             eng.reset(0)
             rows.append(eng.score(0, seq, list(range(-1, len(seq) - 1))).logits.float())
         _save(cfg["logits_file"], torch.cat(rows).numpy())
-    res["end"] = proc_mem_mb()
+    res["end"] = child_memory()
     return res
 
 
