@@ -443,8 +443,6 @@ int qmm_has(int isa) {
     }
 }
 
-int qmm_has_avx2(void) { return qmm_has(P_AVX2); }
-
 /* sets the path (0..4, -1 the best this build has) where `isa` >= -1; returns the one in
    use (-1: `isa` is not in this build) */
 int qmm_path(int isa) {
