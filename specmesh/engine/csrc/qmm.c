@@ -576,7 +576,7 @@ int qmm(const void* x, int64_t xtype, int64_t M, const qmat* W, int64_t ytype, v
         void* work = NULL;
 #ifdef QMM_AMX
         amx_work X;  /* this thread's tile buffers */
-        if (R) { amx_configure(R); work = &X; }
+        if (R) { amx_configure(R); amx_work_init(&X); work = &X; }
 #endif
         _Pragma("omp for schedule(static)")
         for (int64_t u = 0; u < units; u++) {

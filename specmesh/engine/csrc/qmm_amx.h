@@ -16,8 +16,9 @@
    thread, [8960, 1536]: Q4_K 1.28 ms at 16 rows against 1.30 for per-sub-block sums and
    1.45 on 512-bit VNNI, 2.56 against 3.51 at 48; Q6_K 1.62 against 2.28 and 1.79.)
 
-   The 32-input types, as items: a block's codes unpacked into one B tile, its sums read
-   per row (one scale per block: the fp32 step reads them anyway).
+   The 32-input types, as items: a block's codes unpacked into one B tile (its second half
+   zero, so the tiles' shapes are the planes'), its sums read per row (one scale per
+   block: the fp32 step reads them anyway).
 
    A tile load waits for the stores in flight to its bytes, and sums come back through
    memory, so work is pipelined over a pair's blocks (items): unpacked AMX_LU ahead of
@@ -41,22 +42,26 @@ typedef struct {
             int32_t pc[2][2][AMX_CROWS * 16] __attribute__((aligned(64)));
         };
         struct {
-            uint8_t bt[AMX_RB][512] __attribute__((aligned(64)));
+            uint8_t bt[AMX_RB][1024] __attribute__((aligned(64)));  /* rows 8-15 zero (amx_work_init) */
             int32_t ct[AMX_RC][AMX_CROWS * 16] __attribute__((aligned(64)));
         };
     };
 } amx_work;
 
-/* tiles: 0, 1 B (16 x 64: the planes hi, lo); 2 A (R x 64); 3, 4 C (R x 64: hi, lo);
-   5 A (R x 32) and 6 B (8 x 64) for the 32-input types */
+/* tiles: 0, 1 B (16 x 64: the planes hi, lo); 2, 7 A (R x 64: two groups of rows); 3, 4
+   and 5, 6 C (R x 64: hi, lo of each group). A 32-input block is a B tile whose rows 8-15
+   are zero: its A tile reads 64 bytes, the 32 past the block times zero. */
 static void amx_configure(int R) {
     qtilecfg c __attribute__((aligned(64)));
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    static const uint8_t brows[7] = {16, 16, 0, 0, 0, 0, 8};
-    static const uint16_t colsb[7] = {64, 64, 64, 64, 64, 32, 64};
-    for (int i = 0; i < 7; i++) { c.colsb[i] = colsb[i]; c.rows[i] = brows[i] ? brows[i] : (uint8_t)R; }
+    for (int i = 0; i < 8; i++) { c.colsb[i] = 64; c.rows[i] = i < 2 ? 16 : (uint8_t)R; }
     T_CONFIG(&c);
+}
+
+/* the items' B tiles' zero rows, once a call */
+static void amx_work_init(amx_work* X) {
+    for (int s = 0; s < AMX_RB; s++) memset(X->bt[s] + 512, 0, 512);
 }
 
 /* one tile pair's pass: its type and blocks, the rows, the accumulators */
@@ -140,20 +145,23 @@ static void planes_unpack(const amx_job* J, int64_t b, int s) {
 }
 
 /* block b's two sums per row of the pass into slot s, the block's 4 B tiles per plane
-   accumulated in the tile unit */
+   accumulated in the tile unit; two groups of rows share each B tile's load */
 static void planes_tiles(const amx_job* J, int64_t b, int s) {
     const int64_t K = J->A->K, R = J->R;
     uint8_t (*pb)[4][1024] = J->X->pb[s];
+    int32_t *hi = J->X->pc[s][0], *lo = J->X->pc[s][1];
     const int8_t* x = J->A->q256 + J->m0 * K + 256 * b;
-    for (int64_t g = 0; g * R < J->mc; g++) {
+    for (int64_t g = 0; g * R < J->mc; g += 2) {
+        const int two = (g + 1) * R < J->mc;
         T_ZERO(3); T_ZERO(4);
+        if (two) { T_ZERO(5); T_ZERO(6); }
         for (int t = 0; t < 4; t++) {
-            T_LOAD(2, x + g * R * K + 64 * t, K);
-            T_LOAD(0, pb[0][t], 64); T_DP(3, 2, 0);
-            T_LOAD(1, pb[1][t], 64); T_DP(4, 2, 1);
+            T_LOAD(0, pb[0][t], 64); T_LOAD(1, pb[1][t], 64);
+            T_LOAD(2, x + g * R * K + 64 * t, K); T_DP(3, 2, 0); T_DP(4, 2, 1);
+            if (two) { T_LOAD(7, x + (g + 1) * R * K + 64 * t, K); T_DP(5, 7, 0); T_DP(6, 7, 1); }
         }
-        T_STORE(3, J->X->pc[s][0] + g * R * 16, 64);
-        T_STORE(4, J->X->pc[s][1] + g * R * 16, 64);
+        T_STORE(3, hi + g * R * 16, 64); T_STORE(4, lo + g * R * 16, 64);
+        if (two) { T_STORE(5, hi + (g + 1) * R * 16, 64); T_STORE(6, lo + (g + 1) * R * 16, 64); }
     }
 }
 
@@ -195,8 +203,8 @@ static inline void item_tiles(const amx_job* J, int64_t k) {
     const int64_t K = J->A->K, R = J->R;
     int32_t* c = J->X->ct[k % AMX_RC];
     const int8_t* x = J->A->q32 + J->m0 * K + 32 * k;
-    T_LOAD(6, J->X->bt[k % AMX_RB], 64);
-    for (int64_t g = 0; g * R < J->mc; g++) { T_LOAD(5, x + g * R * K, K); T_ZERO(3); T_DP(3, 5, 6); T_STORE(3, c + g * R * 16, 64); }
+    T_LOAD(0, J->X->bt[k % AMX_RB], 64);
+    for (int64_t g = 0; g * R < J->mc; g++) { T_LOAD(2, x + g * R * K, K); T_ZERO(3); T_DP(3, 2, 0); T_STORE(3, c + g * R * 16, 64); }
 }
 
 /* step 3: block k's fp32 step per row */
