@@ -403,8 +403,18 @@ class Strategies:
             from specmesh.models.loading import resolve_model
             from specmesh.runtime import resolve_dtype
 
+            from specmesh.models.loading import ModelNotFound
+
             s = self.parts.s
-            rec = load_calibration(s.model, resolve_dtype(s.dtype, resolve_model(s.model, quiet=True), s.device))
+            dtype = s.dtype
+            if dtype == "auto":
+                # the router may run where the model's files are not (its verifiers load
+                # them): no local weights, no calibration to read
+                try:
+                    dtype = resolve_dtype(dtype, resolve_model(s.model, quiet=True), s.device)
+                except ModelNotFound:
+                    dtype = None
+            rec = load_calibration(s.model, dtype) if dtype else None
             self._calibration = (speedup_of(rec, s.layerskip_exit),)
         return self._calibration[0]
 
