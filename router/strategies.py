@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional, Sequence
 
 from specmesh.ahead import OverlapPolicy
@@ -235,7 +235,9 @@ class Run:
                 budget=self.policy(), self_draft=p.self_draft, on_drafter_error=on_drafter_error,
                 max_new_limit=s.max_new_tokens, round_scope=round_scope, draft_ahead=self.owner.overlap(p),
                 draft_first=p.strategy == "proactive" or bool(p.prediction),  # cached / predicted text at once
-                on_logprobs=on_logprobs, jump_forward=jump_forward(p)), stats=stats)
+                on_logprobs=on_logprobs, jump_forward=jump_forward(p),
+                # auto: one-hot drafts, so a seeded output is plain sampling's whatever auto picks and measures
+                one_hot_drafts=p.reason.startswith("auto")), stats=stats)
         fmt = self.owner.think_format()
         kw = {}
         if p.strategy == "ssr":
@@ -520,14 +522,16 @@ class Strategies:
                                    self.anticipation_ready(spec.conversation_id), up,
                                    self.layerskip_speedup(), block_drafter=auto.BLOCK_SELF in self.self_drafters(),
                                    in_verifier=self.hosted_drafters(), draft_model=self.draft_model() if up else "")
+            if not spec.sampling.greedy and f.layerskip_speedup is not None:
+                # layer-skip drafts sampled tokens with their distribution (rejection sampling); auto drafts
+                # one-hot only, so that a seeded output does not depend on its choice or the draft sizes
+                f = replace(f, layerskip_speedup=None)
             key = self.session_key(spec.conversation_id)
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
                 self.book.skip(key, c.switched_from)
             if spec.sampling.constrained:  # every choice of auto drafts the grammar's forced tokens too
-                from dataclasses import replace as _replace
-
-                c = _replace(c, reason=f"{c.reason}; grammar-forced tokens drafted free (jump-forward)")
+                c = replace(c, reason=f"{c.reason}; grammar-forced tokens drafted free (jump-forward)")
             if c.strategy == "external" and self.in_verifier(c.drafter):
                 return Resolved(c.strategy, f"{c.reason}; {c.drafter} drafted in the verifier", None, c.drafter)
             return Resolved(c.strategy, c.reason, c.drafter if c.strategy in ("external", "proactive", "ssr") else None,

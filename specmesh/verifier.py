@@ -471,7 +471,11 @@ class EngineVerifier:
                     if r.sampling.constrained:  # the draft as the grammar takes it, its rows' masks
                         room = self.engine.max_seq_len - r.keep_len - len(r.append_tokens) - 1
                         extend = max(0, min(self.max_tree_nodes, room) - len(tree)) if r.jump_forward else 0
-                        tree, masks, forced = self._constrain(r, tree, extend)
+                        try:
+                            tree, masks, forced = self._constrain(r, tree, extend)
+                        except InvalidArgument as e:  # this request's grammar alone: the others go on
+                            out[i] = e
+                            continue
                     a = len(append)
                     toks = append + tree.tokens
                     pars = trees.after_chain(a, tree.parents)
@@ -576,26 +580,38 @@ class EngineVerifier:
         decided, ent_v = acc.accept_batch_reading(
             target, [m[4] for m in meta], [m[1].sampling for m in meta],
             [m[1].round_seed for m in meta], batched=self.batched_acceptance, amateurs=amateurs,
-            specialists=specialists, also=ent_t)
+            specialists=specialists, also=ent_t,
+            committed=[m[1].keep_len + len(m[1].append_tokens) for m in meta])
         return decided, dict(zip(want_ent, ent_v))
 
     def _sync_matcher(self, req: VerifyRequest) -> None:
         """The session's grammar matcher, synced with the committed output the request
         leaves (before any state changes: a committed output the grammar does not take is
         INVALID_ARGUMENT for this request alone)."""
-        from .grammar import Matcher
+        from .grammar import GrammarError, Matcher
 
         sp = req.sampling
         m = self.matchers.get(req.session_id)
-        if m is None or m.key != (sp.grammar_kind, sp.grammar):
-            m = self.matchers[req.session_id] = Matcher(self._vocab(), sp.grammar_kind, sp.grammar)
         h = self.history.get(req.session_id)
         tokens = (h[1][:req.keep_len] if req.keep_len else []) + list(req.append_tokens)
-        if not m.sync(tokens[req.prompt_len:]):
+        try:  # compiled here, with the vocabulary: what the router's check cannot see is refused here
+            if m is None or m.key != (sp.grammar_kind, sp.grammar):
+                self.matchers.pop(req.session_id, None)
+                m = self.matchers[req.session_id] = Matcher(self._vocab(), sp.grammar_kind, sp.grammar)
+            ok = m.sync(tokens[req.prompt_len:])
+        except GrammarError as e:
+            self.matchers.pop(req.session_id, None)
+            raise InvalidArgument("sampling.grammar", str(e)) from None
+        if not ok:
             raise InvalidArgument("sampling.grammar", "the session's committed output does not match its grammar")
 
     def _constrain(self, req: VerifyRequest, tree, extend: int):
-        return processors.constrain(self.matchers[req.session_id], tree, extend)
+        from .grammar import GrammarError
+
+        try:
+            return processors.constrain(self.matchers[req.session_id], tree, extend)
+        except GrammarError as e:  # past the matcher's limits at this token (a 400 naming the grammar)
+            raise InvalidArgument("sampling.grammar", str(e)) from None
 
     def _processed(self, req: VerifyRequest, tree, logits, masks):
         """The rows' logits after the request's logits processors (``specmesh.processors``)."""
