@@ -9,7 +9,8 @@
   status codes: ``InvalidArgument`` -> INVALID_ARGUMENT ("<field>: <why>"),
   ``ResourceExhausted`` -> RESOURCE_EXHAUSTED, ``SessionLost`` ->
   FAILED_PRECONDITION, a failed downstream call keeps its code (UNAVAILABLE,
-  DEADLINE_EXCEEDED, ...), ``TimeoutError`` -> DEADLINE_EXCEEDED, a dropped
+  DEADLINE_EXCEEDED, ...; an INVALID_ARGUMENT keeps its message too, whose field comes
+  first, so a client sees the field the verifier named), ``TimeoutError`` -> DEADLINE_EXCEEDED, a dropped
   request (``concurrent.futures.CancelledError``) -> CANCELLED, anything else
   -> INTERNAL (logged with its traceback; the client sees only the type name).
 
@@ -79,6 +80,8 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(e) or "session lost; re-prefill"
     if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
         code = e.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:  # "<field>: <why>" as the peer said it: the field stays first
+            return code, e.details() or "downstream: invalid argument"
         if code in PASS_THROUGH:
             return code, f"downstream: {e.details()}"
         return grpc.StatusCode.INTERNAL, f"downstream call failed: {code.name}"
