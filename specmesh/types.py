@@ -382,6 +382,8 @@ class VerifyRequest:
     # set by the verifier on the last step of a prefill it ran in chunks: the keep_len of the
     # request this step ends (its features start there; a fused drafter's first round is decided by it)
     first_keep_len: Optional[int] = None
+    # the prefix cache's tenant: a new session (keep_len 0) reuses and stores blocks under it only
+    cache_salt: str = ""
 
 
 @dataclass

@@ -293,12 +293,15 @@ class EngineVerifier:
         self._cache_commit(session_id, slot)
 
     # -------------------------------------------------------------- prefix cache
-    def _reuse(self, session_id: str, slot: int, tokens: Sequence[int]) -> int:
+    def _reuse(self, session_id: str, slot: int, tokens: Sequence[int], salt: str = "") -> int:
         """A new session (its slot just reset) starting with ``tokens``: its longest cached
-        prefix (all but the last token at most) copied into its slot; returns its length."""
+        prefix under ``salt`` (all but the last token at most) copied into its slot; returns
+        its length. The session stores its blocks under ``salt`` (its tenant) from now on."""
+        if self.prefix is not None and len(tokens) < 2:
+            self.prefix.index.attach(session_id, [], salt)  # nothing to reuse; it still grows under its salt
         if self.prefix is None or len(tokens) < 2:
             return 0
-        n = self.prefix.reuse(session_id, slot, tokens, self.features)
+        n = self.prefix.reuse(session_id, slot, tokens, self.features, salt)
         if n:
             self.engine.lengths[slot] = n
             if self.features is not None:
@@ -317,7 +320,7 @@ class EngineVerifier:
         last, less a new session's cached prefix): what a chunked prefill splits. Reads only."""
         n = len(req.append_tokens) - 1
         if req.keep_len == 0 and self.prefix is not None and n > 0:
-            n -= self.prefix.peek(req.append_tokens)
+            n -= self.prefix.peek(req.append_tokens, req.cache_salt)
         return max(0, n)
 
     def abandon(self, session_id: str) -> None:
@@ -549,7 +552,7 @@ class EngineVerifier:
                 self.prefix.truncated(r.session_id, r.keep_len)
         self._sync_history(r.session_id, r.keep_len, r.append_tokens, r.sampling.processed)
         append = list(r.append_tokens)
-        cached = self._reuse(r.session_id, slot, append) if r.keep_len == 0 else 0
+        cached = self._reuse(r.session_id, slot, append, r.cache_salt) if r.keep_len == 0 else 0
         return append[cached:], cached
 
     def _partial(self, r: VerifyRequest, slot: int, toks: list, cached: int, so, fwd_ms: float,
@@ -650,8 +653,9 @@ class EngineVerifier:
             raise RuntimeError("the specialist's logits do not match its draft")
         return rows
 
-    def prefill(self, session_id: str, tokens: Sequence[int]) -> int:
-        """Warm a session's KV with ``tokens`` (no sampling); returns its length."""
+    def prefill(self, session_id: str, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Warm a session's KV with ``tokens`` (no sampling), its prefix cache blocks
+        under ``cache_salt``; returns its length."""
         with self.lock:
             for t in tokens:
                 if not isinstance(t, int) or t < 0 or t >= self.vocab_size:
@@ -668,7 +672,7 @@ class EngineVerifier:
             if self.prefix is not None:
                 self.prefix.ended(session_id)
             self._sync_history(session_id, 0, tokens)
-            cached = self._reuse(session_id, slot, list(tokens))
+            cached = self._reuse(session_id, slot, list(tokens), cache_salt)
             self._append(slot, list(tokens)[cached:], session_id)
             return self.engine.length(slot)
 

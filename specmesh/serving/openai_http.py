@@ -257,8 +257,11 @@ class Api:
     async def generate(self, job: Job, peer: str):
         rid = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        runs = [Run(self.client.stream(client_id=job.client or peer, **self._kwargs(job, i)), i)
-                for i in range(job.n)]
+        try:  # the SDK refuses what the wire cannot carry before anything is sent
+            runs = [Run(self.client.stream(client_id=job.client or peer, **self._kwargs(job, i)), i)
+                    for i in range(job.n)]
+        except SpecmeshError as e:
+            raise from_specmesh(e, job.params) from None
         gens = [r.pieces() for r in runs]
         firsts: list = []
         try:  # the router validates when a call starts: its errors become HTTP statuses here
