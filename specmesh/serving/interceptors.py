@@ -3,9 +3,10 @@
 - ``AuthInterceptor``: when a token is configured, every call must carry
   ``authorization: Bearer <token>`` (constant-time compare) or it is refused
   with UNAUTHENTICATED. Health checks stay open (probes carry no token).
-- ``ErrorInterceptor``: requests larger than ``max_message_bytes`` get
+- ``ErrorInterceptor``: requests larger than ``max_message_bytes``, and bytes that
+  do not decode as the method's message (a string that is not UTF-8), get
   INVALID_ARGUMENT naming ``request`` (gRPC's own hard cap, set higher by the
-  server, would say RESOURCE_EXHAUSTED); exceptions escaping a servicer map to
+  server, would say RESOURCE_EXHAUSTED; its failed decode, INTERNAL); exceptions escaping a servicer map to
   status codes: ``InvalidArgument`` -> INVALID_ARGUMENT ("<field>: <why>"),
   ``ResourceExhausted`` -> RESOURCE_EXHAUSTED, ``SessionLost`` ->
   FAILED_PRECONDITION, a failed downstream call keeps its code (UNAVAILABLE,
@@ -70,6 +71,15 @@ class _Oversize:
         self.n = n
 
 
+class _Undecodable:
+    """A request whose bytes are not the method's message (a string field that is not UTF-8,
+    a truncated field): INVALID_ARGUMENT naming ``request`` (gRPC's own answer was INTERNAL,
+    "Exception deserializing request")."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message an exception maps to (see module docstring)."""
     if isinstance(e, InvalidArgument):
@@ -108,6 +118,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if isinstance(request, _Oversize):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"request: message of {request.n} bytes exceeds max_message_bytes {self.limit}")
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.why})")
 
     def intercept_service(self, continuation, details):
         method = details.method
@@ -139,10 +151,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return run
 
         def sized(deserialize):
-            if self.limit is None:
-                return deserialize
             deserialize = deserialize or (lambda b: b)
-            return lambda b: _Oversize(len(b)) if len(b) > self.limit else deserialize(b)
+
+            def decode(b):
+                if self.limit is not None and len(b) > self.limit:
+                    return _Oversize(len(b))
+                try:
+                    return deserialize(b)
+                except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, and what else a parser raises
+                    return _Undecodable(f"{type(e).__name__}: {str(e)[:200]}")
+            return decode
 
         handler = continuation(details)
         if handler is None or handler.stream_unary:
