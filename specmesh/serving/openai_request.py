@@ -17,6 +17,7 @@ This module knows nothing about HTTP servers, the router or models: it reshapes 
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -315,8 +316,10 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
     salt = fields.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or len(salt.encode()) > MAX_SALT):
         raise bad("cache_salt", f"must be a string of at most {MAX_SALT} bytes")
-    # the prefix cache's tenant: the salt, else the end user (a request naming neither shares the cache)
-    kw["cache_salt"] = salt if salt is not None else (f"user:{user}" if user else "")
+    # the prefix cache's tenant: the salt, else the end user, by a digest (any length; a request naming
+    # neither shares the cache)
+    kw["cache_salt"] = salt if salt is not None else (
+        "user:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:40] if user else "")
     params["cache_salt"] = "cache_salt" if salt is not None else "user"
     return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn, n=n, top=top,
                client=f"user:{user}" if user else "",
