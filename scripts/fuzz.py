@@ -14,6 +14,11 @@ costs a fraction of a second; refusals cost milliseconds.
 
     PYTHONPATH=. .venv/bin/python scripts/fuzz.py                       # 2,000 cases a door, seed 68
     PYTHONPATH=. .venv/bin/python scripts/fuzz.py --cases 200 --doors grpc
+    PYTHONPATH=. .venv/bin/python scripts/fuzz.py --tiny --cases 4000    # CI's stack (tests/services/test_fuzz.py)
+
+``--tiny``: the stack of the CI test instead (router, drafter and verifier services in this
+process, a tiny random model over ``CharCodec``, grammars served): every code path but the
+real tokenizer's, fast enough for many thousands of cases.
 
 Writes ``--out``/fuzz.json (outcomes, failures with what was sent) and prints a summary;
 exit status 1 when a case failed or a service stopped serving.
@@ -28,6 +33,32 @@ import time
 from pathlib import Path
 
 
+class TinyStack:
+    """The CI test's stack in this process (``tests/services/test_fuzz.py``), with the face of
+    ``Services``: ``address``, ``http_url``, ``proc.poll()``, ``stop()``."""
+
+    def __init__(self):
+        import functools
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support
+        from specmesh.cli.stack import LocalStack
+        from specmesh.drafters import PromptLookupDrafter, SuffixDrafter
+        from specmesh.serving.openai_http import start_http
+        from tests.support import TRACED_SETTINGS, CharCodec, V, settings, tiny_grammar_verifier
+
+        kw = dict(TRACED_SETTINGS, model="tiny-test-model", max_seq_len=512, max_prompt_tokens=400, max_new_tokens=16)
+        self.stack = LocalStack([lambda: tiny_grammar_verifier(max_seq_len=512)], CharCodec(), V,
+                                settings=functools.partial(settings, kw),
+                                drafters={"prompt_lookup": PromptLookupDrafter, "suffix": SuffixDrafter})
+        self.http = start_http(self.stack.rs, self.stack.address, port=0)
+        self.address, self.http_url = self.stack.address, self.http.url
+        self.proc = type("Alive", (), {"poll": staticmethod(lambda: None)})
+
+    def stop(self) -> None:
+        self.http.stop()
+        self.stack.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -36,6 +67,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=68)
     ap.add_argument("--doors", default="http,grpc")
     ap.add_argument("--out", default="bench-out/fuzz")
+    ap.add_argument("--tiny", action="store_true", help="the CI test's in-process tiny stack, not specmesh serve")
     args = ap.parse_args()
 
     from specmesh.cli.bench import fuzz
@@ -43,12 +75,14 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    extra = ["--model", args.model, "--max-new-tokens-limit", "16", "--max-prompt-tokens", "1500",
-             "--max-sessions-per-client", "64"]
+    # generation capped (a case costs a fraction of a second); refusals cost milliseconds
+    extra = ["--model", args.model, "--max-new-tokens-limit", "8", "--default-max-new-tokens", "4",
+             "--max-prompt-tokens", "1500", "--max-sessions-per-client", "64"]
     t0 = time.time()
-    srv = Services(args.dtype, 8, out / "serve.log", http_port=_free_port(), extra=extra)
+    srv = TinyStack() if args.tiny else Services(args.dtype, 8, out / "serve.log", http_port=_free_port(), extra=extra)
     base = srv.http_url.removesuffix("/v1")
-    report: dict = {"model": args.model, "dtype": args.dtype, "seed": args.seed, "cases": args.cases}
+    report: dict = {"model": "tiny (CharCodec)" if args.tiny else args.model, "dtype": args.dtype, "seed": args.seed,
+                    "cases": args.cases}
     try:
         doors = args.doors.split(",")
         if "http" in doors:

@@ -169,7 +169,10 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     if acceptance is not None:
         sp.acceptance = acceptance
     for k, v in (acceptance_params or {}).items():
-        setattr(sp, k, v)  # an unknown name raises AttributeError before anything is sent
+        try:
+            setattr(sp, k, v)  # an unknown name raises AttributeError before anything is sent
+        except (TypeError, ValueError) as e:  # a value of the wrong type: the field's refusal, not a crash
+            raise InvalidArgumentError(f"sampling.{k}: {e} (got {v!r})") from None
     req = router_pb2.GenerateRequest(prompt=prompt or "", messages=messages_to_proto(messages), strategy=strategy,
                                      drafter=drafter, sampling=sp, raw_prompt=raw_prompt,
                                      conversation_id=conversation_id, reasoning=reasoning, draft_ahead=draft_ahead,

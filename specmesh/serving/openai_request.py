@@ -349,7 +349,8 @@ def _tools(fields: dict, kw: dict) -> None:
     choice = fields.get("tool_choice")
     if choice is not None:
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            fn = choice.get("function") if choice.get("type") == "function" else None
+            name = fn.get("name") if isinstance(fn, dict) else None
             if not isinstance(name, str):
                 raise bad("tool_choice", "an object names a function: {\"type\": \"function\", \"function\": "
                           "{\"name\": ...}}")
@@ -404,8 +405,9 @@ def _processors(b: _Body, fields: dict, kw: dict, params: dict) -> None:
             raise bad("prediction", "must be {\"type\": \"content\", \"content\": ...}")
         c = pred.get("content")
         if isinstance(c, list):  # content parts
-            if not all(isinstance(x, dict) and x.get("type") == "text" for x in c):
-                raise bad("prediction", "content parts must be text parts")
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text", ""), str)
+                       for x in c):
+                raise bad("prediction", "content parts must be text parts ({\"type\": \"text\", \"text\": ...})")
             c = "".join(x.get("text", "") for x in c)
         if not isinstance(c, str):
             raise bad("prediction", "content must be a string or text parts")
