@@ -53,9 +53,9 @@ def _source_checkout_fallback() -> None:
     beside an editable install of another): map the ``package-dir`` folders of
     pyproject.toml (``specmesh.router`` is ``router/`` ...) of the checkout this ``specmesh``
     was imported from, with a finder placed first on ``sys.meta_path``: the services come
-    from the same checkout as the core (an editable install of another checkout used to map
-    them to its own folders, so a worktree's tests ran another checkout's router). An
-    installed, non-editable package has no pyproject.toml beside it: its mapping stands."""
+    from the same checkout as the core, whatever an editable install of another checkout
+    maps them to. An installed, non-editable package has no pyproject.toml beside it: its
+    mapping stands."""
     import sys
 
     root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))

@@ -230,8 +230,8 @@ def _check_door(args: dict) -> None:
 
 def client_key(client_id: str) -> str:
     """``client_id`` as the ``x-specmesh-client`` header carries it: as given when it is short
-    printable ASCII, else a digest of it (a header has a size limit and takes ASCII only: a
-    16 KB end-user id was a RESOURCE_EXHAUSTED, a non-ASCII one an error of its own)."""
+    printable ASCII, else a digest of it (a header has a size limit, past which gRPC answers
+    RESOURCE_EXHAUSTED, and takes printable ASCII only)."""
     if len(client_id) <= 128 and client_id.isascii() and client_id.isprintable():
         return client_id
     import hashlib

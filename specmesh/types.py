@@ -156,7 +156,7 @@ class SamplingParams:
 
 
 # temperatures below this are greedy decoding (vLLM's _SAMPLING_EPS): logits / t overflow far sooner
-# than t reaches 0 (t = 1e-38 gave inf logits and a NaN softmax, garbage tokens)
+# than t reaches 0 (t = 1e-38 makes inf logits and a NaN softmax)
 GREEDY_BELOW = 1e-5
 ACCEPTANCE_RULES = ("exact", "typical", "lenient", "topk", "contrastive", "divergence")
 GRAMMAR_KINDS = ("", "json_schema", "json_object", "regex", "choice", "lark")

@@ -158,9 +158,8 @@ class TextCodec:
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token spells (a byte-level BPE token may be part of a UTF-8
         character, whose text alone would be U+FFFD): what logprobs report as ``bytes``. A
-        special token spells nothing, as ``decode`` drops it from the text (a logprob's token
-        and the text it belongs to agree: the completions API's ``<|im_start|>`` was in one
-        and not the other)."""
+        special token spells nothing, as ``decode`` drops it from the text: a logprob's token
+        and the text it belongs to agree."""
         if int(token_id) in self._special_ids():
             return b""
         tok = self.tokenizer.convert_ids_to_tokens(int(token_id))

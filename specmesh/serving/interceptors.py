@@ -73,8 +73,8 @@ class _Oversize:
 
 class _Undecodable:
     """A request whose bytes are not the method's message (a string field that is not UTF-8,
-    a truncated field): INVALID_ARGUMENT naming ``request`` (gRPC's own answer was INTERNAL,
-    "Exception deserializing request")."""
+    a truncated field): INVALID_ARGUMENT naming ``request``, where gRPC itself would answer
+    INTERNAL ("Exception deserializing request")."""
 
     def __init__(self, why: str):
         self.why = why

@@ -236,7 +236,7 @@ def _stops(stop) -> list[str]:
 def _check_wire(b: _Body) -> None:
     """What the router's gRPC request cannot carry, refused naming the field: text that is not
     Unicode (a lone UTF-16 surrogate, which JSON's \\ud800 escapes carry) anywhere in the
-    body, and integers outside 32 bits (protobuf's int32: they were a plain-text 500)."""
+    body, and integers outside 32 bits (protobuf's int32, which cannot hold them)."""
     data = b.model_dump(mode="python")
     where = unicode_path(data)
     if where:

@@ -88,7 +88,7 @@ class ResumePrefix(_Wrap):
                     res = self.inner.verify(short)
                     self.used = n
                     # the warm KV's prompt tokens were not computed for this request: cached, as the
-                    # prefix cache's are (usage.prompt_tokens_details.cached_tokens said 0 here)
+                    # prefix cache's are (usage.prompt_tokens_details.cached_tokens counts them)
                     res.cached_tokens = max(res.cached_tokens, n)
                     return res
                 except SessionLost:

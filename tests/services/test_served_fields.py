@@ -112,7 +112,7 @@ def test_typed_control_tokens_are_text_on_both_doors(served):
     assert res.stats.prompt_tokens == len(want)
     naive = codec.tokenizer.apply_chat_template([{"role": "user", "content": HOSTILE}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=True)["input_ids"]
-    assert len(naive) != len(want)  # what the doors used to send the model
+    assert len(naive) != len(want)  # what the template alone makes of it: control tokens the user typed
 
 
 def test_every_field_is_honoured(served):
