@@ -404,7 +404,8 @@ class DecodeStream:
         if self.granted >= total:
             self._requests.put(None)
         self.call = stub.Decode(iter(self._requests.get, None), timeout=timeout, metadata=metadata)
-        self._unhook = calls.on_cancel(self.cancel) if calls is not None else (lambda: None)
+        self._unhook = lambda: None  # set before on_cancel: a generation cancelled already cancels at once
+        self._unhook = calls.on_cancel(self.cancel) if calls is not None else self._unhook
 
     def __next__(self):
         resp = next(self.call)

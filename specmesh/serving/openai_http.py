@@ -282,11 +282,15 @@ class Api:
                 await g.aclose()
             raise
         if not job.stream:
+            tasks = [asyncio.ensure_future(_drain(g)) for g in gens]
             try:
-                await asyncio.gather(*[_drain(g) for g in gens])
+                await asyncio.gather(*tasks)
             except SpecmeshError as e:
                 raise from_specmesh(e, job.params) from None
-            finally:
+            finally:  # one choice failed: the others stop (a generator another task iterates cannot be closed)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 for g in gens:
                     await g.aclose()
             return JSONResponse(self._body(job, rid, created, runs))
