@@ -377,6 +377,7 @@ class Api:
             finally:
                 for t in tasks:
                     t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # stopped before their generators close
                 for g in gens:
                     await g.aclose()
 
