@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -121,6 +122,20 @@ def check(kind: str, text: str) -> None:
 
 def _fatal(e: BaseException) -> bool:
     return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+@contextmanager
+def guarded(what: str = "matched"):
+    """Whatever fails inside llguidance while matching (a panic of its Rust code is pyo3's
+    PanicException, a BaseException) raised as the request's ``GrammarError``."""
+    try:
+        yield
+    except GrammarError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - see _fatal
+        if _fatal(e):
+            raise
+        raise _failed(what, e) from None
 
 
 @lru_cache(maxsize=256)

@@ -591,7 +591,7 @@ class EngineVerifier:
         """The session's grammar matcher, synced with the committed output the request
         leaves (before any state changes: a committed output the grammar does not take is
         INVALID_ARGUMENT for this request alone)."""
-        from .grammar import GrammarError, Matcher
+        from .grammar import GrammarError, Matcher, guarded
 
         sp = req.sampling
         m = self.matchers.get(req.session_id)
@@ -601,7 +601,8 @@ class EngineVerifier:
             if m is None or m.key != (sp.grammar_kind, sp.grammar):
                 self.matchers.pop(req.session_id, None)
                 m = self.matchers[req.session_id] = Matcher(self._vocab(), sp.grammar_kind, sp.grammar)
-            ok = m.sync(tokens[req.prompt_len:])
+            with guarded():
+                ok = m.sync(tokens[req.prompt_len:])
         except GrammarError as e:
             self.matchers.pop(req.session_id, None)
             raise InvalidArgument("sampling.grammar", str(e)) from None
@@ -609,10 +610,11 @@ class EngineVerifier:
             raise InvalidArgument("sampling.grammar", "the session's committed output does not match its grammar")
 
     def _constrain(self, req: VerifyRequest, tree, extend: int):
-        from .grammar import GrammarError
+        from .grammar import GrammarError, guarded
 
         try:
-            return processors.constrain(self.matchers[req.session_id], tree, extend)
+            with guarded():
+                return processors.constrain(self.matchers[req.session_id], tree, extend)
         except GrammarError as e:  # past the matcher's limits at this token (a 400 naming the grammar)
             raise InvalidArgument("sampling.grammar", str(e)) from None
 

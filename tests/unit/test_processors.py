@@ -296,3 +296,19 @@ def test_a_grammar_past_the_matchers_limits_is_refused_naming_it_and_the_others_
     assert "too complex" in str(out[0])
     assert not isinstance(out[1], BaseException), out[1]  # the batch's other request is served
     assert (out[1].accepted + [out[1].next_token])[0] in (0, 2)  # in its language: "a" or "c" first
+
+
+def test_a_failure_inside_the_matcher_is_the_grammars_refusal():
+    """A panic inside llguidance (pyo3's PanicException derives from BaseException) is the
+    request's GrammarError, not a crash of the verifier's batch."""
+    from specmesh.grammar import GrammarError, guarded
+
+    class PanicException(BaseException):
+        pass
+
+    with pytest.raises(GrammarError, match="PanicException"):
+        with guarded():
+            raise PanicException("index out of bounds")
+    with pytest.raises(KeyboardInterrupt):
+        with guarded():
+            raise KeyboardInterrupt
