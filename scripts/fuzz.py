@@ -76,10 +76,11 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # generation capped (a case costs a fraction of a second); refusals cost milliseconds
-    extra = ["--model", args.model, "--max-new-tokens-limit", "8", "--default-max-new-tokens", "4",
-             "--max-prompt-tokens", "1500", "--max-sessions-per-client", "64"]
+    extra = ["--model", args.model, "--max-new-tokens-limit", "8", "--max-prompt-tokens", "1500",
+             "--max-sessions-per-client", "64"]
     t0 = time.time()
-    srv = TinyStack() if args.tiny else Services(args.dtype, 8, out / "serve.log", http_port=_free_port(), extra=extra)
+    srv = TinyStack() if args.tiny else Services(args.dtype, 8, out / "serve.log", http_port=_free_port(), extra=extra,
+                                                 env={"SPECMESH_DEFAULT_MAX_NEW_TOKENS": "4"})
     base = srv.http_url.removesuffix("/v1")
     report: dict = {"model": "tiny (CharCodec)" if args.tiny else args.model, "dtype": args.dtype, "seed": args.seed,
                     "cases": args.cases}
