@@ -106,6 +106,11 @@ class PrefixReuse:
         self.index.attach(session, chain, salt)
         return self.store.load(slot, [b.id for b in chain], features)
 
+    def salted(self, session: str, salt: str) -> None:
+        """A new session that reuses nothing stores its blocks under ``salt`` all the same."""
+        self.frozen.discard(session)
+        self.index.attach(session, [], salt)
+
     def committed(self, session: str, slot: int, tokens: Sequence[int], length: int, features=None) -> None:
         """The slot holds the session's first ``length`` tokens (``tokens[:length]``)."""
         if session in self.frozen:

@@ -298,7 +298,7 @@ class EngineVerifier:
         prefix under ``salt`` (all but the last token at most) copied into its slot; returns
         its length. The session stores its blocks under ``salt`` (its tenant) from now on."""
         if self.prefix is not None and len(tokens) < 2:
-            self.prefix.index.attach(session_id, [], salt)  # nothing to reuse; it still grows under its salt
+            self.prefix.salted(session_id, salt)  # nothing to reuse; it still stores under its salt
         if self.prefix is None or len(tokens) < 2:
             return 0
         n = self.prefix.reuse(session_id, slot, tokens, self.features, salt)
