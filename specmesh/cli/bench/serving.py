@@ -144,8 +144,9 @@ def _up(url: str) -> bool:
         return False
 
 
-def start(system: str, args, out: Path, extra: Sequence[str] = ()):
-    """(the server, its /v1 URL, the model name to send); ``extra``: more ``specmesh serve`` flags."""
+def start(system: str, args, out: Path, extra: Sequence[str] = (), env: Optional[dict] = None):
+    """(the server, its /v1 URL, the model name to send); ``extra``: more ``specmesh serve`` flags,
+    ``env``: more variables for it."""
     if system == "llamacpp":
         from ...models.loading import resolve_model
         from .peers import gguf_path
@@ -162,7 +163,7 @@ def start(system: str, args, out: Path, extra: Sequence[str] = ()):
         flags += ["--prefix-cache", "false", "--prefill-chunk", "0"]
     # a loaded machine may take minutes over a burst of long prompts: no router deadline cuts a request short
     srv = Services(args.dtype, 8, out / f"{system}.log", http_port=_free_port(), extra=flags,
-                   env={"SPECMESH_VERIFIER_TIMEOUT_S": "900"})
+                   env=dict({"SPECMESH_VERIFIER_TIMEOUT_S": "900"}, **(env or {})))
     return srv, srv.http_url, args.model
 
 

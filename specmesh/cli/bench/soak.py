@@ -74,8 +74,12 @@ def run_soak_served(args, texts, start, out: Path) -> dict:
 
     n, seeded = args.soak_serve, min(args.soak_seeded, args.soak_serve)
     convs = [conversation(texts, k) for k in range(n)]
-    # a small cache that fills early and evicts all along (a slot of 2,048 positions: the budget's floor)
-    srv, url, model = start("ours", args, out, extra=["--prefix-cache-mib", str(args.soak_mib), "--max-seq-len", "2048"])
+    # a small cache that fills early and evicts all along (a slot of 2,048 positions: the budget's floor);
+    # generation capped so that the fuzzing client's cases (n up to 8, any max_tokens) cost what an honest
+    # turn does, not minutes
+    srv, url, model = start("ours", args, out, extra=["--prefix-cache-mib", str(args.soak_mib), "--max-seq-len", "2048",
+                                                      "--max-new-tokens-limit", str(2 * args.soak_tokens)],
+                            env={"SPECMESH_DEFAULT_MAX_NEW_TOKENS": str(args.soak_tokens)})
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=900)
     base = url.removesuffix("/v1")
     res: dict = {"conversations": n, "seeded": seeded, "tokens": args.soak_tokens, "budget_mib": args.soak_mib,
