@@ -13,7 +13,7 @@ front on loopback (slow):
 - bad input is a 400 naming the field (int32 overflow, lone surrogates, a grammar past the
   matcher's limits), a 16 KB ``user`` is served, a temperature of 1e-38 is greedy;
 - seeds: a smaller run of ``specmesh.cli.bench.seeds.repeat_seeded`` (2 repeats of 3
-  prompts, ``n`` 1 and 4, cache cold and warm, 3 streams beside them) under ``auto``.
+  prompts, ``n`` 1 and 4, cache cold and warm, 2 streams beside them) under ``auto``.
 """
 
 from __future__ import annotations
@@ -172,6 +172,6 @@ def test_a_long_user_is_served_and_a_tiny_temperature_is_greedy(served):
 def test_seeded_requests_repeat_under_auto_beside_other_streams(served):
     from specmesh.cli.bench.seeds import PROMPTS, repeat_seeded
 
-    res = repeat_seeded(served.oa, MODEL, repeats=2, prompts=PROMPTS[:3], choices=4, background=3, max_tokens=24)
+    res = repeat_seeded(served.oa, MODEL, repeats=2, prompts=PROMPTS[:3], choices=4, background=2, max_tokens=16)
     assert res["background_errors"] == [] and res["background_requests"] > 0
     assert res["all_identical"], res["prompts"]
