@@ -31,22 +31,30 @@ FLAT = 0.05  # RSS growth after the warm-up that still counts as flat
 
 def tree_rss(pid: int) -> int:
     """Resident bytes of a process and all its descendants (Linux /proc)."""
-    total, todo, seen = 0, [pid], set()
+    return sum(tree_parts(pid).values())
+
+
+def tree_parts(pid: int) -> dict:
+    """Resident bytes of a process and each descendant, by name (``serve``, ``serve verifier``, ...)."""
+    out, todo, seen = {}, [pid], set()
     while todo:
         p = todo.pop()
         if p in seen:
             continue
         seen.add(p)
         try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            args = [a.decode(errors="replace") for a in cmd]
+            name = " ".join(args[args.index("serve"):args.index("serve") + 2]) if "serve" in args else str(p)
+            name = name if name.split()[-1] in ("serve", "drafter", "verifier", "router", "openai") else "serve"
             for ln in Path(f"/proc/{p}/status").read_text().splitlines():
                 if ln.startswith("VmRSS:"):
-                    total += int(ln.split()[1]) * 1024
+                    out[name] = out.get(name, 0) + int(ln.split()[1]) * 1024
             for t in Path(f"/proc/{p}/task").iterdir():
-                kids = (t / "children").read_text().split()
-                todo += [int(k) for k in kids]
-        except OSError:
+                todo += [int(k) for k in (t / "children").read_text().split()]
+        except (OSError, ValueError):
             continue
-    return total
+    return out
 
 
 def conversation(texts, k: int) -> list[dict]:
@@ -106,7 +114,7 @@ def run_soak_served(args, texts, start, out: Path) -> dict:
         order = list(range(seeded, n))
         for j, k in enumerate(range(seeded)):
             order.insert(min(len(order), (j + 1) * max(1, len(order) // (seeded + 1)) + j), k)
-        lock, done, errors, again, rss = threading.Lock(), [0], [], {}, []
+        lock, done, errors, again, rss, parts = threading.Lock(), [0], [], {}, [], []
         warm_at = max(1, n // 10)
         rss0: list = []
 
@@ -129,8 +137,10 @@ def run_soak_served(args, texts, start, out: Path) -> dict:
                 if c == warm_at:
                     rss0.append(tree_rss(srv.proc.pid))
                 if c % 25 == 0 or c == n:
-                    r = tree_rss(srv.proc.pid)
+                    by = tree_parts(srv.proc.pid)
+                    r = sum(by.values())
                     rss.append((c, r))
+                    parts.append((c, {k: round(v / 2 ** 20) for k, v in sorted(by.items())}))
                     print(f"  soak-serve {c}/{n}: rss {r / 2 ** 20:.0f} MiB, errors {len(errors)}, fuzz cases "
                           f"{sum(tally.cases.values())} failed {tally.failed}", file=sys.stderr, flush=True)
 
@@ -153,6 +163,7 @@ def run_soak_served(args, texts, start, out: Path) -> dict:
         res["rss_mib"] = [(c, round(r / 2 ** 20, 1)) for c, r in rss]
         res["rss_warm_mib"] = round(base_rss / 2 ** 20, 1)
         res["rss_growth"] = (rss[-1][1] - base_rss) / base_rss if rss and base_rss else None
+        res["rss_by_process_mib"] = parts
         res["fuzz"] = tally.to_dict()
         res["not_serving"] = fuzz.still_serving(base, srv.address)
     finally:
