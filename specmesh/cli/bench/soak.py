@@ -11,8 +11,12 @@
   ``/openapi.json`` and Hypothesis ``GenerateRequest`` cases on the router, back to back
   until the conversations end (``specmesh.cli.bench.fuzz``), every case judged;
 - memory: the resident set of ``specmesh serve``'s process tree (the supervisor, router,
-  drafter, verifier and front), sampled every 25 conversations; flat means the last sample
-  within 5% of the one after the warm-up (the first 10% of the conversations: the prefix
+  drafter, verifier and front), by process, sampled every 25 conversations; flat means the
+  last sample within 5% of the one after the warm-up. The warm-up: first the server's
+  capacity is touched once (``warm_capacity``: a prompt of the longest length allowed in
+  every KV slot, plain and through the model drafters: their KV buffers are mapped lazily,
+  resident as positions are first written, so the first long prompts raise the RSS by up to
+  slots x positions x a position's KV), then the first 10% of the conversations (the prefix
   cache, ``--soak-mib``, full and evicting by then).
 
 Knows nothing about models beyond the texts it cuts; speaks HTTP and gRPC.
@@ -57,6 +61,26 @@ def tree_parts(pid: int) -> dict:
     return out
 
 
+def warm_capacity(client, model: str, texts, slots: int, prompt_tokens: int) -> None:
+    """Touch the server's lazily mapped capacity once: ``slots`` concurrent requests of a
+    ``prompt_tokens``-token prompt, plainly and through each model drafter (the draft LM, the
+    block drafter on the drafter service and in the verifier), two tokens each."""
+    def one(k: int, extra: dict) -> None:
+        try:
+            client.completions.create(model=model, prompt=texts.piece(prompt_tokens), max_tokens=2, temperature=0,
+                                      extra_body=extra)
+        except Exception as e:  # noqa: BLE001 - a drafter this server lacks: that capacity is not there
+            print(f"  warm-up {extra}: {type(e).__name__}", file=sys.stderr, flush=True)
+
+    for extra in ({"strategy": "autoregressive"}, {"strategy": "external", "drafter": "draft_lm"},
+                  {"strategy": "external", "drafter": "block_tree"}, {"strategy": "self"}):
+        threads = [threading.Thread(target=one, args=(k, extra)) for k in range(slots)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
 def conversation(texts, k: int) -> list[dict]:
     return [{"role": "system", "content": f"Conversation {k}. You are a concise assistant. " + texts.piece(60)},
             {"role": "user", "content": texts.piece(50) + "\nWhat is this about?"}]
@@ -94,6 +118,8 @@ def run_soak_served(args, texts, start, out: Path) -> dict:
                  "concurrency": args.soak_concurrency}
     t0 = time.perf_counter()
     try:
+        warm_capacity(client, model, texts, 8, 1800)  # the prompt limit is 2,000 tokens (bench-serving's start)
+        res["capacity_warm_mib"] = round(tree_rss(srv.proc.pid) / 2 ** 20, 1)
         quiet = {k: talk(client, model, convs[k], args.soak_tokens, 1000 + k) for k in range(seeded)}
         res["quiet_seconds"] = round(time.perf_counter() - t0)
         stop = threading.Event()
