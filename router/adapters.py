@@ -404,7 +404,8 @@ class DecodeStream:
         if self.granted >= total:
             self._requests.put(None)
         self.call = stub.Decode(iter(self._requests.get, None), timeout=timeout, metadata=metadata)
-        self._unhook = calls.on_cancel(self.cancel) if calls is not None else (lambda: None)
+        self._unhook = lambda: None  # set before on_cancel: a generation cancelled already cancels at once
+        self._unhook = calls.on_cancel(self.cancel) if calls is not None else self._unhook
 
     def __next__(self):
         resp = next(self.call)
@@ -468,6 +469,7 @@ class RemoteVerifier:
         self.stop_ids = list(stop_ids)
         self._stream: Optional[DecodeStream] = None
         self.conversation = ""  # the generation's conversation id (routing: it stays on its replica)
+        self.cache_salt = ""  # the generation's prefix-cache tenant key (sent with every call)
         self._kv: list[int] = []  # the tokens the replica's KV holds (recorded for routing when it ends)
 
     def _pin(self, session_id: str, avoid: Sequence[Peer] = (), tokens: Sequence[int] = ()) -> Peer:
@@ -519,6 +521,7 @@ class RemoteVerifier:
             self.reprefills += 1
         self._calls += 1
         msg = convert.verify_request_to_proto(req)
+        msg.cache_salt = self.cache_salt
         if self.features is not None:
             msg.feature_layers[:] = self.features.layers
         give_up, wait = time.monotonic() + self.retry_s, 0.05
@@ -566,7 +569,7 @@ class RemoteVerifier:
             msg = verifier_pb2.DecodeRequest(
                 session_id=req.session_id, sync=convert.sync_to_proto(req.keep_len, req.append_tokens),
                 sampling=convert.sampling_to_proto(req.sampling), stop_ids=self.stop_ids,
-                want_entropy=req.want_entropy, jump_forward=req.jump_forward)
+                want_entropy=req.want_entropy, jump_forward=req.jump_forward, cache_salt=self.cache_salt)
             if req.prompt_len >= 0:
                 msg.prompt_len = req.prompt_len
             if self.decode_self is not None:  # drafts capped near the end as the loop caps them
@@ -651,11 +654,12 @@ def seed_cache(peer: Peer, cache_id: str, texts: Sequence[Sequence[int]], ttl_s:
 
 
 def prefill_session(peer: Peer, session_id: str, calls: Calls, timeout_s: float, tokens: Sequence[int] = (),
-                    fork_from: str = "", fork_len: int = 0) -> int:
-    """Open ``session_id`` on a verifier replica with ``tokens`` prefilled, or as a fork
-    of ``fork_from``'s first ``fork_len`` KV positions; returns its cache length."""
+                    fork_from: str = "", fork_len: int = 0, cache_salt: str = "") -> int:
+    """Open ``session_id`` on a verifier replica with ``tokens`` prefilled (its prefix cache
+    blocks under ``cache_salt``), or as a fork of ``fork_from``'s first ``fork_len`` KV
+    positions; returns its cache length."""
     req = verifier_pb2.PrefillRequest(session_id=session_id, tokens=list(tokens), fork_from=fork_from,
-                                      fork_len=fork_len)
+                                      fork_len=fork_len, cache_salt=cache_salt)
     return peer.stub.Prefill(req, timeout=timeout_s, metadata=calls.metadata).cache_len
 
 

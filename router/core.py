@@ -42,16 +42,17 @@ It knows nothing about protos or servers; tokenization goes through ``codec``
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 from specmesh.ahead import check_mode
 from specmesh.observability.requests import RouterObserver
 from specmesh.observability.throughput import ThroughputLog
-from specmesh.wire.convert import RouterStats
+from specmesh.wire.convert import MAX_SESSION_ID, RouterStats, check_salt
 from specmesh.serving import limits
 from specmesh.serving.settings import ServeSettings
 from specmesh.strategies.ssr import reasoning_messages
@@ -61,12 +62,13 @@ from .adapters import CancelFlag, Calls, GenerationCancelled, drafter_failure
 from .readiness import Readiness
 from .replicas import Peer, ReplicaSet
 from .strategies import (EXTERNAL_DRAFTERS, FEATURE_DRAFTERS, SELF_DRAFTERS, STRATEGIES,  # noqa: F401
-                         Collaborators, Strategies)
+                         Collaborators, Strategies, scoped_conversation, tenant_key)
 
 log = logging.getLogger("specmesh.router")
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings per request, characters per stop string
+NAME = re.compile(r"[^\s<|\\/>]{1,64}")  # a message's participant name (OpenAI's pattern, and its length)
 
 
 @dataclass
@@ -91,6 +93,7 @@ class GenerateSpec:
     tools: list = field(default_factory=list)  # specmesh.tools.Tool the model may call
     tool_choice: str = ""  # "" | auto | none | required | function:NAME
     parallel_tool_calls: bool = True
+    cache_salt: str = ""  # the prefix cache's tenant (vLLM's cache_salt; "" = the shared cache)
 
 
 @dataclass
@@ -154,6 +157,7 @@ class Plan:
     prediction: tuple[int, ...] = ()  # predicted output tokens (drafted through a lookup drafter)
     parse_tools: bool = False  # the output's tool calls are parsed (tools given, tool_choice not none)
     tool_names: tuple = ()  # the request's tools (a reply that is one untagged call of one is that call)
+    cache_salt: str = ""  # the tenant's key in the verifiers' prefix cache (``strategies.tenant_key``)
 
 
 class TextStream:
@@ -321,8 +325,14 @@ class Router:
         for i, m in enumerate(spec.messages or []):
             if m.get("role") not in ROLES:
                 raise InvalidArgument("messages", f"entry {i} has role {m.get('role')!r}; use one of {list(ROLES)}")
+            if m.get("name") and not NAME.fullmatch(m["name"]):
+                raise InvalidArgument("messages", f"entry {i}: name must be 1-64 characters without whitespace or "
+                                      f"any of <|\\/> (OpenAI's rule), got {m['name'][:80]!r}")
         chars = len(spec.prompt) + sum(len(m.get("content") or "") for m in spec.messages or [])
         self.limits.check_chars(chars)  # cheap guard before tokenizing
+        named = getattr(self.codec, "named", None)
+        if spec.messages and named is not None:  # participant names where the model reads them (before the
+            spec = replace(spec, messages=named(spec.messages))  # tool rendering, which keeps only the text)
         if reasoning and not spec.raw_prompt:  # system instruction + an opened thinking section
             msgs = reasoning_messages(spec.messages or [{"role": "user", "content": spec.prompt}])
             ids = list(self.codec.encode(None, msgs)) + list(self.runner.think_format().open_ids)
@@ -345,8 +355,6 @@ class Router:
 
     def _tools(self, spec: GenerateSpec) -> GenerateSpec:
         """Validate the tools; ``required`` or a named function becomes the request's grammar."""
-        from dataclasses import replace
-
         from specmesh import tools as tl
 
         if not spec.tools and not spec.tool_choice:
@@ -365,6 +373,9 @@ class Router:
     def plan(self, spec: GenerateSpec) -> Plan:
         """Validate every field (INVALID_ARGUMENT naming it); nothing changes."""
         self.runner.check(spec)
+        check_salt(spec.cache_salt)
+        # a tenant's conversation is its own: from here on the router knows it by its scoped id
+        spec = replace(spec, conversation_id=scoped_conversation(spec.conversation_id, spec.cache_salt))
         spec = self._tools(spec)
         if spec.draft_ahead:
             check_mode(spec.draft_ahead)
@@ -406,7 +417,7 @@ class Router:
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
                     draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None, prediction=prediction,
                     parse_tools=bool(spec.tools) and spec.tool_choice != "none",
-                    tool_names=tuple(t.name for t in spec.tools or ()))
+                    tool_names=tuple(t.name for t in spec.tools or ()), cache_salt=tenant_key(spec.cache_salt))
 
     def _check_processors(self, spec: GenerateSpec, reasoning: bool) -> None:
         """Logits processors, logprobs and grammars: the values the sampling cannot judge alone."""
@@ -599,12 +610,19 @@ class Router:
                  "default_drafter": defaults[k]} for k, v in STRATEGIES.items()]
 
     def anticipate(self, conversation_id: str, messages: list[dict], max_tokens: int = 0, next_turns: int = 0,
-                   wait: bool = False, timeout: Optional[float] = None) -> dict:
-        """Queue the idle conversation's anticipation (proactive strategy)."""
-        return self.runner.anticipate(conversation_id, messages, max_tokens, next_turns, wait, timeout)
+                   wait: bool = False, timeout: Optional[float] = None, cache_salt: str = "") -> dict:
+        """Queue the idle conversation's anticipation (proactive strategy), for the tenant
+        ``cache_salt`` (its generations with that salt find it)."""
+        if len(conversation_id.encode()) > MAX_SESSION_ID:
+            raise InvalidArgument("conversation_id", f"longer than {MAX_SESSION_ID} bytes")
+        check_salt(cache_salt)
+        d = self.runner.anticipate(scoped_conversation(conversation_id, cache_salt), messages, max_tokens, next_turns,
+                                   wait, timeout, tenant_key(cache_salt))
+        return dict(d, conversation_id=conversation_id)
 
-    def anticipation(self, conversation_id: str) -> Optional[dict]:
-        return self.runner.anticipation(conversation_id)
+    def anticipation(self, conversation_id: str, cache_salt: str = "") -> Optional[dict]:
+        d = self.runner.anticipation(scoped_conversation(conversation_id, cache_salt))
+        return None if d is None else dict(d, conversation_id=conversation_id)
 
     def close(self) -> None:
         self.readiness.stop()

@@ -38,7 +38,8 @@ def spec_from_proto(m: router_pb2.GenerateRequest) -> GenerateSpec:
         resume=Resume(list(m.resume.token_ids), m.resume.text_chars, m.resume.session_id)
         if m.HasField("resume") else None, draft_ahead=m.draft_ahead, prediction=m.prediction,
         tools=convert.tools_from_proto(m.tools), tool_choice=m.tool_choice,
-        parallel_tool_calls=m.parallel_tool_calls if m.HasField("parallel_tool_calls") else True)
+        parallel_tool_calls=m.parallel_tool_calls if m.HasField("parallel_tool_calls") else True,
+        cache_salt=m.cache_salt)
 
 
 def logprobs_to_proto(lps) -> list:
@@ -90,11 +91,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def Anticipate(self, request, context):
         d = self.router.anticipate(request.conversation_id, convert.messages_from_proto(request.messages) or [],
-                                   request.max_tokens, request.next_turns, request.wait, time_left(context))
+                                   request.max_tokens, request.next_turns, request.wait, time_left(context),
+                                   request.cache_salt)
         return anticipation_to_proto(d)
 
     def GetAnticipation(self, request, context):
-        d = self.router.anticipation(request.conversation_id)
+        d = self.router.anticipation(request.conversation_id, request.cache_salt)
         if d is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"conversation_id: no anticipation for "
                           f"{request.conversation_id!r}")

@@ -34,10 +34,11 @@ work stops at its next round. Knows nothing about protos or servers.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional, Sequence
 
 from specmesh.ahead import OverlapPolicy
@@ -113,6 +114,24 @@ def default_self_drafter(available) -> str:
     return "layerskip"
 
 
+def tenant_key(cache_salt: str) -> str:
+    """The prefix cache's key of a request's tenant (``GenerateRequest.cache_salt``): a
+    digest, so the verifiers hold no client's salt (a user id, say) and every key has one
+    size; "" for none (the shared cache)."""
+    if not cache_salt:
+        return ""
+    return hashlib.sha256(b"specmesh-cache-salt\0" + cache_salt.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def scoped_conversation(conversation_id: str, cache_salt: str) -> str:
+    """A conversation id as the router keys it: its tenant's own (two tenants naming the same
+    id share no anticipation, warm KV, draft cache or measurements); unchanged without a salt."""
+    if not conversation_id or not cache_salt:
+        return conversation_id
+    return "t:" + hashlib.sha256(f"{tenant_key(cache_salt)}/{conversation_id}".encode("utf-8", "surrogatepass")
+                                 ).hexdigest()[:40]
+
+
 def jump_forward(plan) -> bool:
     """A grammar's forced tokens are free drafts for every strategy but plain decoding
     asked for by name (the baseline); auto's plain decoding keeps them."""
@@ -165,17 +184,17 @@ class RemoteBackend:
     def encode(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         if generation_prompt:
             return list(self.parts.codec.encode(None, messages))
-        enc = self.parts.codec.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
-                                                              return_dict=True)
-        return list(enc["input_ids"])
+        return list(self.parts.codec.chat_ids(messages, add_generation_prompt=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.parts.codec.decode(list(ids))
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str) -> Iterator[list[int]]:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str,
+                 cache_salt: str = "") -> Iterator[list[int]]:
         r = self.parts
         calls = self._calls()
         verifier = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
+        verifier.cache_salt = cache_salt  # idle work is cached for the conversation's tenant only
         drafter = RemoteDrafter(r.drafter, "prompt_lookup", calls, drafter_timeout(r.s)) if _drafter_up(r) else None
         return speculative_generate(drafter, verifier, prompt_ids, max_new_tokens=max_new_tokens,
                                     stop_ids=self.stop_ids, session_id=session_id, budget=AdaptiveBudget(8))
@@ -183,14 +202,14 @@ class RemoteBackend:
     def seed(self, cache: str, texts: list[list[int]], ttl_s: float, replace: bool) -> None:
         seed_cache(self.parts.drafter, cache, texts, ttl_s, replace, self._calls(), drafter_timeout(self.parts.s) * 5)
 
-    def warm(self, session_id: str, tokens: list[int]) -> Optional[str]:
+    def warm(self, session_id: str, tokens: list[int], cache_salt: str = "") -> Optional[str]:
         r = self.parts
         if len(tokens) >= r.s.max_seq_len:
             return None
         peer = r.replicas.pin(session_id)
         r.replicas.unpin(peer)  # the next turn's generation pins it (RemoteVerifier.prefer)
         try:
-            prefill_session(peer, session_id, self._calls(), r.s.verifier_timeout_s, tokens)
+            prefill_session(peer, session_id, self._calls(), r.s.verifier_timeout_s, tokens, cache_salt=cache_salt)
         except Exception as e:  # noqa: BLE001 - warming is an optimisation
             log.info("warming %s failed: %s", session_id, e)
             return None
@@ -235,7 +254,9 @@ class Run:
                 budget=self.policy(), self_draft=p.self_draft, on_drafter_error=on_drafter_error,
                 max_new_limit=s.max_new_tokens, round_scope=round_scope, draft_ahead=self.owner.overlap(p),
                 draft_first=p.strategy == "proactive" or bool(p.prediction),  # cached / predicted text at once
-                on_logprobs=on_logprobs, jump_forward=jump_forward(p)), stats=stats)
+                on_logprobs=on_logprobs, jump_forward=jump_forward(p),
+                # auto: one-hot drafts, so a seeded output is plain sampling's whatever auto picks and measures
+                one_hot_drafts=p.reason.startswith("auto")), stats=stats)
         fmt = self.owner.think_format()
         kw = {}
         if p.strategy == "ssr":
@@ -261,6 +282,7 @@ class Run:
         r = self.owner.parts
         calls = self.verifier.calls
         v = RemoteVerifier(r.replicas, r.vocab_size, calls, r.s.verifier_retry_s)
+        v.cache_salt = self.verifier.cache_salt
         d = RemoteDrafter(r.drafter, THINK_DRAFTER, calls, drafter_timeout(r.s))
         self.side += [v, d]
         sid = f"{main_session}-side-{len(self.side)}"
@@ -300,7 +322,8 @@ class Run:
         if r.s.auto_anticipate and p.conversation_id and p.messages and not cancelled and _drafter_up(r):
             try:
                 self.owner.anticipator().submit(p.conversation_id,
-                                                p.messages + [{"role": "assistant", "content": text}])
+                                                p.messages + [{"role": "assistant", "content": text}],
+                                                cache_salt=p.cache_salt)
             except InvalidArgument as e:
                 log.info("auto-anticipation skipped: %s", e)
 
@@ -550,14 +573,16 @@ class Strategies:
                                    self.anticipation_ready(spec.conversation_id), up,
                                    self.layerskip_speedup(), block_drafter=auto.BLOCK_SELF in self.self_drafters(),
                                    in_verifier=self.hosted_drafters(), draft_model=self.draft_model() if up else "")
+            if not spec.sampling.greedy and f.layerskip_speedup is not None:
+                # layer-skip drafts sampled tokens with their distribution (rejection sampling); auto drafts
+                # one-hot only, so that a seeded output does not depend on its choice or the draft sizes
+                f = replace(f, layerskip_speedup=None)
             key = self.session_key(spec.conversation_id)
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
                 self.book.skip(key, c.switched_from)
             if spec.sampling.constrained:  # every choice of auto drafts the grammar's forced tokens too
-                from dataclasses import replace as _replace
-
-                c = _replace(c, reason=f"{c.reason}; grammar-forced tokens drafted free (jump-forward)")
+                c = replace(c, reason=f"{c.reason}; grammar-forced tokens drafted free (jump-forward)")
             if c.strategy == "external" and self.in_verifier(c.drafter):
                 return Resolved(c.strategy, f"{c.reason}; {c.drafter} drafted in the verifier", None, c.drafter)
             return Resolved(c.strategy, c.reason, c.drafter if c.strategy in ("external", "proactive", "ssr") else None,
@@ -590,6 +615,10 @@ class Strategies:
                 if spec.drafter not in ("", "cache"):
                     raise InvalidArgument("drafter", f"the {name} strategy drafts from its cache, got {spec.drafter!r}")
                 d = "cache"
+            if name == "external" and self.in_verifier(d) and getattr(spec, "prediction", ""):
+                # the prediction drafts in the router, the named drafter beside it where the output leaves
+                # the prediction: both here (a drafter in the verifier would draft instead of the prediction)
+                return Resolved(name, f"{reason}; {d} drafts in the router beside the prediction", d, None)
             if name == "external" and self.in_verifier(d):  # no hop a round: as a self drafter's rounds
                 return Resolved(name, f"{reason}; {d} drafted in the verifier", None, d)
             if r.drafter is None:
@@ -626,6 +655,7 @@ class Strategies:
                                   decode_after=1 if plain or plan.self_draft else DECODE_AFTER,
                                   decode_lead=0 if plain else DECODE_LEAD, decode_self=plan.self_draft or None)
         verifier.conversation = plan.conversation_id  # routing: a conversation stays on its replica
+        verifier.cache_salt = plan.cache_salt  # the prefix cache's tenant of every call
         drafter, loop_v, meter, resumed = None, verifier, None, None
         # the draft size follows the measured costs (AdaptiveBudget: drafting shrinks or stops where it
         # does not pay, alone or under load) unless the request pinned draft_budget, or samples (a fixed
@@ -635,7 +665,13 @@ class Strategies:
         key = self.session_key(plan.conversation_id, plan.client)
         alpha0 = self.book.initial_alpha(key, auto.label(plan.strategy, plan.drafter or plan.self_draft or ""))
 
-        if plan.drafter:
+        local = None  # a context-only drafter run here, beside a prediction, instead of in the verifiers
+        if plan.drafter and plan.prediction and plan.strategy == "external" and self.in_verifier(plan.drafter):
+            from specmesh.drafters import make_drafter
+
+            local = make_drafter(plan.drafter, **({"vocab_size": r.vocab_size} if plan.drafter == "adaptive_lookup"
+                                                  else {}))
+        elif plan.drafter:
             cid = ""
             if plan.strategy == "proactive":
                 cid = cache_id(plan.conversation_id)
@@ -651,7 +687,7 @@ class Strategies:
         if plan.prediction:
             from specmesh.drafters.prediction import PredictionDrafter
 
-            loop_d = predicted = PredictionDrafter(plan.prediction, fallback=drafter)
+            loop_d = predicted = PredictionDrafter(plan.prediction, fallback=drafter or local)
         if plan.strategy in ("proactive", "ssr") and loop_d is not None:
             loop_d = meter = CacheMeter(loop_d)  # outermost: counts what the verifier is sent
         if plan.strategy == "proactive" and self._anticipator is not None:
@@ -702,7 +738,9 @@ class Strategies:
 
     # ------------------------------------------------------------ anticipation API
     def anticipate(self, conversation_id: str, messages: list[dict], max_tokens: int = 0, next_turns: int = 0,
-                   wait: bool = False, timeout: Optional[float] = None) -> dict:
+                   wait: bool = False, timeout: Optional[float] = None, cache_salt: str = "") -> dict:
+        """``conversation_id`` as scoped by its tenant (``scoped_conversation``); ``cache_salt`` its
+        tenant key (``tenant_key``)."""
         if self.parts.drafter is None:
             raise InvalidArgument("conversation_id", "anticipation needs a drafter service and this router has none")
         if len(conversation_id.encode()) > convert.MAX_SESSION_ID:
@@ -713,7 +751,7 @@ class Strategies:
         limit = self.parts.s.max_prompt_tokens
         if messages and len(self.parts.codec.encode(None, messages)) > limit:
             raise InvalidArgument("messages", f"the conversation exceeds max_prompt_tokens {limit}")
-        e = self.anticipator().submit(conversation_id, messages, max_tokens, next_turns)
+        e = self.anticipator().submit(conversation_id, messages, max_tokens, next_turns, cache_salt)
         if wait:
             e.done.wait(timeout)
         return dict(e.summary(), accepted=True)

@@ -48,10 +48,14 @@ def user_omp_env() -> dict:
 
 
 def _source_checkout_fallback() -> None:
-    """Not installed, run from a source checkout (a bare GPU machine: ``scripts/device-check``
-    there, the repository root on ``sys.path``): map the ``package-dir`` folders of
-    pyproject.toml (``specmesh.router`` is ``router/`` ...) with a finder placed last on
-    ``sys.meta_path``, so an installed mapping (editable or not) always wins."""
+    """Run from a source checkout (a bare GPU machine: ``scripts/device-check`` there, the
+    repository root on ``sys.path``; or a second checkout, a git worktree, on ``PYTHONPATH``
+    beside an editable install of another): map the ``package-dir`` folders of
+    pyproject.toml (``specmesh.router`` is ``router/`` ...) of the checkout this ``specmesh``
+    was imported from, with a finder placed first on ``sys.meta_path``: the services come
+    from the same checkout as the core, whatever an editable install of another checkout
+    maps them to. An installed, non-editable package has no pyproject.toml beside it: its
+    mapping stands."""
     import sys
 
     root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
@@ -72,7 +76,7 @@ def _source_checkout_fallback() -> None:
             return spec_from_file_location(name, init, submodule_search_locations=[d]) \
                 if _os.path.isfile(init) else None
 
-    sys.meta_path.append(_SourceFolders())
+    sys.meta_path.insert(0, _SourceFolders())
 
 
 _source_checkout_fallback()

@@ -227,6 +227,54 @@ def rejection_chain(probs: torch.Tensor, draft: list[int], q: torch.Tensor,
     return Acceptance(list(range(k)), sample(probs[k].double(), float(u_sample[k])))
 
 
+def one_hot(tree: TokenTree) -> bool:
+    """No node carries a draft distribution beyond its own token: a deterministic draft
+    (lookups, suffix trees, caches, a prediction, fixed candidate trees, a model's argmax)."""
+    if tree.q_ids is None:
+        return True
+    return all(not ids or (len(ids) == 1 and int(ids[0]) == int(t)) for ids, t in zip(tree.q_ids, tree.tokens))
+
+
+def match_tree(row_probs, tree: TokenTree, u_at) -> Acceptance:
+    """Exact sampled verification of a one-hot draft, by matching the target's own draw.
+
+    At depth d (from the pending token) draw the target's token y = sample(p, u_at(d)),
+    p the row after the path accepted so far (``row_probs(row)``); descend into the first
+    child whose token is y; where none is, emit y. Every emitted token is the one plain
+    sampling draws at its position with the same uniform, so the output does not depend
+    on what was drafted or how the positions were split into rounds (seeded output is
+    reproducible under any draft schedule). A one-hot child x is accepted w.p. p(x) and a
+    node's children together w.p. sum p(x_i): what rejection sampling accepts one-hot
+    drafts with (for a tree, the recursive rule), so nothing is lost against it."""
+    kids = _children(tree)
+    path, cur, depth = [], -1, 0
+    while True:
+        y = sample(row_probs(_row(cur)), u_at(depth))
+        nxt = next((c for c in kids.get(cur, []) if tree.tokens[c] == y), None)
+        if nxt is None:
+            return Acceptance(path, y)
+        path.append(nxt)
+        cur = nxt
+        depth += 1
+
+
+def position_draws(seed: int, sampling: SamplingParams, committed: Optional[int]):
+    """d -> the uniform of the target's draw at depth d of a round with ``committed`` committed
+    tokens (``seeding.position_uniform``: keyed by the absolute position). Without the length
+    (a caller holding only the round seed ``seed``) depth 0 is still that round's draw and
+    deeper ones are keyed by (round seed, depth)."""
+    if committed is not None:
+        return lambda d: seeding.position_uniform(sampling.seed, committed + d)
+    return lambda d: seeding.first_uniform(seed if d == 0 else seeding.mix(seed, d))
+
+
+def _matched(rule: str, tree: TokenTree, sampling: SamplingParams) -> bool:
+    """Sampled, exact (or the exact rules on a contrastive target, or lenience 1, which is the
+    exact rule), a one-hot draft: matched."""
+    exact = rule in ("exact", "contrastive") or (rule == "lenient" and sampling.lenience == 1.0)
+    return not sampling.greedy and exact and one_hot(tree)
+
+
 # ---------------------------------------------------------------------------
 # relaxed (lossy, opt-in)
 
@@ -389,7 +437,10 @@ def _batchable(tree: TokenTree, sampling: SamplingParams) -> bool:
     rule and the other relaxed rules run on the host."""
     rule_ok = sampling.acceptance in ("exact", "contrastive") or (
         sampling.acceptance == "lenient" and not sampling.greedy)
-    return rule_ok and len(tree) > 0 and tree.siblings != SIBLINGS_WOR
+    # sampled one-hot drafts are matched against the target's own draws on the host (``match_tree``),
+    # the same computation as plain decoding's, so the two agree to the bit
+    return rule_ok and len(tree) > 0 and tree.siblings != SIBLINGS_WOR and not _matched(sampling.acceptance, tree,
+                                                                                         sampling)
 
 
 def _contrastive_inputs(logits: Sequence[torch.Tensor], samplings: Sequence[SamplingParams],
@@ -489,7 +540,8 @@ def _accept_group(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sa
 def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], samplings: Sequence[SamplingParams],
                  seeds: Sequence[int], batched: Optional[bool] = None, backend: str = "auto",
                  amateurs: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                 specialists: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[Acceptance]:
+                 specialists: Optional[Sequence[Optional[torch.Tensor]]] = None,
+                 committed: Optional[Sequence[Optional[int]]] = None) -> list[Acceptance]:
     """``accept`` for every request of one verify forward. ``batched`` (default: on
     when the logits are CUDA tensors): the exact rules of all greedy requests run as
     one kernel call and those of all sampled requests as another; the rest (empty
@@ -497,15 +549,18 @@ def accept_batch(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree], sam
     Same tokens as calling ``accept`` per request (same rules, same uniforms).
     ``amateurs[i]``: the amateur's logits for request i's rows (contrastive requests);
     ``specialists[i]``: the specialist's logits at request i's drafted positions
-    (divergence requests)."""
-    return accept_batch_reading(logits, trees, samplings, seeds, batched, backend, amateurs, specialists)[0]
+    (divergence requests); ``committed[i]``: request i's committed tokens, the pending one
+    included (keys its target draws by position: ``position_draws``)."""
+    return accept_batch_reading(logits, trees, samplings, seeds, batched, backend, amateurs, specialists,
+                                committed=committed)[0]
 
 
 def accept_batch_reading(logits: Sequence[torch.Tensor], trees: Sequence[TokenTree],
                          samplings: Sequence[SamplingParams], seeds: Sequence[int], batched: Optional[bool] = None,
                          backend: str = "auto", amateurs: Optional[Sequence[Optional[torch.Tensor]]] = None,
                          specialists: Optional[Sequence[Optional[torch.Tensor]]] = None,
-                         also: Optional[torch.Tensor] = None) -> tuple[list[Acceptance], list[float]]:
+                         also: Optional[torch.Tensor] = None,
+                         committed: Optional[Sequence[Optional[int]]] = None) -> tuple[list[Acceptance], list[float]]:
     """``accept_batch``, plus the values of ``also`` (a 1-D tensor on the logits' device,
     e.g. entropies the caller reports) read in the same host read as the batched
     decisions (one read for both; a read of its own when no request was batched)."""
@@ -520,7 +575,8 @@ def accept_batch_reading(logits: Sequence[torch.Tensor], trees: Sequence[TokenTr
             groups[samplings[i].greedy].append(i)
         else:
             out[i] = _accept_scores(logits[i], trees[i], samplings[i], seeds[i],
-                                    specialist=specialists[i] if specialists is not None else None)
+                                    specialist=specialists[i] if specialists is not None else None,
+                                    committed=committed[i] if committed is not None else None)
     vals: Optional[list[float]] = None
     for greedy, idx in groups.items():
         if idx:
@@ -557,21 +613,24 @@ def warm_up_kernels(device, vocab: int, max_nodes: int = 64, batch_sizes: Sequen
 
 def accept(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
            probs: Optional[torch.Tensor] = None, amateur: Optional[torch.Tensor] = None,
-           specialist: Optional[torch.Tensor] = None) -> Acceptance:
+           specialist: Optional[torch.Tensor] = None, committed: Optional[int] = None) -> Acceptance:
     """Apply the rule ``sampling`` asks for to [len(tree)+1, V] target logits.
     CUDA tensors go through the batched kernels (``accept_batch``: same uniforms, same
     tokens). ``contrastive`` needs ``amateur``, the amateur's logits for the same rows:
     the target becomes ``contrastive_logits(logits, amateur)`` and the exact rules apply
     to it (``probs``, if given, must then be the contrastive target's). ``divergence``
     needs ``specialist``, the specialist's [len(tree), V] logits at the drafted positions
-    of its chain (``divergence_chain``)."""
+    of its chain (``divergence_chain``). Sampled exact (and contrastive) verification of a
+    one-hot draft emits the target's own draws (``match_tree``), keyed by position where
+    ``committed`` (the session's committed tokens, the pending one included) is given."""
     if sampling.acceptance == "contrastive":
         logits = _contrastive_inputs([logits], [sampling], [amateur])[0]
-    return _accept_scores(logits, tree, sampling, seed, probs, specialist)
+    return _accept_scores(logits, tree, sampling, seed, probs, specialist, committed)
 
 
 def _accept_scores(logits: torch.Tensor, tree: TokenTree, sampling: SamplingParams, seed: int,
-                   probs: Optional[torch.Tensor] = None, specialist: Optional[torch.Tensor] = None) -> Acceptance:
+                   probs: Optional[torch.Tensor] = None, specialist: Optional[torch.Tensor] = None,
+                   committed: Optional[int] = None) -> Acceptance:
     """``accept`` after a contrastive target has replaced the logits by its scores."""
     rule = sampling.acceptance
     if rule == "divergence":
@@ -587,6 +646,11 @@ def _accept_scores(logits: torch.Tensor, tree: TokenTree, sampling: SamplingPara
             return topk_tree(logits, tree, sampling.accept_top_k)
         am = argmax_rows(logits).tolist()  # exact, contrastive, typical (greedy typical is greedy)
         return greedy_chain(am, tree.tokens) if tree.is_chain else greedy_tree(am, tree)
+    if _matched(rule, tree, sampling):  # each row's distribution as plain decoding computes it: one row alone
+        def row_probs(r: int) -> torch.Tensor:
+            return (probs[r] if probs is not None else target_probs(logits[r: r + 1], sampling)[0]).double()
+
+        return match_tree(row_probs, tree, position_draws(seed, sampling, committed))
     if probs is None:
         probs = target_probs(logits, sampling)
     depth = (max(tree.depths()) + 1) if len(tree) else 0

@@ -50,10 +50,10 @@ from typing import AsyncIterator, Iterator, Optional, Sequence, Union
 
 import grpc
 
-from .errors import from_rpc_error
+from .errors import InvalidArgumentError, from_rpc_error
 from .wire.channels import channel, channel_credentials
 from .wire.choices import MAX_N, child_seed  # noqa: F401 - the SDK's names for them
-from .wire.convert import RouterStats, messages_to_proto, stats_from_proto
+from .wire.convert import RouterStats, messages_to_proto, stats_from_proto, unicode_path
 from .v1 import common_pb2, router_pb2, router_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -122,7 +122,7 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
                   json_schema=None, json_object: bool = False, regex: Optional[str] = None,
                   choice: Optional[Sequence[str]] = None, grammar: Optional[str] = None,
                   prediction: str = "", tools: Optional[Sequence[dict]] = None, tool_choice: str = "",
-                  parallel_tool_calls: Optional[bool] = None) -> router_pb2.GenerateRequest:
+                  parallel_tool_calls: Optional[bool] = None, cache_salt: str = "") -> router_pb2.GenerateRequest:
     """A GenerateRequest; unset options take the router's defaults (the router validates).
     ``acceptance_params``: the rule's parameters by their SamplingParams names
     (typical_epsilon, typical_delta, lenience, accept_top_k, cd_alpha, cd_beta, cd_amateur, jsd_threshold).
@@ -134,9 +134,14 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     ``prediction``: the expected output (predicted outputs): drafted through a lookup drafter.
     ``tools``: functions the model may call (dicts of name, description, parameters: a JSON
     schema, or OpenAI's ``{"type": "function", "function": {...}}``); ``tool_choice`` "auto",
-    "none", "required" or "function:NAME"; calls come back in ``Result.tool_calls``."""
+    "none", "required" or "function:NAME"; calls come back in ``Result.tool_calls``.
+    ``cache_salt``: the prefix cache's tenant (vLLM's): cached prefixes are reused among
+    requests with the same salt only. An integer outside its field's 32-bit range, or text
+    that is not Unicode (a lone UTF-16 surrogate), raises ``InvalidArgumentError`` naming the
+    field, before anything is sent."""
     import json as _json
 
+    _check_door(locals())
     sp = common_pb2.SamplingParams()
     for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty),
                     ("repetition_penalty", repetition_penalty), ("min_p", min_p), ("logprobs", logprobs)):
@@ -160,15 +165,18 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     if top_k is not None:
         sp.top_k = top_k
     if seed is not None:
-        sp.seed = seed
+        sp.seed = seed % (1 << 64)  # OpenAI's seed is a signed 64-bit integer: the same bits
     if acceptance is not None:
         sp.acceptance = acceptance
     for k, v in (acceptance_params or {}).items():
-        setattr(sp, k, v)  # an unknown name raises AttributeError before anything is sent
+        try:
+            setattr(sp, k, v)  # an unknown name raises AttributeError before anything is sent
+        except (TypeError, ValueError) as e:  # a value of the wrong type: the field's refusal, not a crash
+            raise InvalidArgumentError(f"sampling.{k}: {e} (got {v!r})") from None
     req = router_pb2.GenerateRequest(prompt=prompt or "", messages=messages_to_proto(messages), strategy=strategy,
                                      drafter=drafter, sampling=sp, raw_prompt=raw_prompt,
                                      conversation_id=conversation_id, reasoning=reasoning, draft_ahead=draft_ahead,
-                                     prediction=prediction)
+                                     prediction=prediction, cache_salt=cache_salt)
     if thinking_budget is not None:
         req.thinking_budget = thinking_budget
     req.stop.extend([stop] if isinstance(stop, str) else list(stop))  # the output ends before the first one
@@ -187,10 +195,55 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     return req
 
 
+INT32 = (-(1 << 31), (1 << 31) - 1)
+# build_request's integer arguments and the field the router names for each (proto int32 fields)
+_INT32_ARGS = {"max_new_tokens": "max_new_tokens", "top_k": "sampling.top_k", "draft_budget": "draft_budget",
+               "thinking_budget": "thinking_budget", "logprobs": "sampling.logprobs"}
+_TEXT_ARGS = {"prompt": "prompt", "messages": "messages", "strategy": "strategy", "drafter": "drafter",
+              "acceptance": "sampling.acceptance", "conversation_id": "conversation_id", "stop": "stop",
+              "draft_ahead": "draft_ahead", "regex": "sampling.grammar", "grammar": "sampling.grammar",
+              "json_schema": "sampling.grammar", "choice": "sampling.grammar", "prediction": "prediction",
+              "tools": "tools", "tool_choice": "tool_choice", "cache_salt": "cache_salt"}
+
+
+def _check_door(args: dict) -> None:
+    """What the wire cannot carry, refused naming the field (the router judges the rest)."""
+    for name, field in _INT32_ARGS.items():
+        v = args.get(name)
+        if v is not None and not isinstance(v, bool) and isinstance(v, int) and not INT32[0] <= v <= INT32[1]:
+            raise InvalidArgumentError(f"{field}: {v} is outside the 32-bit integer range")
+    for t in (args.get("logit_bias") or {}):
+        try:
+            ok = INT32[0] <= int(t) <= INT32[1]
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise InvalidArgumentError(f"sampling.logit_bias: key {t!r} is not a token id")
+    for k, v in (args.get("acceptance_params") or {}).items():
+        if isinstance(v, int) and not isinstance(v, bool) and not INT32[0] <= v <= INT32[1]:
+            raise InvalidArgumentError(f"sampling.{k}: {v} is outside the 32-bit integer range")
+    for name, field in _TEXT_ARGS.items():
+        bad = unicode_path(args.get(name), name)
+        if bad:
+            raise InvalidArgumentError(f"{field}: not valid Unicode text at {bad} (a lone UTF-16 surrogate)")
+
+
+def client_key(client_id: str) -> str:
+    """``client_id`` as the ``x-specmesh-client`` header carries it: as given when it is short
+    printable ASCII, else a digest of it (a header has a size limit, past which gRPC answers
+    RESOURCE_EXHAUSTED, and takes printable ASCII only)."""
+    if len(client_id) <= 128 and client_id.isascii() and client_id.isprintable():
+        return client_id
+    import hashlib
+
+    return "sha256:" + hashlib.sha256(client_id.encode("utf-8", "surrogatepass")).hexdigest()[:40]
+
+
 def anticipate_request(conversation_id: str, messages: Sequence[dict], max_tokens: int = 0, next_turns: int = 0,
-                       wait: bool = False) -> router_pb2.AnticipateRequest:
+                       wait: bool = False, cache_salt: str = "") -> router_pb2.AnticipateRequest:
     return router_pb2.AnticipateRequest(conversation_id=conversation_id, messages=messages_to_proto(messages),
-                                        max_tokens=max_tokens, next_turns=next_turns, wait=wait)
+                                        max_tokens=max_tokens, next_turns=next_turns, wait=wait,
+                                        cache_salt=cache_salt)
 
 
 class _Collector:
@@ -400,7 +453,7 @@ class _Base:
             md.append(("authorization", f"Bearer {token}"))
         self._auth = tuple(md)
         if client_id:
-            md.append(("x-specmesh-client", client_id))
+            md.append(("x-specmesh-client", client_key(client_id)))
         self._metadata = tuple(md)
 
     def _timeout(self, timeout: Optional[float]) -> Optional[float]:
@@ -409,7 +462,7 @@ class _Base:
     def _md(self, client_id: Optional[str]) -> tuple:
         """Call metadata; a per-call ``client_id`` replaces the client's own (the key of
         the router's max_sessions_per_client, e.g. the HTTP peer behind a front end)."""
-        return self._metadata if not client_id else self._auth + (("x-specmesh-client", client_id),)
+        return self._metadata if not client_id else self._auth + (("x-specmesh-client", client_key(client_id)),)
 
     def _count_resume(self) -> None:
         with self._count_lock:
@@ -490,18 +543,23 @@ class Client(_Base):
             raise from_rpc_error(e) from None
 
     def anticipate(self, conversation_id: str, messages: Sequence[dict], *, max_tokens: int = 0, next_turns: int = 0,
-                   wait: bool = False, timeout: Optional[float] = None) -> router_pb2.AnticipateResponse:
+                   wait: bool = False, timeout: Optional[float] = None,
+                   cache_salt: str = "") -> router_pb2.AnticipateResponse:
         """Let the router prepare the conversation's next turn while it is idle
-        (``wait``: return when that is done)."""
+        (``wait``: return when that is done); ``cache_salt``: the conversation's tenant, as its
+        requests send it."""
         try:
-            return self._stub.Anticipate(anticipate_request(conversation_id, messages, max_tokens, next_turns, wait),
+            return self._stub.Anticipate(anticipate_request(conversation_id, messages, max_tokens, next_turns, wait,
+                                                            cache_salt),
                                          timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
-    def get_anticipation(self, conversation_id: str, timeout: Optional[float] = None) -> router_pb2.AnticipateResponse:
+    def get_anticipation(self, conversation_id: str, timeout: Optional[float] = None,
+                         cache_salt: str = "") -> router_pb2.AnticipateResponse:
         try:
-            return self._stub.GetAnticipation(router_pb2.GetAnticipationRequest(conversation_id=conversation_id),
+            return self._stub.GetAnticipation(router_pb2.GetAnticipationRequest(conversation_id=conversation_id,
+                                                                                cache_salt=cache_salt),
                                               timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
@@ -598,11 +656,11 @@ class AsyncClient(_Base):
             raise from_rpc_error(e) from None
 
     async def anticipate(self, conversation_id: str, messages: Sequence[dict], *, max_tokens: int = 0,
-                         next_turns: int = 0, wait: bool = False,
-                         timeout: Optional[float] = None) -> router_pb2.AnticipateResponse:
+                         next_turns: int = 0, wait: bool = False, timeout: Optional[float] = None,
+                         cache_salt: str = "") -> router_pb2.AnticipateResponse:
         try:
             return await self._get_stub().Anticipate(
-                anticipate_request(conversation_id, messages, max_tokens, next_turns, wait),
+                anticipate_request(conversation_id, messages, max_tokens, next_turns, wait, cache_salt),
                 timeout=self._timeout(timeout), metadata=self._metadata)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import Optional, Sequence
 
@@ -42,10 +43,29 @@ import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 JSON_DEFAULTS = {"whitespace_flexible": False}  # compact JSON: keys and separators become forced tokens
+MAX_GRAMMAR_CHARS = 256 * 1024  # a request's grammar text (a JSON schema, a regex, a Lark grammar) at most
+# llguidance's parser limits, named so that a grammar is judged the same everywhere (these are its
+# defaults): a grammar past them is refused naming the field, at compile time or at the token where
+# matching hits them (an Earley row of more than 2,000 items: 2,100 alternatives of one rule)
+LIMITS = dict(max_items_in_row=2000, max_grammar_size=500_000, max_lexer_states=250_000)
 
 
 class GrammarError(ValueError):
-    """The grammar is malformed (the message says where)."""
+    """The grammar is malformed or too large to match (the message says where)."""
+
+
+def _limits():
+    return _ll().LLParserLimits(**LIMITS, verbose_errors=False)
+
+
+def _failed(what: str, e: BaseException) -> "GrammarError":
+    """llguidance failed inside (its Rust code panicked: pyo3's PanicException, a BaseException):
+    the grammar, not the server, is what it could not handle."""
+    return GrammarError(f"the grammar could not be {what} ({type(e).__name__}: {str(e)[:200]})")
+
+
+def _first_line(msg: str) -> str:
+    return (msg or "").strip().splitlines()[0][:300] if (msg or "").strip() else "unknown error"
 
 
 def _ll():
@@ -83,16 +103,44 @@ def to_llguidance(kind: str, text: str) -> str:
 
 
 def check(kind: str, text: str) -> None:
-    """Raise GrammarError naming what is wrong with the grammar (no tokenizer needed)."""
-    g = to_llguidance(kind, text)
-    ok, msg = _validate(g)
+    """Raise GrammarError naming what is wrong with the grammar (no tokenizer needed): too
+    long (``MAX_GRAMMAR_CHARS``), malformed, or past llguidance's limits (``LIMITS``)."""
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{len(text)} characters; at most {MAX_GRAMMAR_CHARS}")
+    try:
+        g = to_llguidance(kind, text)
+        ok, msg = _validate(g)
+    except GrammarError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - a panic inside llguidance (not KeyboardInterrupt: see _fatal)
+        if _fatal(e):
+            raise
+        raise _failed("compiled", e) from None
     if not ok:
-        raise GrammarError(msg)
+        raise GrammarError(_first_line(msg))
+
+
+def _fatal(e: BaseException) -> bool:
+    return isinstance(e, (KeyboardInterrupt, SystemExit, GeneratorExit))
+
+
+@contextmanager
+def guarded(what: str = "matched"):
+    """Whatever fails inside llguidance while matching (a panic of its Rust code is pyo3's
+    PanicException, a BaseException) raised as the request's ``GrammarError``."""
+    try:
+        yield
+    except GrammarError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - see _fatal
+        if _fatal(e):
+            raise
+        raise _failed(what, e) from None
 
 
 @lru_cache(maxsize=256)
 def _validate(g: str) -> tuple[bool, str]:
-    err = _ll().LLMatcher.validate_grammar(g)
+    err = _ll().LLMatcher.validate_grammar(g, limits=_limits())
     return (not err, err or "")
 
 
@@ -152,9 +200,16 @@ class Matcher:
         ll = _ll()
         self.vocab = vocab
         self.key = (kind, text)
-        self.m = ll.LLMatcher(vocab.lltok, to_llguidance(kind, text))
+        try:
+            self.m = ll.LLMatcher(vocab.lltok, to_llguidance(kind, text), log_level=0, limits=_limits())
+        except GrammarError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - a panic inside llguidance
+            if _fatal(e):
+                raise
+            raise _failed("compiled", e) from None
         if self.m.is_error():
-            raise GrammarError(self.m.get_error())
+            raise GrammarError(_first_line(self.m.get_error()))
         self.consumed: list[int] = []
         self._stops = torch.tensor(list(vocab.stop_ids), dtype=torch.long)
         self.lock = threading.Lock()
@@ -183,12 +238,16 @@ class Matcher:
                 return False
             token = self.vocab.stop_ids[0]  # llguidance knows one end token
         elif m.validate_tokens([token]) != 1:
+            if m.is_error():
+                raise GrammarError(f"too complex to match at output token {len(self.consumed)} "
+                                   f"({_first_line(m.get_error())})")
             return False
-        if not m.consume_token(token) or m.is_error():  # not expected after the check: rebuild the state
+        if not m.consume_token(token) or m.is_error():  # allowed, yet the matcher failed: past its limits
+            err = _first_line(m.get_error()) if m.is_error() else "the token was refused after it was allowed"
             m.reset()
             for t in self.consumed:
                 m.consume_token(t)
-            return False
+            raise GrammarError(f"too complex to match at output token {len(self.consumed)} ({err})")
         self.consumed.append(token)
         return True
 
@@ -209,6 +268,9 @@ class Matcher:
             out = torch.zeros(V, dtype=torch.bool)
         else:
             words = torch.frombuffer(bytearray(self.m.compute_bitmask()), dtype=torch.int32)
+            if self.m.is_error():  # the mask computation hit a limit
+                raise GrammarError(f"too complex to match at output token {len(self.consumed)} "
+                                   f"({_first_line(self.m.get_error())})")
             out = ((words.to(torch.int64)[:, None] >> torch.arange(32)) & 1).reshape(-1)[:V].bool()
         out[self._stops] = bool(self.m.is_accepting())
         if not out.any():  # the vocabulary cannot continue the grammar: the output ends (never a row of -inf)

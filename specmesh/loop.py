@@ -17,7 +17,7 @@ import contextlib
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager, Iterator, Optional, Sequence
 
 from .drafters import registry
@@ -734,6 +734,11 @@ class LoopOptions:
     on_logprobs: Optional[Callable[[list], None]] = None
     # a grammar's forced tokens are drafted for free in every round (jump-forward; VerifyRequest.jump_forward)
     jump_forward: bool = True
+    # the drafter drafts its argmax (a one-hot draft) even where the request samples: the verifier then
+    # emits the target's own draws by position (``acceptance.match_tree``), so the output of a seeded
+    # request does not depend on the drafter, the draft sizes or the strategy (the router's ``auto``).
+    # Not for a self drafter: it drafts in the verifier with the request's sampling
+    one_hot_drafts: bool = False
 
 
 @dataclass
@@ -769,6 +774,8 @@ class _Generation:
         self.sid = o.session_id or uuid.uuid4().hex
         self.stops = set(o.stop_ids)
         self.t_start = time.perf_counter()
+        # what the drafter is told the request samples with (``LoopOptions.one_hot_drafts``: greedy)
+        self.draft_sampling = replace(o.sampling, temperature=0.0) if o.one_hot_drafts else o.sampling
 
     def draft(self, rs: int) -> _Round:
         """Ask the policy for a size and the drafter (or the verifier's self drafter) for a draft."""
@@ -782,7 +789,7 @@ class _Generation:
             t0 = time.perf_counter()
             rnd.want = want
             try:
-                ctx = DraftContext(self.sid, list(self.tokens), self.prompt_len, self.o.sampling, round_seed=rs)
+                ctx = DraftContext(self.sid, list(self.tokens), self.prompt_len, self.draft_sampling, round_seed=rs)
                 if hasattr(self.drafter, "propose_info"):  # can draft ahead: says whether this draft was
                     rnd.tree, rnd.ahead = self.drafter.propose_info(ctx, want)
                 else:
@@ -810,7 +817,7 @@ class _Generation:
             return
         try:
             rnd.ahead_asked = bool(self.drafter.propose_ahead(
-                DraftContext(self.sid, list(self.tokens), self.prompt_len, self.o.sampling), rnd.tree, budget))
+                DraftContext(self.sid, list(self.tokens), self.prompt_len, self.draft_sampling), rnd.tree, budget))
         except Exception:  # noqa: BLE001 - draft-ahead is an optimisation: the next round drafts afresh
             pass
 

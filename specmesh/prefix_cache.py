@@ -23,6 +23,12 @@ blocks are indexed.
   head), ties going to the deeper one; when every block is held the new block is not
   stored (``skipped``) and the session's chain stops there.
 
+Tenants: every lookup and insertion names a ``salt`` (vLLM's ``cache_salt``; "" by
+default), and each salt has a root of its own: a block stored under one salt is never
+matched, shared or reported (``hits``, a request's cached tokens) under another, so a
+client cannot learn from cached tokens whether another tenant's text (a prompt, or an
+answer stored as it was generated) is in the cache.
+
 Blocks are immutable: a block is written once, when it is inserted, and read by every
 session that matches it. What they hold is the caller's business (the engine's KV,
 ``specmesh.engine.kv_blocks``; hidden features beside it).
@@ -65,7 +71,8 @@ class PrefixCache:
             raise ValueError(f"n_blocks must be >= 0, got {n_blocks}")
         self.block_size = int(block_size)
         self.n_blocks = int(n_blocks)
-        self.root = Block((), None, -1, 0)
+        self.roots: dict[str, Block] = {"": Block((), None, -1, 0)}  # salt -> its tree's root
+        self.salts: dict[str, str] = {}  # live session -> the salt its chain grows under
         self._free = list(range(self.n_blocks))[::-1]
         self._heap: list = []  # (stamp, -depth, seq, block): eviction candidates, checked when popped
         self._seq = itertools.count()
@@ -78,6 +85,23 @@ class PrefixCache:
         self.skipped = 0  # blocks not stored: every block held
 
     # ------------------------------------------------------------ sizes
+    @property
+    def root(self) -> Block:
+        """The unsalted tree's root."""
+        return self.roots[""]
+
+    def _root(self, salt: str) -> Block:
+        r = self.roots.get(salt)
+        if r is None:  # a root's ``tokens`` name its salt
+            r = self.roots[salt] = Block((salt,) if salt else (), None, -1, 0)
+        return r
+
+    def _drop_root(self, key: tuple) -> None:
+        """Forget a salt's root once its tree is empty (salts may be one per request)."""
+        r = self.roots.get(key[0]) if key else None
+        if r is not None and not r.children:
+            del self.roots[key[0]]
+
     @property
     def used(self) -> int:
         """Blocks stored (held or not)."""
@@ -92,8 +116,10 @@ class PrefixCache:
         return len(seen)
 
     # ------------------------------------------------------------ lookup
-    def _walk(self, tokens: Sequence[int], limit: int) -> list[Block]:
-        B, node, chain = self.block_size, self.root, []
+    def _walk(self, tokens: Sequence[int], limit: int, salt: str = "") -> list[Block]:
+        B, node, chain = self.block_size, self.roots.get(salt), []
+        if node is None:
+            return chain
         for j in range(max(0, limit) // B):
             child = node.children.get(tuple(tokens[j * B:(j + 1) * B]))
             if child is None:
@@ -102,14 +128,16 @@ class PrefixCache:
             node = child
         return chain
 
-    def peek(self, tokens: Sequence[int], limit: Optional[int] = None) -> int:
+    def peek(self, tokens: Sequence[int], limit: Optional[int] = None, salt: str = "") -> int:
         """Tokens a ``match`` would find now (nothing counted or touched)."""
-        return len(self._walk(tokens, len(tokens) if limit is None else min(limit, len(tokens)))) * self.block_size
+        return len(self._walk(tokens, len(tokens) if limit is None else min(limit, len(tokens)), salt)) * \
+            self.block_size
 
-    def match(self, tokens: Sequence[int], limit: Optional[int] = None) -> list[Block]:
-        """The longest chain of cached blocks spelling a prefix of ``tokens[:limit]``,
-        marked used now; counts ``len(tokens)`` queried tokens and the chain's as hits."""
-        chain = self._walk(tokens, len(tokens) if limit is None else min(limit, len(tokens)))
+    def match(self, tokens: Sequence[int], limit: Optional[int] = None, salt: str = "") -> list[Block]:
+        """The longest chain of cached blocks under ``salt`` spelling a prefix of
+        ``tokens[:limit]``, marked used now; counts ``len(tokens)`` queried tokens and the
+        chain's as hits."""
+        chain = self._walk(tokens, len(tokens) if limit is None else min(limit, len(tokens)), salt)
         self.queries += len(tokens)
         self.hits += len(chain) * self.block_size
         now = next(self._clock)
@@ -120,13 +148,14 @@ class PrefixCache:
         return chain
 
     # ------------------------------------------------------------ sessions
-    def attach(self, session: str, chain: Sequence[Block]) -> None:
-        """``session`` now holds ``chain`` (a chain from the root, e.g. ``match``'s), and
-        nothing it held before."""
+    def attach(self, session: str, chain: Sequence[Block], salt: str = "") -> None:
+        """``session`` now holds ``chain`` (a chain from ``salt``'s root, e.g. ``match``'s),
+        and nothing it held before; it grows under ``salt``."""
         self.detach(session)
         for b in chain:
             b.refs += 1
         self.sessions[session] = list(chain)
+        self.salts[session] = salt
 
     def holds(self, session: str) -> int:
         """Tokens of the session's chain."""
@@ -139,7 +168,7 @@ class PrefixCache:
         new block, for the caller to copy its content into."""
         B = self.block_size
         chain = self.sessions.setdefault(session, [])
-        node = chain[-1] if chain else self.root
+        node = chain[-1] if chain else self._root(self.salts.setdefault(session, ""))
         now = next(self._clock)
         new: list[tuple[int, int]] = []
         for j in range(len(chain), min(length, len(tokens)) // B):
@@ -172,13 +201,16 @@ class PrefixCache:
 
     def detach(self, session: str) -> None:
         """The session ended (released or evicted from its slot): it holds nothing."""
+        salt = self.salts.pop(session, "")
         for b in self.sessions.pop(session, ()):
             self._unref(b)
+        if salt:
+            self._drop_root((salt,))
 
     def fork(self, source: str, session: str, length: int) -> None:
-        """``session`` starts as a copy of ``source``'s first ``length`` tokens."""
+        """``session`` starts as a copy of ``source``'s first ``length`` tokens (its salt too)."""
         chain = self.sessions.get(source, [])[: max(0, length) // self.block_size]
-        self.attach(session, chain)
+        self.attach(session, chain, self.salts.get(source, ""))
 
     # ------------------------------------------------------------ eviction
     def _unref(self, b: Block) -> None:
@@ -200,18 +232,21 @@ class PrefixCache:
             del parent.children[b.tokens]
             b.parent = None
             self.evictions += 1
-            if parent is not self.root and parent.refs == 0 and not parent.children:
+            if parent.parent is not None and parent.refs == 0 and not parent.children:
                 self._candidate(parent)
+            elif parent.parent is None:
+                self._drop_root(parent.tokens)
             return b.id
         return None
 
     def clear(self) -> None:
         """Forget every block (storage ids all free again); live sessions hold nothing. The
         counters go on (they are totals)."""
-        self.root = Block((), None, -1, 0)
+        self.roots = {"": Block((), None, -1, 0)}
         self._free = list(range(self.n_blocks))[::-1]
         self._heap = []
         self.sessions = {}
+        self.salts = {}
 
     def stats(self) -> dict:
         return {"blocks_total": self.n_blocks, "blocks_used": self.used, "blocks_held": self.held,
@@ -220,8 +255,8 @@ class PrefixCache:
 
 
 def walk_all(cache: PrefixCache, fn: Callable[[Block], None]) -> None:
-    """Call ``fn`` on every stored block (tests and debugging)."""
-    stack = list(cache.root.children.values())
+    """Call ``fn`` on every stored block, under every salt (tests and debugging)."""
+    stack = [b for r in cache.roots.values() for b in r.children.values()]
     while stack:
         b = stack.pop()
         fn(b)

@@ -91,19 +91,25 @@ class PrefixReuse:
         self.frozen = set(frozen)
 
     # ------------------------------------------------------------ sessions
-    def peek(self, tokens: Sequence[int]) -> int:
+    def peek(self, tokens: Sequence[int], salt: str = "") -> int:
         """Tokens ``reuse`` would find cached now for a new session starting with ``tokens``."""
-        return self.index.peek(tokens, len(tokens) - 1)
+        return self.index.peek(tokens, len(tokens) - 1, salt)
 
-    def reuse(self, session: str, slot: int, tokens: Sequence[int], features=None) -> int:
+    def reuse(self, session: str, slot: int, tokens: Sequence[int], features=None, salt: str = "") -> int:
         """A new session (its slot empty) starts with ``tokens``: load the longest cached
-        prefix of ``tokens[:-1]`` into the slot (and ``features``, the verifier's per-slot
-        tensor, where both keep them). Returns the positions loaded; the engine's length of
-        the slot is the caller's to set."""
+        prefix of ``tokens[:-1]`` under ``salt`` (the request's tenant: ``PrefixCache``) into
+        the slot (and ``features``, the verifier's per-slot tensor, where both keep them); the
+        session's blocks are stored under ``salt`` from now on. Returns the positions loaded;
+        the engine's length of the slot is the caller's to set."""
         self.frozen.discard(session)
-        chain = self.index.match(tokens, len(tokens) - 1)
-        self.index.attach(session, chain)
+        chain = self.index.match(tokens, len(tokens) - 1, salt)
+        self.index.attach(session, chain, salt)
         return self.store.load(slot, [b.id for b in chain], features)
+
+    def salted(self, session: str, salt: str) -> None:
+        """A new session that reuses nothing stores its blocks under ``salt`` all the same."""
+        self.frozen.discard(session)
+        self.index.attach(session, [], salt)
 
     def committed(self, session: str, slot: int, tokens: Sequence[int], length: int, features=None) -> None:
         """The slot holds the session's first ``length`` tokens (``tokens[:length]``)."""

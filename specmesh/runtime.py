@@ -317,6 +317,10 @@ class Runtime:
     def decode(self, ids: Sequence[int]) -> str:
         return self.codec.decode(ids)
 
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Messages rendered and tokenized, typed special tokens as text (``TextCodec.chat_ids``)."""
+        return self.codec.chat_ids(messages, add_generation_prompt)
+
     # ---------------------------------------------------------------- drafters
     def drafter(self, name: str, **kw):
         """A drafter for the loop; ``layerskip`` drafts in this process's verifier."""

@@ -16,6 +16,13 @@ acceptance uniforms. Both hold when every draw is keyed by
   so a re-prefilled or different replica, or a drafter in another process, draws
   the same numbers: sampled output is reproducible for a given seed.
 
+The target's own token at a position is drawn with ``position_uniform(seed,
+committed length)``, the uniform plain decoding draws there. Sampled verification
+of a draft that carries no distribution (one-hot: lookups, suffix, caches, a
+prediction, trees of fixed candidates, a model's argmax) emits that token and
+accepts the draft node equal to it, so a seeded output is plain sampling's
+whatever the drafter, the draft sizes, the strategy, the load or the cache.
+
 ``mix`` is a splitmix64-style finaliser over the keys (full 64-bit avalanche).
 This module knows nothing about models, tensors' contents or gRPC.
 """
@@ -54,6 +61,21 @@ def round_seed(seed: int, committed_len: int) -> int:
     (prompt + generated, the pending token included). The loop sends it with the
     verify request; a drafter derives the same value from its context."""
     return mix(seed, committed_len)
+
+
+def position_uniform(seed: int, committed_len: int) -> float:
+    """The uniform that draws the target's token after ``committed_len`` committed tokens:
+    the first of that round seed's acceptance stream, which is what plain decoding's round
+    there draws. Sampled verification emits the token this picks at every position,
+    whatever was drafted (``acceptance.match_tree``), so a seeded output does not depend on
+    how the positions were split into rounds."""
+    return first_uniform(round_seed(seed, committed_len))
+
+
+def first_uniform(round_seed_: int) -> float:
+    """The first uniform of a round seed's acceptance stream (``acceptance.uniforms``' first)."""
+    g = generator(round_seed_, ACCEPT)
+    return float(torch.rand(1, generator=g, dtype=torch.float64)[0])
 
 
 def generator(round_seed_: int, stream: int, device: Optional[torch.device | str] = None) -> torch.Generator:

@@ -76,8 +76,9 @@ class SamplingParams:
     grammar: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or math.isnan(self.temperature) or self.temperature < 0:
-            raise InvalidArgument("temperature", f"must be >= 0, got {self.temperature!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidArgument("top_k", f"must be an integer >= 0, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or math.isnan(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -142,7 +143,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below ``GREEDY_BELOW``: as vLLM does, such a temperature is
+        greedy decoding (logits / 1e-38 overflow to inf and the softmax to NaN)."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def lossy(self) -> bool:
@@ -152,6 +155,9 @@ class SamplingParams:
         return self.acceptance != "exact"
 
 
+# temperatures below this are greedy decoding (vLLM's _SAMPLING_EPS): logits / t overflow far sooner
+# than t reaches 0 (t = 1e-38 makes inf logits and a NaN softmax)
+GREEDY_BELOW = 1e-5
 ACCEPTANCE_RULES = ("exact", "typical", "lenient", "topk", "contrastive", "divergence")
 GRAMMAR_KINDS = ("", "json_schema", "json_object", "regex", "choice", "lark")
 CD_AMATEURS = ("layerskip",)  # the amateur of "contrastive": the target's own layer-skip exit
@@ -376,6 +382,8 @@ class VerifyRequest:
     # set by the verifier on the last step of a prefill it ran in chunks: the keep_len of the
     # request this step ends (its features start there; a fused drafter's first round is decided by it)
     first_keep_len: Optional[int] = None
+    # the prefix cache's tenant: a new session (keep_len 0) reuses and stores blocks under it only
+    cache_salt: str = ""
 
 
 @dataclass

@@ -293,12 +293,15 @@ class EngineVerifier:
         self._cache_commit(session_id, slot)
 
     # -------------------------------------------------------------- prefix cache
-    def _reuse(self, session_id: str, slot: int, tokens: Sequence[int]) -> int:
+    def _reuse(self, session_id: str, slot: int, tokens: Sequence[int], salt: str = "") -> int:
         """A new session (its slot just reset) starting with ``tokens``: its longest cached
-        prefix (all but the last token at most) copied into its slot; returns its length."""
+        prefix under ``salt`` (all but the last token at most) copied into its slot; returns
+        its length. The session stores its blocks under ``salt`` (its tenant) from now on."""
+        if self.prefix is not None and len(tokens) < 2:
+            self.prefix.salted(session_id, salt)  # nothing to reuse; it still stores under its salt
         if self.prefix is None or len(tokens) < 2:
             return 0
-        n = self.prefix.reuse(session_id, slot, tokens, self.features)
+        n = self.prefix.reuse(session_id, slot, tokens, self.features, salt)
         if n:
             self.engine.lengths[slot] = n
             if self.features is not None:
@@ -317,7 +320,7 @@ class EngineVerifier:
         last, less a new session's cached prefix): what a chunked prefill splits. Reads only."""
         n = len(req.append_tokens) - 1
         if req.keep_len == 0 and self.prefix is not None and n > 0:
-            n -= self.prefix.peek(req.append_tokens)
+            n -= self.prefix.peek(req.append_tokens, req.cache_salt)
         return max(0, n)
 
     def abandon(self, session_id: str) -> None:
@@ -471,7 +474,11 @@ class EngineVerifier:
                     if r.sampling.constrained:  # the draft as the grammar takes it, its rows' masks
                         room = self.engine.max_seq_len - r.keep_len - len(r.append_tokens) - 1
                         extend = max(0, min(self.max_tree_nodes, room) - len(tree)) if r.jump_forward else 0
-                        tree, masks, forced = self._constrain(r, tree, extend)
+                        try:
+                            tree, masks, forced = self._constrain(r, tree, extend)
+                        except InvalidArgument as e:  # this request's grammar alone: the others go on
+                            out[i] = e
+                            continue
                     a = len(append)
                     toks = append + tree.tokens
                     pars = trees.after_chain(a, tree.parents)
@@ -545,7 +552,7 @@ class EngineVerifier:
                 self.prefix.truncated(r.session_id, r.keep_len)
         self._sync_history(r.session_id, r.keep_len, r.append_tokens, r.sampling.processed)
         append = list(r.append_tokens)
-        cached = self._reuse(r.session_id, slot, append) if r.keep_len == 0 else 0
+        cached = self._reuse(r.session_id, slot, append, r.cache_salt) if r.keep_len == 0 else 0
         return append[cached:], cached
 
     def _partial(self, r: VerifyRequest, slot: int, toks: list, cached: int, so, fwd_ms: float,
@@ -576,26 +583,40 @@ class EngineVerifier:
         decided, ent_v = acc.accept_batch_reading(
             target, [m[4] for m in meta], [m[1].sampling for m in meta],
             [m[1].round_seed for m in meta], batched=self.batched_acceptance, amateurs=amateurs,
-            specialists=specialists, also=ent_t)
+            specialists=specialists, also=ent_t,
+            committed=[m[1].keep_len + len(m[1].append_tokens) for m in meta])
         return decided, dict(zip(want_ent, ent_v))
 
     def _sync_matcher(self, req: VerifyRequest) -> None:
         """The session's grammar matcher, synced with the committed output the request
         leaves (before any state changes: a committed output the grammar does not take is
         INVALID_ARGUMENT for this request alone)."""
-        from .grammar import Matcher
+        from .grammar import GrammarError, Matcher, guarded
 
         sp = req.sampling
         m = self.matchers.get(req.session_id)
-        if m is None or m.key != (sp.grammar_kind, sp.grammar):
-            m = self.matchers[req.session_id] = Matcher(self._vocab(), sp.grammar_kind, sp.grammar)
         h = self.history.get(req.session_id)
         tokens = (h[1][:req.keep_len] if req.keep_len else []) + list(req.append_tokens)
-        if not m.sync(tokens[req.prompt_len:]):
+        try:  # compiled here, with the vocabulary: what the router's check cannot see is refused here
+            if m is None or m.key != (sp.grammar_kind, sp.grammar):
+                self.matchers.pop(req.session_id, None)
+                m = self.matchers[req.session_id] = Matcher(self._vocab(), sp.grammar_kind, sp.grammar)
+            with guarded():
+                ok = m.sync(tokens[req.prompt_len:])
+        except GrammarError as e:
+            self.matchers.pop(req.session_id, None)
+            raise InvalidArgument("sampling.grammar", str(e)) from None
+        if not ok:
             raise InvalidArgument("sampling.grammar", "the session's committed output does not match its grammar")
 
     def _constrain(self, req: VerifyRequest, tree, extend: int):
-        return processors.constrain(self.matchers[req.session_id], tree, extend)
+        from .grammar import GrammarError, guarded
+
+        try:
+            with guarded():
+                return processors.constrain(self.matchers[req.session_id], tree, extend)
+        except GrammarError as e:  # past the matcher's limits at this token (a 400 naming the grammar)
+            raise InvalidArgument("sampling.grammar", str(e)) from None
 
     def _processed(self, req: VerifyRequest, tree, logits, masks):
         """The rows' logits after the request's logits processors (``specmesh.processors``)."""
@@ -634,8 +655,9 @@ class EngineVerifier:
             raise RuntimeError("the specialist's logits do not match its draft")
         return rows
 
-    def prefill(self, session_id: str, tokens: Sequence[int]) -> int:
-        """Warm a session's KV with ``tokens`` (no sampling); returns its length."""
+    def prefill(self, session_id: str, tokens: Sequence[int], cache_salt: str = "") -> int:
+        """Warm a session's KV with ``tokens`` (no sampling), its prefix cache blocks
+        under ``cache_salt``; returns its length."""
         with self.lock:
             for t in tokens:
                 if not isinstance(t, int) or t < 0 or t >= self.vocab_size:
@@ -652,7 +674,7 @@ class EngineVerifier:
             if self.prefix is not None:
                 self.prefix.ended(session_id)
             self._sync_history(session_id, 0, tokens)
-            cached = self._reuse(session_id, slot, list(tokens))
+            cached = self._reuse(session_id, slot, list(tokens), cache_salt)
             self._append(slot, list(tokens)[cached:], session_id)
             return self.engine.length(slot)
 

@@ -300,6 +300,17 @@ class CharCodec:
     def token_bytes(self, i):
         return self.decode([i]).encode()
 
+    @property
+    def tokenizer(self):
+        """What the reasoning format reads its markers through (``encode(text)``)."""
+        codec = self
+
+        class _Chars:
+            def encode(self, text, add_special_tokens=False):
+                return codec.encode(text)
+
+        return _Chars()
+
     def grammar_vocab(self):
         from specmesh.grammar import Vocab
 

@@ -50,12 +50,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         tokens = list(request.tokens)
         if not tokens:
             raise InvalidArgument("tokens", "must be non-empty (or fork_from set)")
+        salt = convert.check_salt(request.cache_salt)
         if not hasattr(self.verifier, "prefill_need"):  # a verifier without chunked prefill: in one forward
-            n = self.batcher.call(self.verifier.prefill, sid, tokens)
+            n = self.batcher.call(self.verifier.prefill, sid, tokens, salt)
             return verifier_pb2.PrefillResponse(cache_len=n)
         # through the batcher: a long prompt goes in chunks between the streams' rounds, from its cached prefix
         try:
-            res = self.batcher.verify(VerifyRequest(sid, 0, tokens), timeout=time_left(context), alive=context.is_active)
+            res = self.batcher.verify(VerifyRequest(sid, 0, tokens, cache_salt=salt), timeout=time_left(context),
+                                      alive=context.is_active)
         except InvalidArgument as e:
             raise InvalidArgument("tokens", str(e).split(": ", 1)[-1]) if e.field == "append_tokens" else e
         return verifier_pb2.PrefillResponse(cache_len=res.cache_len)
@@ -90,6 +92,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         sid, stops = request.session_id, set(request.stop_ids)
         keep, append = request.sync.keep_len, list(request.sync.append_tokens)
         sampling = convert.sampling_from_proto(request.sampling)  # checked once, every step's
+        salt = convert.check_salt(request.cache_salt)
         draft = _self_draft(request)
         left = request.tokens_left if request.tokens_left > 0 else None  # caps the draft near the end
         granted, closed = request.max_steps, False
@@ -122,7 +125,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 step = VerifyRequest(sid, keep, append, sampling=sampling, round_seed=round_seed(sampling.seed, n),
                                      self_draft=sd, want_entropy=request.want_entropy,
                                      prompt_len=request.prompt_len if request.HasField("prompt_len") else -1,
-                                     jump_forward=request.jump_forward)
+                                     jump_forward=request.jump_forward, cache_salt=salt)
                 res = self.batcher.verify(step, timeout=time_left(context), alive=context.is_active)
                 granted -= 1
                 with self._decode_cv:

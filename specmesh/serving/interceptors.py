@@ -3,13 +3,15 @@
 - ``AuthInterceptor``: when a token is configured, every call must carry
   ``authorization: Bearer <token>`` (constant-time compare) or it is refused
   with UNAUTHENTICATED. Health checks stay open (probes carry no token).
-- ``ErrorInterceptor``: requests larger than ``max_message_bytes`` get
+- ``ErrorInterceptor``: requests larger than ``max_message_bytes``, and bytes that
+  do not decode as the method's message (a string that is not UTF-8), get
   INVALID_ARGUMENT naming ``request`` (gRPC's own hard cap, set higher by the
-  server, would say RESOURCE_EXHAUSTED); exceptions escaping a servicer map to
+  server, would say RESOURCE_EXHAUSTED; its failed decode, INTERNAL); exceptions escaping a servicer map to
   status codes: ``InvalidArgument`` -> INVALID_ARGUMENT ("<field>: <why>"),
   ``ResourceExhausted`` -> RESOURCE_EXHAUSTED, ``SessionLost`` ->
   FAILED_PRECONDITION, a failed downstream call keeps its code (UNAVAILABLE,
-  DEADLINE_EXCEEDED, ...), ``TimeoutError`` -> DEADLINE_EXCEEDED, a dropped
+  DEADLINE_EXCEEDED, ...; an INVALID_ARGUMENT keeps its message too, whose field comes
+  first, so a client sees the field the verifier named), ``TimeoutError`` -> DEADLINE_EXCEEDED, a dropped
   request (``concurrent.futures.CancelledError``) -> CANCELLED, anything else
   -> INTERNAL (logged with its traceback; the client sees only the type name).
 
@@ -69,6 +71,15 @@ class _Oversize:
         self.n = n
 
 
+class _Undecodable:
+    """A request whose bytes are not the method's message (a string field that is not UTF-8,
+    a truncated field): INVALID_ARGUMENT naming ``request``, where gRPC itself would answer
+    INTERNAL ("Exception deserializing request")."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+
 def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status code and message an exception maps to (see module docstring)."""
     if isinstance(e, InvalidArgument):
@@ -79,6 +90,8 @@ def status_of(e: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.FAILED_PRECONDITION, str(e) or "session lost; re-prefill"
     if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
         code = e.code()
+        if code == grpc.StatusCode.INVALID_ARGUMENT:  # "<field>: <why>" as the peer said it: the field stays first
+            return code, e.details() or "downstream: invalid argument"
         if code in PASS_THROUGH:
             return code, f"downstream: {e.details()}"
         return grpc.StatusCode.INTERNAL, f"downstream call failed: {code.name}"
@@ -105,6 +118,8 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if isinstance(request, _Oversize):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"request: message of {request.n} bytes exceeds max_message_bytes {self.limit}")
+        if isinstance(request, _Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid message ({request.why})")
 
     def intercept_service(self, continuation, details):
         method = details.method
@@ -136,10 +151,16 @@ class ErrorInterceptor(grpc.ServerInterceptor):
             return run
 
         def sized(deserialize):
-            if self.limit is None:
-                return deserialize
             deserialize = deserialize or (lambda b: b)
-            return lambda b: _Oversize(len(b)) if len(b) > self.limit else deserialize(b)
+
+            def decode(b):
+                if self.limit is not None and len(b) > self.limit:
+                    return _Oversize(len(b))
+                try:
+                    return deserialize(b)
+                except Exception as e:  # noqa: BLE001 - protobuf's DecodeError, and what else a parser raises
+                    return _Undecodable(f"{type(e).__name__}: {str(e)[:200]}")
+            return decode
 
         handler = continuation(details)
         if handler is None or handler.stream_unary:

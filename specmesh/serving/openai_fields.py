@@ -47,7 +47,8 @@ _COMMON: dict[str, Rule] = {
     "stop": IMPLEMENTED,
     "stream": IMPLEMENTED,
     "stream_options": IMPLEMENTED,  # include_usage, include_obfuscation
-    "user": IMPLEMENTED,  # the end user: the router's per-client session key (max_sessions_per_client)
+    "user": IMPLEMENTED,  # the end user: the router's per-client session key (max_sessions_per_client) and,
+    # without a cache_salt, the request's tenant in the prefix cache
     "n": IMPLEMENTED,  # 1..8 choices, choice i seeded child_seed(seed, i)
     "presence_penalty": IMPLEMENTED,
     "frequency_penalty": IMPLEMENTED,
@@ -63,6 +64,9 @@ _COMMON: dict[str, Rule] = {
     "acceptance": IMPLEMENTED,
     "draft_budget": IMPLEMENTED,
     "conversation_id": IMPLEMENTED,
+    # vLLM's prefix-cache tenant (requests share cached prefixes only with the same salt; without
+    # one, the request's user is its tenant)
+    "cache_salt": IMPLEMENTED,
 }
 
 CHAT: dict[str, Rule] = dict(_COMMON, **{

@@ -26,6 +26,8 @@ client (or any OpenAI-compatible client) works unchanged:
   ``"specmesh": {tau, accepted_tokens, drafted_tokens, strategy, drafter,
   lossy, ...}`` (the router's ``GenerationStats``, plus ``session_id``); a
   stream carries it on its final chunk (the one with ``finish_reason``);
+- ``GET /openapi.json``: this API as an OpenAPI 3.0 document (``openai_schema``), no
+  token needed;
 - ``GET /health``: readiness, no token needed (like the gRPC health service): 200
   once a router serves requests (its ``specmesh.v1.Router`` health is SERVING: a
   verifier serves behind it), 503 with the reason before; while it is 503 every
@@ -86,6 +88,7 @@ from typing import Any, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..client import AsyncClient
 from ..errors import SpecmeshError
@@ -257,8 +260,11 @@ class Api:
     async def generate(self, job: Job, peer: str):
         rid = ("chatcmpl-" if job.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        runs = [Run(self.client.stream(client_id=job.client or peer, **self._kwargs(job, i)), i)
-                for i in range(job.n)]
+        try:  # the SDK refuses what the wire cannot carry before anything is sent
+            runs = [Run(self.client.stream(client_id=job.client or peer, **self._kwargs(job, i)), i)
+                    for i in range(job.n)]
+        except SpecmeshError as e:
+            raise from_specmesh(e, job.params) from None
         gens = [r.pieces() for r in runs]
         firsts: list = []
         try:  # the router validates when a call starts: its errors become HTTP statuses here
@@ -276,11 +282,15 @@ class Api:
                 await g.aclose()
             raise
         if not job.stream:
+            tasks = [asyncio.ensure_future(_drain(g)) for g in gens]
             try:
-                await asyncio.gather(*[_drain(g) for g in gens])
+                await asyncio.gather(*tasks)
             except SpecmeshError as e:
                 raise from_specmesh(e, job.params) from None
-            finally:
+            finally:  # one choice failed: the others stop (a generator another task iterates cannot be closed)
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 for g in gens:
                     await g.aclose()
             return JSONResponse(self._body(job, rid, created, runs))
@@ -367,6 +377,7 @@ class Api:
             finally:
                 for t in tasks:
                     t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)  # stopped before their generators close
                 for g in gens:
                     await g.aclose()
 
@@ -409,8 +420,22 @@ def create_app(api: Api) -> FastAPI:
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         param = _loc_param(first.get("loc", ()))
         if first.get("type") == "json_invalid":
-            return bad(None, f"the body is not valid JSON: {first.get('msg')}").response()
-        return bad(param, str(first.get("msg", "invalid value"))).response()
+            return bad("body", f"the body is not valid JSON: {first.get('msg')}").response()
+        return bad(param or "body", str(first.get("msg", "invalid value"))).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, e: StarletteHTTPException):  # the framework's own: a body it cannot
+        # read (not UTF-8, not the declared type), an unknown path or method: OpenAI-shaped too
+        if e.status_code == 400:
+            return bad("body", f"the body could not be read: {e.detail}").response()
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return ApiError(e.status_code, str(e.detail), "invalid_request_error", None, code).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, e: Exception):  # a bug: still an OpenAI-shaped error, logged
+        log.error("request failed", exc_info=e)
+        return ApiError(500, f"internal error ({type(e).__name__})", "server_error", None,
+                        "internal_error").response()
 
     @app.get("/health")
     async def health():  # readiness: 503 until a router serves (a verifier behind it)
@@ -423,6 +448,12 @@ def create_app(api: Api) -> FastAPI:
     @app.get("/live")
     async def live():  # liveness: the process serves HTTP
         return {"status": "ok"}
+
+    @app.get("/openapi.json")
+    async def schema():  # the API as OpenAPI 3.0 (what the fuzzing tests generate requests from)
+        from .openai_schema import openapi
+
+        return openapi(api.model)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -17,6 +17,7 @@ This module knows nothing about HTTP servers, the router or models: it reshapes 
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -26,10 +27,14 @@ from pydantic import BaseModel, ConfigDict
 
 from ..errors import (DeadlineExceededError, InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                       SpecmeshError, UnauthenticatedError, UnavailableError)
+from ..wire.convert import MAX_SALT, unicode_path
 from . import openai_fields
 from .openai_outputs import MAX_COMPLETION_LOGPROBS, MAX_N, MAX_TOP_LOGPROBS, FieldError, grammar_of
 
 U64 = 1 << 64
+INT32_MAX = (1 << 31) - 1
+# integer fields the gRPC request carries as int32 (the rule parameters' integers are checked too)
+_INT32_FIELDS = ("max_tokens", "max_completion_tokens", "top_k", "draft_budget", "n", "logprobs", "top_logprobs")
 
 # router field (named in its INVALID_ARGUMENT message) -> OpenAI request parameter
 _PARAMS = {"sampling.temperature": "temperature", "sampling.top_p": "top_p", "sampling.top_k": "top_k",
@@ -228,8 +233,23 @@ def _stops(stop) -> list[str]:
     return stops
 
 
+def _check_wire(b: _Body) -> None:
+    """What the router's gRPC request cannot carry, refused naming the field: text that is not
+    Unicode (a lone UTF-16 surrogate, which JSON's \\ud800 escapes carry) anywhere in the
+    body, and integers outside 32 bits (protobuf's int32, which cannot hold them)."""
+    data = b.model_dump(mode="python")
+    where = unicode_path(data)
+    if where:
+        raise bad(where, "not valid Unicode text (a lone UTF-16 surrogate)")
+    for name in _INT32_FIELDS + tuple(_RULE_PARAMS):
+        v = data.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and not -INT32_MAX - 1 <= v <= INT32_MAX:
+            raise bad(name, f"{v} is outside the 32-bit integer range")
+
+
 def build_job(b: _Body, kind: str, served_model: str) -> Job:
     _check_common(b, kind)
+    _check_wire(b)
     if b.model and b.model != served_model:
         raise ApiError(404, f"The model `{b.model}` does not exist; this server serves `{served_model}`.",
                        "invalid_request_error", "model", "model_not_found")
@@ -293,6 +313,14 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
     kw["stop"] = stops  # the router applies them (finish_reason "stop", its stats count the kept tokens)
     include_usage = bool(b.stream_options and b.stream_options.include_usage)
     user = b.user or getattr(b, "safety_identifier", None) or ""
+    salt = fields.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or len(salt.encode()) > MAX_SALT):
+        raise bad("cache_salt", f"must be a string of at most {MAX_SALT} bytes")
+    # the prefix cache's tenant: the salt, else the end user, by a digest (any length; a request naming
+    # neither shares the cache)
+    kw["cache_salt"] = salt if salt is not None else (
+        "user:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:40] if user else "")
+    params["cache_salt"] = "cache_salt" if salt is not None else "user"
     return Job(kind, served_model, kw, stops, bool(b.stream), include_usage, params, drawn, n=n, top=top,
                client=f"user:{user}" if user else "",
                obfuscate=bool(b.stream_options and b.stream_options.include_obfuscation))
@@ -321,7 +349,8 @@ def _tools(fields: dict, kw: dict) -> None:
     choice = fields.get("tool_choice")
     if choice is not None:
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            fn = choice.get("function") if choice.get("type") == "function" else None
+            name = fn.get("name") if isinstance(fn, dict) else None
             if not isinstance(name, str):
                 raise bad("tool_choice", "an object names a function: {\"type\": \"function\", \"function\": "
                           "{\"name\": ...}}")
@@ -357,6 +386,8 @@ def _processors(b: _Body, fields: dict, kw: dict, params: dict) -> None:
                 t = int(k)
             except (TypeError, ValueError):
                 raise bad("logit_bias", f"key {k!r} is not a token id") from None
+            if not 0 <= t <= INT32_MAX:
+                raise bad("logit_bias", f"key {k!r} is not a token id")
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise bad("logit_bias", f"bias of token {k} must be a number, got {v!r}")
             bias[t] = float(v)
@@ -374,8 +405,9 @@ def _processors(b: _Body, fields: dict, kw: dict, params: dict) -> None:
             raise bad("prediction", "must be {\"type\": \"content\", \"content\": ...}")
         c = pred.get("content")
         if isinstance(c, list):  # content parts
-            if not all(isinstance(x, dict) and x.get("type") == "text" for x in c):
-                raise bad("prediction", "content parts must be text parts")
+            if not all(isinstance(x, dict) and x.get("type") == "text" and isinstance(x.get("text", ""), str)
+                       for x in c):
+                raise bad("prediction", "content parts must be text parts ({\"type\": \"text\", \"text\": ...})")
             c = "".join(x.get("text", "") for x in c)
         if not isinstance(c, str):
             raise bad("prediction", "content must be a string or text parts")

@@ -87,6 +87,9 @@ class ResumePrefix(_Wrap):
                 try:
                     res = self.inner.verify(short)
                     self.used = n
+                    # the warm KV's prompt tokens were not computed for this request: cached, as the
+                    # prefix cache's are (usage.prompt_tokens_details.cached_tokens counts them)
+                    res.cached_tokens = max(res.cached_tokens, n)
                     return res
                 except SessionLost:
                     pass  # the warm KV is gone (evicted, another replica): prefill everything

@@ -55,13 +55,17 @@ class Backend(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str) -> Iterator[list[int]]: ...
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str,
+                 cache_salt: str = "") -> Iterator[list[int]]:
+        """Greedy tokens after ``prompt_ids``; the verifier's prefix cache keeps what it
+        computes under ``cache_salt`` (the conversation's tenant) only."""
+        ...
 
     def seed(self, cache_id: str, texts: list[list[int]], ttl_s: float, replace: bool) -> None: ...
 
-    def warm(self, session_id: str, tokens: list[int]) -> Optional[str]:
-        """Prefill ``tokens`` under ``session_id``; the verifier's address ("" in
-        process), or None when it could not."""
+    def warm(self, session_id: str, tokens: list[int], cache_salt: str = "") -> Optional[str]:
+        """Prefill ``tokens`` under ``session_id`` (cached blocks under ``cache_salt``); the
+        verifier's address ("" in process), or None when it could not."""
         ...
 
     def release(self, session_id: str) -> None: ...
@@ -101,6 +105,7 @@ class Entry:
     detail: str = ""
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False
+    cache_salt: str = ""  # the conversation's prefix-cache tenant: its idle work is cached under it only
 
     @property
     def cache_id(self) -> str:
@@ -198,7 +203,8 @@ class Anticipator:
         if self._thread is not None:
             self._thread.join(10)
 
-    def submit(self, conversation_id: str, messages: list[dict], max_tokens: int = 0, next_turns: int = 0) -> Entry:
+    def submit(self, conversation_id: str, messages: list[dict], max_tokens: int = 0, next_turns: int = 0,
+               cache_salt: str = "") -> Entry:
         if not conversation_id:
             raise InvalidArgument("conversation_id", "must be non-empty")
         if not messages:
@@ -207,7 +213,7 @@ class Anticipator:
             raise InvalidArgument("max_tokens", "max_tokens and next_turns must be >= 0")
         budget = min(max_tokens or self.cfg.token_budget, self.cfg.token_budget)
         e = Entry(conversation_id, [dict(m) for m in messages], budget, next_turns or self.cfg.next_turns,
-                  self.clock() + self.cfg.ttl_s)
+                  self.clock() + self.cfg.ttl_s, cache_salt=cache_salt)
         with self._lock:
             old = self._entries.pop(conversation_id, None)
             if old is not None:
@@ -319,7 +325,7 @@ class Anticipator:
             if not self._wait_idle(e):
                 break
             n = min(max_new - len(out), e.token_budget - e.tokens)
-            gen = self.backend.generate(prompt + out, n, f"idle-{uuid.uuid4().hex[:12]}")
+            gen = self.backend.generate(prompt + out, n, f"idle-{uuid.uuid4().hex[:12]}", e.cache_salt)
             finished = True
             try:
                 for chunk in gen:
@@ -353,7 +359,7 @@ class Anticipator:
         if cfg.warm:  # (c)
             toks = b.encode(e.messages, generation_prompt=False)
             sid = f"warm-{uuid.uuid4().hex[:16]}"
-            address = b.warm(sid, toks)
+            address = b.warm(sid, toks, e.cache_salt)
             if address is not None:
                 with self._lock:
                     if e.cancelled:
@@ -394,24 +400,24 @@ class LocalBackend:
     def encode(self, messages: list[dict], generation_prompt: bool = True) -> list[int]:
         if generation_prompt:
             return self.codec.encode(None, messages)
-        enc = self.codec.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True,
-                                                       return_dict=True)
-        return list(enc["input_ids"])
+        return self.codec.chat_ids(messages, add_generation_prompt=False)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.codec.decode(list(ids))
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str) -> Iterator[list[int]]:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, session_id: str,
+                 cache_salt: str = "") -> Iterator[list[int]]:
         from ..loop import AdaptiveBudget, speculative_generate
 
+        # in process there is one tenant: the salt is not used (the loop's requests carry none)
         return speculative_generate(self.drafter, self.verifier, prompt_ids, max_new_tokens=max_new_tokens,
                                     stop_ids=self.stop_ids, session_id=session_id, budget=AdaptiveBudget(8))
 
     def seed(self, cache_id: str, texts: list[list[int]], ttl_s: float, replace: bool) -> None:
         self.cache.seed(cache_id, texts, ttl_s, replace)
 
-    def warm(self, session_id: str, tokens: list[int]) -> Optional[str]:
-        self.verifier.prefill(session_id, tokens)
+    def warm(self, session_id: str, tokens: list[int], cache_salt: str = "") -> Optional[str]:
+        self.verifier.prefill(session_id, tokens, cache_salt)
         return ""
 
     def forget(self, session_id: str) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/router.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xbe\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x19\n\x0c\x64raft_budget\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nraw_prompt\x18\x08 \x01(\x08\x12\x17\n\x0f\x63onversation_id\x18\t \x01(\t\x12\x11\n\treasoning\x18\n \x01(\x08\x12\x1c\n\x0fthinking_budget\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\'\n\x06resume\x18\r \x01(\x0b\x32\x17.specmesh.v1.ResumeFrom\x12\x13\n\x0b\x64raft_ahead\x18\x0e \x01(\t\x12\x12\n\nprediction\x18\x0f \x01(\t\x12 \n\x05tools\x18\x10 \x03(\x0b\x32\x11.specmesh.v1.Tool\x12\x13\n\x0btool_choice\x18\x11 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x12 \x01(\x08H\x03\x88\x01\x01\x42\x11\n\x0f_max_new_tokensB\x0f\n\r_draft_budgetB\x12\n\x10_thinking_budgetB\x16\n\x14_parallel_tool_calls\"G\n\nResumeFrom\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\"Z\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\x9c\x01\n\rGenerateFinal\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x05stats\x18\x03 \x01(\x0b\x32\x1c.specmesh.v1.GenerationStats\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12)\n\ntool_calls\x18\x05 \x03(\x0b\x32\x15.specmesh.v1.ToolCall\"r\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.specmesh.v1.TokenDeltaH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.specmesh.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\x8e\x01\n\x11\x41nticipateRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x12\n\nnext_turns\x18\x04 \x01(\x05\x12\x0c\n\x04wait\x18\x05 \x01(\x08\"1\n\x16GetAnticipationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\"\xa0\x01\n\x12\x41nticipateResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fpredicted_turns\x18\x04 \x03(\t\x12\r\n\x05texts\x18\x05 \x01(\x05\x12\x0e\n\x06tokens\x18\x06 \x01(\x05\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x05\x12\x0c\n\x04warm\x18\x08 \x01(\x08\"\x17\n\x15ListStrategiesRequest\"o\n\x0cStrategyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x10\n\x08\x64rafters\x18\x03 \x03(\t\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x17\n\x0f\x64\x65\x66\x61ult_drafter\x18\x05 \x01(\t\"z\n\x16ListStrategiesResponse\x12-\n\nstrategies\x18\x01 \x03(\x0b\x32\x19.specmesh.v1.StrategyInfo\x12\x18\n\x10\x64\x65\x66\x61ult_strategy\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x66\x61ult_drafter\x18\x03 \x01(\t2\xd6\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12M\n\nAnticipate\x12\x1e.specmesh.v1.AnticipateRequest\x1a\x1f.specmesh.v1.AnticipateResponse\x12W\n\x0fGetAnticipation\x12#.specmesh.v1.GetAnticipationRequest\x1a\x1f.specmesh.v1.AnticipateResponse\x12Y\n\x0eListStrategies\x12\".specmesh.v1.ListStrategiesRequest\x1a#.specmesh.v1.ListStrategiesResponseBO\n\x0f\x64\x65v.specmesh.v1P\x01Z:github.com/specmesh/specmesh/gen/go/specmesh/v1;specmeshv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/router.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xd2\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\x12\x10\n\x08strategy\x18\x03 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x04 \x01(\t\x12\x1b\n\x0emax_new_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x19\n\x0c\x64raft_budget\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nraw_prompt\x18\x08 \x01(\x08\x12\x17\n\x0f\x63onversation_id\x18\t \x01(\t\x12\x11\n\treasoning\x18\n \x01(\x08\x12\x1c\n\x0fthinking_budget\x18\x0b \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\'\n\x06resume\x18\r \x01(\x0b\x32\x17.specmesh.v1.ResumeFrom\x12\x13\n\x0b\x64raft_ahead\x18\x0e \x01(\t\x12\x12\n\nprediction\x18\x0f \x01(\t\x12 \n\x05tools\x18\x10 \x03(\x0b\x32\x11.specmesh.v1.Tool\x12\x13\n\x0btool_choice\x18\x11 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x12 \x01(\x08H\x03\x88\x01\x01\x12\x12\n\ncache_salt\x18\x1e \x01(\tB\x11\n\x0f_max_new_tokensB\x0f\n\r_draft_budgetB\x12\n\x10_thinking_budgetB\x16\n\x14_parallel_tool_calls\"G\n\nResumeFrom\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_chars\x18\x02 \x01(\x05\x12\x12\n\nsession_id\x18\x03 \x01(\t\"Z\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12+\n\x08logprobs\x18\x03 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\"\x9c\x01\n\rGenerateFinal\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12+\n\x05stats\x18\x03 \x01(\x0b\x32\x1c.specmesh.v1.GenerationStats\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12)\n\ntool_calls\x18\x05 \x03(\x0b\x32\x15.specmesh.v1.ToolCall\"r\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.specmesh.v1.TokenDeltaH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.specmesh.v1.GenerateFinalH\x00\x42\x07\n\x05\x65vent\"\xa2\x01\n\x11\x41nticipateRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12*\n\x08messages\x18\x02 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x12\n\nnext_turns\x18\x04 \x01(\x05\x12\x0c\n\x04wait\x18\x05 \x01(\x08\x12\x12\n\ncache_salt\x18\x1e \x01(\t\"E\n\x16GetAnticipationRequest\x12\x17\n\x0f\x63onversation_id\x18\x01 \x01(\t\x12\x12\n\ncache_salt\x18\x1e \x01(\t\"\xa0\x01\n\x12\x41nticipateResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x17\n\x0fpredicted_turns\x18\x04 \x03(\t\x12\r\n\x05texts\x18\x05 \x01(\x05\x12\x0e\n\x06tokens\x18\x06 \x01(\x05\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x05\x12\x0c\n\x04warm\x18\x08 \x01(\x08\"\x17\n\x15ListStrategiesRequest\"o\n\x0cStrategyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x10\n\x08\x64rafters\x18\x03 \x03(\t\x12\x11\n\tavailable\x18\x04 \x01(\x08\x12\x17\n\x0f\x64\x65\x66\x61ult_drafter\x18\x05 \x01(\t\"z\n\x16ListStrategiesResponse\x12-\n\nstrategies\x18\x01 \x03(\x0b\x32\x19.specmesh.v1.StrategyInfo\x12\x18\n\x10\x64\x65\x66\x61ult_strategy\x18\x02 \x01(\t\x12\x17\n\x0f\x64\x65\x66\x61ult_drafter\x18\x03 \x01(\t2\xd6\x02\n\x06Router\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12M\n\nAnticipate\x12\x1e.specmesh.v1.AnticipateRequest\x1a\x1f.specmesh.v1.AnticipateResponse\x12W\n\x0fGetAnticipation\x12#.specmesh.v1.GetAnticipationRequest\x1a\x1f.specmesh.v1.AnticipateResponse\x12Y\n\x0eListStrategies\x12\".specmesh.v1.ListStrategiesRequest\x1a#.specmesh.v1.ListStrategiesResponseBO\n\x0f\x64\x65v.specmesh.v1P\x01Z:github.com/specmesh/specmesh/gen/go/specmesh/v1;specmeshv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017dev.specmesh.v1P\001Z:github.com/specmesh/specmesh/gen/go/specmesh/v1;specmeshv1'
   _globals['_GENERATEREQUEST']._serialized_start=68
-  _globals['_GENERATEREQUEST']._serialized_end=642
-  _globals['_RESUMEFROM']._serialized_start=644
-  _globals['_RESUMEFROM']._serialized_end=715
-  _globals['_TOKENDELTA']._serialized_start=717
-  _globals['_TOKENDELTA']._serialized_end=807
-  _globals['_GENERATEFINAL']._serialized_start=810
-  _globals['_GENERATEFINAL']._serialized_end=966
-  _globals['_GENERATERESPONSE']._serialized_start=968
-  _globals['_GENERATERESPONSE']._serialized_end=1082
-  _globals['_ANTICIPATEREQUEST']._serialized_start=1085
-  _globals['_ANTICIPATEREQUEST']._serialized_end=1227
-  _globals['_GETANTICIPATIONREQUEST']._serialized_start=1229
-  _globals['_GETANTICIPATIONREQUEST']._serialized_end=1278
-  _globals['_ANTICIPATERESPONSE']._serialized_start=1281
-  _globals['_ANTICIPATERESPONSE']._serialized_end=1441
-  _globals['_LISTSTRATEGIESREQUEST']._serialized_start=1443
-  _globals['_LISTSTRATEGIESREQUEST']._serialized_end=1466
-  _globals['_STRATEGYINFO']._serialized_start=1468
-  _globals['_STRATEGYINFO']._serialized_end=1579
-  _globals['_LISTSTRATEGIESRESPONSE']._serialized_start=1581
-  _globals['_LISTSTRATEGIESRESPONSE']._serialized_end=1703
-  _globals['_ROUTER']._serialized_start=1706
-  _globals['_ROUTER']._serialized_end=2048
+  _globals['_GENERATEREQUEST']._serialized_end=662
+  _globals['_RESUMEFROM']._serialized_start=664
+  _globals['_RESUMEFROM']._serialized_end=735
+  _globals['_TOKENDELTA']._serialized_start=737
+  _globals['_TOKENDELTA']._serialized_end=827
+  _globals['_GENERATEFINAL']._serialized_start=830
+  _globals['_GENERATEFINAL']._serialized_end=986
+  _globals['_GENERATERESPONSE']._serialized_start=988
+  _globals['_GENERATERESPONSE']._serialized_end=1102
+  _globals['_ANTICIPATEREQUEST']._serialized_start=1105
+  _globals['_ANTICIPATEREQUEST']._serialized_end=1267
+  _globals['_GETANTICIPATIONREQUEST']._serialized_start=1269
+  _globals['_GETANTICIPATIONREQUEST']._serialized_end=1338
+  _globals['_ANTICIPATERESPONSE']._serialized_start=1341
+  _globals['_ANTICIPATERESPONSE']._serialized_end=1501
+  _globals['_LISTSTRATEGIESREQUEST']._serialized_start=1503
+  _globals['_LISTSTRATEGIESREQUEST']._serialized_end=1526
+  _globals['_STRATEGYINFO']._serialized_start=1528
+  _globals['_STRATEGYINFO']._serialized_end=1639
+  _globals['_LISTSTRATEGIESRESPONSE']._serialized_start=1641
+  _globals['_LISTSTRATEGIESRESPONSE']._serialized_end=1763
+  _globals['_ROUTER']._serialized_start=1766
+  _globals['_ROUTER']._serialized_end=2108
 # @@protoc_insertion_point(module_scope)

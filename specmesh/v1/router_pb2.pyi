@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id", "reasoning", "thinking_budget", "stop", "resume", "draft_ahead", "prediction", "tools", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("prompt", "messages", "strategy", "drafter", "max_new_tokens", "sampling", "draft_budget", "raw_prompt", "conversation_id", "reasoning", "thinking_budget", "stop", "resume", "draft_ahead", "prediction", "tools", "tool_choice", "parallel_tool_calls", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     STRATEGY_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     strategy: str
@@ -45,7 +46,8 @@ class GenerateRequest(_message.Message):
     tools: _containers.RepeatedCompositeFieldContainer[_common_pb2.Tool]
     tool_choice: str
     parallel_tool_calls: bool
-    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., reasoning: _Optional[bool] = ..., thinking_budget: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., draft_ahead: _Optional[str] = ..., prediction: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, prompt: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., strategy: _Optional[str] = ..., drafter: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., draft_budget: _Optional[int] = ..., raw_prompt: _Optional[bool] = ..., conversation_id: _Optional[str] = ..., reasoning: _Optional[bool] = ..., thinking_budget: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[ResumeFrom, _Mapping]] = ..., draft_ahead: _Optional[str] = ..., prediction: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[_common_pb2.Tool, _Mapping]]] = ..., tool_choice: _Optional[str] = ..., parallel_tool_calls: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class ResumeFrom(_message.Message):
     __slots__ = ("token_ids", "text_chars", "session_id")
@@ -90,24 +92,28 @@ class GenerateResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., final: _Optional[_Union[GenerateFinal, _Mapping]] = ...) -> None: ...
 
 class AnticipateRequest(_message.Message):
-    __slots__ = ("conversation_id", "messages", "max_tokens", "next_turns", "wait")
+    __slots__ = ("conversation_id", "messages", "max_tokens", "next_turns", "wait", "cache_salt")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_TURNS_FIELD_NUMBER: _ClassVar[int]
     WAIT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     max_tokens: int
     next_turns: int
     wait: bool
-    def __init__(self, conversation_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., next_turns: _Optional[int] = ..., wait: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, conversation_id: _Optional[str] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., next_turns: _Optional[int] = ..., wait: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GetAnticipationRequest(_message.Message):
-    __slots__ = ("conversation_id",)
+    __slots__ = ("conversation_id", "cache_salt")
     CONVERSATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     conversation_id: str
-    def __init__(self, conversation_id: _Optional[str] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, conversation_id: _Optional[str] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class AnticipateResponse(_message.Message):
     __slots__ = ("accepted", "detail", "state", "predicted_turns", "texts", "tokens", "preemptions", "warm")

@@ -16,16 +16,18 @@ class SelfDraft(_message.Message):
     def __init__(self, method: _Optional[str] = ..., budget: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("session_id", "tokens", "fork_from", "fork_len")
+    __slots__ = ("session_id", "tokens", "fork_from", "fork_len", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FORK_FROM_FIELD_NUMBER: _ClassVar[int]
     FORK_LEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     fork_from: str
     fork_len: int
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., fork_from: _Optional[str] = ..., fork_len: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., fork_from: _Optional[str] = ..., fork_len: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("cache_len",)
@@ -34,7 +36,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, cache_len: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session_id", "sync", "tree", "sampling", "round_seed", "self_draft", "want_entropy", "feature_layers", "prompt_len", "jump_forward")
+    __slots__ = ("session_id", "sync", "tree", "sampling", "round_seed", "self_draft", "want_entropy", "feature_layers", "prompt_len", "jump_forward", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +47,7 @@ class VerifyRequest(_message.Message):
     FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     JUMP_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sync: _common_pb2.SessionSync
     tree: _common_pb2.TokenTree
@@ -55,10 +58,11 @@ class VerifyRequest(_message.Message):
     feature_layers: _containers.RepeatedScalarFieldContainer[int]
     prompt_len: int
     jump_forward: bool
-    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round_seed: _Optional[int] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., want_entropy: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., jump_forward: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., tree: _Optional[_Union[_common_pb2.TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round_seed: _Optional[int] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., want_entropy: _Optional[bool] = ..., feature_layers: _Optional[_Iterable[int]] = ..., prompt_len: _Optional[int] = ..., jump_forward: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("session_id", "sync", "sampling", "max_steps", "stop_ids", "want_entropy", "self_draft", "tokens_left", "prompt_len", "jump_forward")
+    __slots__ = ("session_id", "sync", "sampling", "max_steps", "stop_ids", "want_entropy", "self_draft", "tokens_left", "prompt_len", "jump_forward", "cache_salt")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +73,7 @@ class DecodeRequest(_message.Message):
     TOKENS_LEFT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     JUMP_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     sync: _common_pb2.SessionSync
     sampling: _common_pb2.SamplingParams
@@ -79,7 +84,8 @@ class DecodeRequest(_message.Message):
     tokens_left: int
     prompt_len: int
     jump_forward: bool
-    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., want_entropy: _Optional[bool] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., tokens_left: _Optional[int] = ..., prompt_len: _Optional[int] = ..., jump_forward: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, session_id: _Optional[str] = ..., sync: _Optional[_Union[_common_pb2.SessionSync, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_steps: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., want_entropy: _Optional[bool] = ..., self_draft: _Optional[_Union[SelfDraft, _Mapping]] = ..., tokens_left: _Optional[int] = ..., prompt_len: _Optional[int] = ..., jump_forward: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted", "next_token", "drafted", "tree_size", "accepted_nodes", "entropy", "draft_ms", "verify_ms", "cache_len", "batch_size", "server_ms", "features", "batch_rows", "logprobs", "forced", "cached_tokens")

@@ -39,6 +39,7 @@ class RouterStats(GenerationStats):
 
 
 MAX_SESSION_ID = 128
+MAX_SALT = 256  # bytes of a cache_salt (the prefix cache's tenant key)
 
 
 def check_session_id(sid: str) -> str:
@@ -48,6 +49,36 @@ def check_session_id(sid: str) -> str:
     if len(sid.encode()) > MAX_SESSION_ID:
         raise InvalidArgument("session_id", f"longer than {MAX_SESSION_ID} bytes")
     return sid
+
+
+def check_salt(salt: str, name: str = "cache_salt") -> str:
+    """A prefix-cache tenant key as sent (INVALID_ARGUMENT naming ``name`` when over ``MAX_SALT`` bytes)."""
+    if len(salt.encode("utf-8", "surrogatepass")) > MAX_SALT:
+        raise InvalidArgument(name, f"longer than {MAX_SALT} bytes")
+    return salt
+
+
+def unicode_path(v, path: str = "") -> Optional[str]:
+    """Where in ``v`` (str, or dicts and lists of them) a string is not Unicode text (it holds
+    a lone UTF-16 surrogate, which JSON's \\ud800 escapes can carry and no wire encoding can),
+    as a path (``messages[1].content``); None when all of it is."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "value"
+        return None
+    if isinstance(v, dict):
+        for k, x in v.items():
+            at = f"{path}.{k}" if path else str(k)
+            bad = unicode_path(k, at) if isinstance(k, str) else None
+            if bad or (bad := unicode_path(x, at)):
+                return bad
+    elif isinstance(v, (list, tuple)):
+        for i, x in enumerate(v):
+            if bad := unicode_path(x, f"{path}[{i}]"):
+                return bad
+    return None
 
 
 # ---------------------------------------------------------------- sampling
@@ -145,7 +176,7 @@ def verify_request_to_proto(r: VerifyRequest) -> verifier_pb2.VerifyRequest:
     m = verifier_pb2.VerifyRequest(
         session_id=r.session_id, sync=sync_to_proto(r.keep_len, r.append_tokens), tree=tree_to_proto(r.tree),
         sampling=sampling_to_proto(r.sampling), round_seed=int(r.round_seed) & U64, want_entropy=r.want_entropy,
-        feature_layers=list(r.feature_layers), jump_forward=r.jump_forward)
+        feature_layers=list(r.feature_layers), jump_forward=r.jump_forward, cache_salt=r.cache_salt)
     if r.prompt_len >= 0:
         m.prompt_len = r.prompt_len
     if r.self_draft is not None:
@@ -159,7 +190,8 @@ def verify_request_from_proto(m: verifier_pb2.VerifyRequest) -> VerifyRequest:
         raise InvalidArgument("tree", "must be empty when self_draft is set")
     return VerifyRequest(m.session_id, m.sync.keep_len, list(m.sync.append_tokens), tree_from_proto(m.tree),
                          sampling_from_proto(m.sampling), m.round_seed, sd, m.want_entropy, tuple(m.feature_layers),
-                         prompt_len=m.prompt_len if m.HasField("prompt_len") else -1, jump_forward=m.jump_forward)
+                         prompt_len=m.prompt_len if m.HasField("prompt_len") else -1, jump_forward=m.jump_forward,
+                         cache_salt=check_salt(m.cache_salt))
 
 
 def logprobs_to_proto(lps) -> list:

@@ -101,7 +101,7 @@ def test_drafts_not_from_the_specialist_are_refused(stack):
         with pytest.raises(InvalidArgumentError) as e:
             c.generate(PROMPT, strategy="self", drafter="layerskip", max_new_tokens=8, raw_prompt=True,
                        draft_budget=3, acceptance="divergence")
-    # raised by the verifier at the first drafted round: the router passes it on as a downstream field
+    # raised by the verifier at the first drafted round: the router passes it on, the field first
     assert "sampling.acceptance" in str(e.value) and "specialist's own drafts" in str(e.value), e.value
 
 

@@ -42,7 +42,7 @@ SAMPLES = {
     "parallel_tool_calls": False, "prediction": {"type": "content", "content": "abc abc"},
     "guided_json": SCHEMA, "guided_regex": "[a-c]+", "guided_choice": ["abc", "cab"], "guided_grammar": LARK,
     "structured_outputs": {"regex": "[a-c]+"}, "prompt": PROMPT, "echo": True, "suffix": "end", "best_of": 2,
-    "lenience": 0.5,
+    "lenience": 0.5, "cache_salt": "tenant-1",
 }
 # fields sent together with another (a sample alone would be refused for the other's sake)
 WITH = {"top_logprobs": {"logprobs": True}, "tool_choice": {"tools": [TOOL]}, "parallel_tool_calls": {"tools": [TOOL]},

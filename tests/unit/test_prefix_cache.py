@@ -143,3 +143,38 @@ def test_bad_sizes_are_refused():
         PrefixCache(4, block_size=0)
     with pytest.raises(ValueError, match="n_blocks"):
         PrefixCache(-1)
+
+
+def test_a_salt_keeps_a_tenants_blocks_its_own():
+    """Blocks stored under one salt (a tenant's prompt and answer) are not matched, shared
+    or counted as hits under another, nor unsalted; under their own they are."""
+    c = PrefixCache(32, block_size=4)
+    text = list(range(50, 70))  # a prompt and its answer: 5 blocks
+    c.attach("a", [], "tenant-1")
+    assert len(c.grow("a", text, len(text))) == 5
+    assert c.peek(text, salt="tenant-2") == 0 and c.peek(text) == 0
+    assert c.peek(text, salt="tenant-1") == 20
+    hits = c.hits
+    assert c.match(text, 19, "tenant-2") == [] and c.hits == hits  # another tenant's guess: nothing, no hit
+    c.attach("b", c.match(text, 19, "tenant-2"), "tenant-2")
+    assert len(c.grow("b", text, len(text))) == 5  # stored again, under its own salt: nothing shared
+    assert c.used == 10
+    c.fork("a", "a2", 8)
+    assert c.salts["a2"] == "tenant-1" and c.sessions["a2"] == c.sessions["a"][:2]
+    for s in ("a", "a2", "b"):
+        c.detach(s)
+    assert set(c.roots) == {"", "tenant-1", "tenant-2"}  # their blocks stay cached
+    for _ in range(10):  # unsalted blocks fill the cache: the tenants' are evicted and their roots go
+        c.attach("x", [], "")
+        c.grow("x", [c.used + 1000 + i for i in range(32)], 32)
+        c.detach("x")
+    assert set(c.roots) == {""}
+
+
+def test_an_empty_salted_root_is_forgotten_when_its_session_ends():
+    c = PrefixCache(8, block_size=4)
+    for i in range(50):  # a salt per request that stores nothing (prompts under one block)
+        c.attach(f"s{i}", [], f"salt-{i}")
+        c.grow(f"s{i}", [1, 2, 3], 3)
+        c.detach(f"s{i}")
+    assert set(c.roots) == {""}

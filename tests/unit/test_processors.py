@@ -269,3 +269,46 @@ def test_sampled_speculation_draws_the_processed_distribution(case, name):
         c[tuple(run(ver, d, sd, replace(sampling, seed=seed), 3, budget=2))] += 1
     p = chi2(c, exact_processed_joint(sampling, 3, grammar))
     assert p > ALPHA, f"{name}/{case}: chi-square p = {p:.2e}"
+
+
+# ---------------------------------------------------------------- grammars past the matcher's limits
+
+WIDE = "start: " + " | ".join('"a" "b"+ "c"' for _ in range(2100))  # an Earley row of 6,300 items after "a"
+
+
+def test_a_grammar_past_the_matchers_limits_is_refused_naming_it_and_the_others_go_on():
+    from specmesh.grammar import MAX_GRAMMAR_CHARS, GrammarError, check
+    from specmesh.types import InvalidArgument, VerifyRequest
+
+    check("lark", WIDE)  # no tokenizer: the router's check cannot see it
+    m = Matcher(vocab(), "lark", WIDE)
+    with pytest.raises(GrammarError, match="too complex to match"):
+        m.advance(0)  # allowed, and the matcher then hits its row limit: said, not a silent refusal
+    with pytest.raises(GrammarError, match="characters"):
+        check("regex", "a" * (MAX_GRAMMAR_CHARS + 1))
+    ver = verifier(grammar=True)
+    wide = SamplingParams(temperature=0.0, grammar_kind="lark", grammar=WIDE)
+    ok = SamplingParams(temperature=0.0, grammar_kind="regex", grammar=REGEX)
+    reqs = [VerifyRequest("wide", 0, list(PROMPT), TokenTree.chain([0, 1]), wide, 0, prompt_len=len(PROMPT)),
+            VerifyRequest("ok", 0, list(PROMPT), TokenTree.chain([0, 1]), ok, 0, prompt_len=len(PROMPT))]
+    out = ver.verify_batch(reqs)
+    assert isinstance(out[0], InvalidArgument) and out[0].field == "sampling.grammar", out[0]
+    assert "too complex" in str(out[0])
+    assert not isinstance(out[1], BaseException), out[1]  # the batch's other request is served
+    assert (out[1].accepted + [out[1].next_token])[0] in (0, 2)  # in its language: "a" or "c" first
+
+
+def test_a_failure_inside_the_matcher_is_the_grammars_refusal():
+    """A panic inside llguidance (pyo3's PanicException derives from BaseException) is the
+    request's GrammarError, not a crash of the verifier's batch."""
+    from specmesh.grammar import GrammarError, guarded
+
+    class PanicException(BaseException):
+        pass
+
+    with pytest.raises(GrammarError, match="PanicException"):
+        with guarded():
+            raise PanicException("index out of bounds")
+    with pytest.raises(KeyboardInterrupt):
+        with guarded():
+            raise KeyboardInterrupt

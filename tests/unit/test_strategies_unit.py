@@ -712,7 +712,7 @@ class FakeBackend:
     def decode(self, ids):
         return "\n".join(f"question {t}?" for t in ids)
 
-    def generate(self, prompt_ids, max_new_tokens, session_id):
+    def generate(self, prompt_ids, max_new_tokens, session_id, cache_salt=""):
         def gen():
             i = len(prompt_ids)
             n = 0
@@ -727,7 +727,7 @@ class FakeBackend:
     def seed(self, cache_id, texts, ttl_s, replace):
         self.seeds.append((cache_id, texts, replace))
 
-    def warm(self, session_id, tokens):
+    def warm(self, session_id, tokens, cache_salt=""):
         self.warmed.append(session_id)
         return "here"
 

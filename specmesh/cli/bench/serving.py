@@ -32,6 +32,7 @@ models beyond their tokenizer (prompt lengths) and GGUF path.
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ...workloads import load as load_prompts
 from .sweep import Services, _free_port, percentile
@@ -65,6 +66,14 @@ def add_arguments(p) -> None:
     p.add_argument("--soak", type=int, default=0, help="in process: this many distinct conversations through a "
                    "small prefix cache and none, outputs compared, RSS sampled (0: no soak)")
     p.add_argument("--soak-mib", type=float, default=64.0, help="the soak's cache budget in MiB")
+    p.add_argument("--soak-serve", type=int, default=0, help="this many honest two-turn conversations through "
+                   "specmesh serve with a fuzzing client beside them: errors, seeded outputs against a quiet run, "
+                   "the services' RSS (cli/bench/soak.py; 0: none)")
+    p.add_argument("--soak-seeded", type=int, default=20, help="of those, sampled with a seed and run quiet first")
+    p.add_argument("--soak-concurrency", type=int, default=4, help="conversations at a time in --soak-serve")
+    p.add_argument("--soak-tokens", type=int, default=16, help="tokens a reply in --soak-serve")
+    p.add_argument("--soak-fuzz", action=argparse.BooleanOptionalAction, default=True,
+                   help="the fuzzing client beside --soak-serve (schemathesis and Hypothesis: the test extra)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out/serving")
 
@@ -134,8 +143,9 @@ def _up(url: str) -> bool:
         return False
 
 
-def start(system: str, args, out: Path):
-    """(the server, its /v1 URL, the model name to send)."""
+def start(system: str, args, out: Path, extra: Sequence[str] = (), env: Optional[dict] = None):
+    """(the server, its /v1 URL, the model name to send); ``extra``: more ``specmesh serve`` flags,
+    ``env``: more variables for it."""
     if system == "llamacpp":
         from ...models.loading import resolve_model
         from .peers import gguf_path
@@ -146,13 +156,13 @@ def start(system: str, args, out: Path):
         srv = LlamaCppServer(gguf, args.threads, out / "llamacpp.log")
         return srv, srv.url, str(gguf)
     # one client sends every user's requests: let it hold them all at once (the default caps a client at 8 here)
-    extra = ["--model", args.model, "--max-prompt-tokens", "2000", "--max-new-tokens-limit", "1024",
-             "--max-sessions-per-client", str(max(16, 2 * args.users))]
+    flags = ["--model", args.model, "--max-prompt-tokens", "2000", "--max-new-tokens-limit", "1024",
+             "--max-sessions-per-client", str(max(16, 2 * args.users)), *extra]
     if system == "ours_nocache":
-        extra += ["--prefix-cache", "false", "--prefill-chunk", "0"]
+        flags += ["--prefix-cache", "false", "--prefill-chunk", "0"]
     # a loaded machine may take minutes over a burst of long prompts: no router deadline cuts a request short
-    srv = Services(args.dtype, 8, out / f"{system}.log", http_port=_free_port(), extra=extra,
-                   env={"SPECMESH_VERIFIER_TIMEOUT_S": "900"})
+    srv = Services(args.dtype, 8, out / f"{system}.log", http_port=_free_port(), extra=flags,
+                   env=dict({"SPECMESH_VERIFIER_TIMEOUT_S": "900"}, **(env or {})))
     return srv, srv.http_url, args.model
 
 
@@ -412,6 +422,15 @@ def render(result: dict) -> str:
                   f"{so['budget_mib']:.0f} MiB prefix cache and none: {so['outputs_changed']} outputs changed, "
                   f"{so['evictions']} blocks evicted, {so['hits']} of {so['queries']} prompt tokens cached; the "
                   f"process's RSS grew {', '.join(f'{r:.0f} MiB after {k}' for k, r in so['rss_growth_mib'])}.", ""]
+    if "soak_serve" in result:
+        so = result["soak_serve"]
+        lines += ["## Soak through serve, a fuzzing client beside it", "",
+                  f"{so['conversations']} two-turn conversations ({so['tokens']} tokens a reply, {so['concurrency']} "
+                  f"at a time) through the OpenAI front, a {so['budget_mib']:.0f} MiB prefix cache: "
+                  f"{so['error_count']} errors; {so['seeded']} seeded conversations against a quiet run: "
+                  f"{len(so['seeded_changed'])} changed; the services' RSS "
+                  f"{', '.join(f'{r:.0f} MiB after {k}' for k, r in so['rss_mib'])}; fuzzing: "
+                  f"{json.dumps(so['fuzz']['cases'])}, {so['fuzz']['failed']} failed.", ""]
     lines += [f"- {v}" for v in result.get("verdicts", [])]
     return "\n".join(lines) + "\n"
 
@@ -437,6 +456,10 @@ def verdicts(result: dict) -> list[str]:
         out.append(f"soak: {so['outputs_changed']} of {2 * so['conversations']} outputs changed by the cache and its "
                    f"{so['evictions']} evictions; RSS grew at most {grow:.0f} MiB over a {so['budget_mib']:.0f} MiB "
                    "budget")
+    if result.get("soak_serve"):
+        from .soak import verdict
+
+        out.append(verdict(result["soak_serve"]))
     it = result.get("interference", {})
     if "ours" in it:
         r = it["ours"]["ratio"]
@@ -501,6 +524,11 @@ def run(args) -> dict:
     if args.soak:
         print(f"bench-serving: soak of {args.soak} conversations", file=sys.stderr, flush=True)
         result["soak"] = run_soak(args, Texts(args.model, args.seed + 1))
+    if args.soak_serve:
+        from .soak import run_soak_served
+
+        print(f"bench-serving: soak of {args.soak_serve} conversations through serve", file=sys.stderr, flush=True)
+        result["soak_serve"] = run_soak_served(args, Texts(args.model, args.seed + 2), start, out)
     result["verdicts"] = verdicts(result)
     (out / "serving.json").write_text(json.dumps(result, indent=1, default=str))
     if "chat" in result:
