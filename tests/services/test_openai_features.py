@@ -34,7 +34,7 @@ IDS = ["plain", "prompt_lookup", "layerskip", "suffix"]
 
 @pytest.fixture(scope="module")
 def front():
-    f = Front(chars=True, max_seq_len=1024, max_prompt_tokens=800, max_new_tokens=160)
+    f = Front(chars=True, max_seq_len=1280, max_prompt_tokens=1100, max_new_tokens=160)
     yield f
     f.close()
 
