@@ -174,7 +174,8 @@ def grammar(tools: Sequence[Tool], choice: str, parallel: bool = True, fmt: Tool
     body = " | ".join(f"b{i}" for i in range(len(chosen)))
     open_tag, close_tag = _tag(OPEN, fmt.open_id), _tag(CLOSE, fmt.close_id)
     if forced:
-        calls = "call (NL call)*" if parallel and not choice.startswith("function:") else "call"
+        # a newline after a call commits to nothing: the model then writes another call or ends
+        calls = "call (NL call)* NL?" if parallel and not choice.startswith("function:") else "call"
         rules += [f"start: {calls}" if answer is None else f"start: answer | {calls}", 'NL: "\\n"',
                   f"call: {open_tag} {_lit(NAME_OPEN)} ({body}) {_lit(chr(10))} {close_tag}"]
         if answer is not None:

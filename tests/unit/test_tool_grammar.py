@@ -75,6 +75,7 @@ def test_forced_choice_admits_only_calls_that_hold_the_schema(vocab, fmt, tokens
     one = f"{tl.OPEN}\n{CALL}\n{tl.CLOSE}"
     assert takes(m, tokens(one)) and m.ends(STOP)
     assert takes(m, tokens(one + "\n" + one.replace("UTC", "CET"))) and m.ends(STOP)  # parallel: one per line
+    assert takes(m, tokens(one + "\n")) and m.ends(STOP)  # a newline commits to no second call
     assert not takes(m, tokens("Sure"))  # no text
     assert not takes(m, tokens(f'{tl.OPEN}\n{{"name": "clock", "arguments": {{"zone": "PST"}}}}'))
     assert not takes(m, tokens(f'{tl.OPEN}\n{{"name": "other"'))

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from ...workloads import load as load_prompts
 from .sweep import Services, _free_port, percentile
@@ -101,13 +101,15 @@ class Texts:
 class LlamaCppServer:
     """llama-cpp-python's OpenAI server on the GGUF, in a child process."""
 
-    def __init__(self, gguf: Path, threads: int, log_path: Path, ctx: int = 4096, timeout: float = 300.0):
+    def __init__(self, gguf: Path, threads: int, log_path: Path, ctx: int = 4096, timeout: float = 300.0,
+                 extra: Sequence[str] = ()):
+        """``extra``: more server flags (``--chat_format chatml-function-calling``)."""
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}/v1"
         self.log = open(log_path, "w", encoding="utf-8")
         self.proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx",
                                       str(ctx), "--n_threads", str(threads), "--host", "127.0.0.1", "--port",
-                                      str(port)], stdout=self.log, stderr=subprocess.STDOUT)
+                                      str(port), *extra], stdout=self.log, stderr=subprocess.STDOUT)
         end = time.monotonic() + timeout
         while not _up(self.url):
             if self.proc.poll() is not None or time.monotonic() > end:
@@ -446,6 +448,15 @@ def verdicts(result: dict) -> list[str]:
     return out
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for the reports."""
+    info = Path("/proc/cpuinfo")
+    if not info.exists():
+        return platform.processor() or "?"
+    return next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
+                platform.processor() or "?")
+
+
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -458,9 +469,7 @@ def run(args) -> dict:
 
     import openai
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
-    result: dict = {"meta": {"model": args.model, "dtype": args.dtype, "cpu": cpu, "cpus": os.cpu_count(),
+    result: dict = {"meta": {"model": args.model, "dtype": args.dtype, "cpu": cpu_name(), "cpus": os.cpu_count(),
                              "date": time.strftime("%Y-%m-%d %H:%M"), "slo_ttft": args.slo_ttft,
                              "slo_tpot": args.slo_tpot, "systems": systems, "workloads": workloads}}
     rates = [float(x) for x in args.rates.split(",") if x]
