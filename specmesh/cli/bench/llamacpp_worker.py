@@ -163,6 +163,21 @@ class _Died(Exception):
 
 
 # ---------------------------------------------------------------- child side
+def without_extra_bufts(C=None) -> None:
+    """Load every later model with ``use_extra_bufts = False`` (no AMX / repacked weight
+    buffers): ``llama_cpp.llama`` reads its model defaults from ``llama_model_default_params``."""
+    if C is None:
+        import llama_cpp.llama_cpp as C
+    default = C.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    C.llama_model_default_params = params
+
+
 def _truncate(llm, n: int) -> None:
     """Drop a Llama's tokens after the first n (its KV cache too)."""
     if llm.n_tokens > n:
@@ -280,14 +295,7 @@ def _child(cfg: dict) -> int:
         from llama_cpp import Llama
 
         if not cfg["extra_bufts"]:
-            default = C.llama_model_default_params
-
-            def params():
-                p = default()
-                p.use_extra_bufts = False
-                return p
-
-            C.llama_model_default_params = params  # llama.py reads its model defaults from here
+            without_extra_bufts(C)
         kw: dict = {}
         if cfg["pld_tokens"]:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding

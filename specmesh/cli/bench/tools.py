@@ -10,7 +10,8 @@ functions as ``tools``, ``tool_choice`` left to the server: auto; greedy, not st
 - ``llamacpp``: llama-cpp-python's server (``python -m llama_cpp.server``, the
   ``bench-peers`` extra) on the model's GGUF, ``--chat_format chatml-function-calling``
   (its tool-calling chat format: a grammar-constrained call, or text), ``--threads``
-  threads (or ``--llamacpp-url``).
+  threads, llama.cpp's AMX / repacked weight buffers off unless ``--llamacpp-extra-bufts``
+  (``llamacpp_server``), or ``--llamacpp-url``.
 
 Per category (``bfcl.CATEGORIES``, ``--per-category`` items spread evenly over each file):
 BFCL's accuracy (``bfcl.judge``: its AST checker), completion tokens per second of wall
@@ -52,6 +53,8 @@ def register(subparsers) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's threads")
     p.add_argument("--ours-url", default="", help="a running specmesh serve's OpenAI URL (…/v1) instead of starting one")
     p.add_argument("--llamacpp-url", default="", help="a running llama-cpp-python server's URL instead of starting one")
+    p.add_argument("--llamacpp-extra-bufts", action="store_true",
+                   help="llama.cpp's AMX / repacked weight buffers on (off by default: they crash on an AMX CPU here)")
     p.add_argument("--out", default="bench-out/tools")
     p.set_defaults(module="specmesh.cli.bench.tools", func="main")
 
@@ -72,8 +75,8 @@ def start(system: str, args, out: Path):
         gguf = gguf_path(args.model, resolve_model(args.model, quiet=True))
         if gguf is None:
             raise RuntimeError(f"no GGUF found for {args.model}")
-        srv = LlamaCppServer(gguf, args.threads, out / "llamacpp.log",
-                             extra=["--chat_format", "chatml-function-calling"])
+        srv = LlamaCppServer(gguf, args.threads, out / "llamacpp.log", extra=["--chat_format", "chatml-function-calling"],
+                             extra_bufts=args.llamacpp_extra_bufts)
         return srv, srv.url, str(gguf)
     from .sweep import Services, _free_port
 
