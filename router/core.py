@@ -591,7 +591,7 @@ class Router:
                 from specmesh.tools import parse
 
                 final, calls = parse(final, plan.tool_names, plan.parallel_tools)
-                if calls:
+                if calls and stats.finish_reason != "length":  # a reply cut short says so, calls or not
                     stats.finish_reason = "tool_calls"
             yield Final(final, out_ids, stats, sid, calls)
         except BaseException as e:

@@ -34,7 +34,7 @@ IDS = ["plain", "prompt_lookup", "layerskip", "suffix"]
 
 @pytest.fixture(scope="module")
 def front():
-    f = Front(chars=True, max_seq_len=1280, max_prompt_tokens=1100, max_new_tokens=160)
+    f = Front(chars=True, max_seq_len=1536, max_prompt_tokens=1300, max_new_tokens=160)
     yield f
     f.close()
 
@@ -342,26 +342,29 @@ def test_tool_fields_are_honoured_or_refused_naming_them(front):
     assert e.value.field == "tools"
 
 
-def test_an_untagged_call_reply_is_a_tool_call_streamed_and_not(front):
-    """A reply that is nothing but one untagged call object of a requested tool (what
-    Qwen2.5-Coder-1.5B-Instruct writes with tool_choice auto, in a code fence) comes back as
-    tool_calls, streamed and not; the tiny model is steered into that shape by a schema."""
+def test_a_response_format_with_auto_tools_is_that_json_or_calls_streamed_and_not(front):
+    """tool_choice auto beside a JSON response_format: the reply is the format's JSON or a list
+    of calls that hold their schemas (one grammar of both); the format's JSON, where it is an
+    untagged call object of a requested tool (what Qwen2.5-Coder-1.5B-Instruct writes), is a
+    call too; streamed as not; without tools the same JSON is content."""
     params = CLOCK["function"]["parameters"]
     schema = {"type": "object", "properties": {"name": {"const": "clock"}, "arguments": params},
               "required": ["name", "arguments"], "additionalProperties": False}
     rf = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}
-    r = chat(front, STRATEGIES[1], tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name == "clock" and r.choices[0].finish_reason == "tool_calls"
-    assert not r.choices[0].message.content
-    jsonschema.validate(json.loads(call.function.arguments), params)
-    chunks = list(chat(front, STRATEGIES[1], tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60, stream=True))
+    for s in STRATEGIES[:2]:
+        r = chat(front, s, tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60, parallel_tool_calls=False)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        jsonschema.validate(json.loads(call.function.arguments), {"clock": CLOCK, "lookup": LOOKUP}[
+            call.function.name]["function"]["parameters"])
+    chunks = list(chat(front, STRATEGIES[1], tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60, stream=True,
+                       parallel_tool_calls=False))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-        (0, "clock", call.function.arguments)]
+        (0, call.function.name, call.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    # without tools (or with tool_choice none) the same reply is content
+    # without tools (or with tool_choice none) the format's JSON is content
     for kw in ({}, {"tools": [CLOCK], "tool_choice": "none"}):
         r = chat(front, STRATEGIES[1], response_format=rf, max_tokens=60, **kw)
         assert r.choices[0].message.tool_calls is None and json.loads(r.choices[0].message.content)["name"] == "clock"

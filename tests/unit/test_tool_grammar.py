@@ -1,9 +1,9 @@
 """``specmesh.tools``' grammars on llguidance, over a one-character-a-token vocabulary
 (plus the call tags as two special tokens, as Qwen2.5's tokenizer has them):
 
-- ``required`` / a named function admit only calls whose arguments hold the schema, with
-  the tags as text or as special tokens (a grammar naming Qwen's ``<tool_call>`` as text
-  never matched its token: issue 67's 400);
+- ``required`` / a named function admit only a JSON list of calls whose arguments hold the
+  schema (a grammar that spelled Qwen's special ``<tool_call>`` token as text matched
+  nothing: issue 67's 400);
 - ``auto`` is triggered: free text, and once the model opens a call (a tag, or
   ``{"name":`` in any untagged form) only the tools' names and schemas; after the call
   free text again, or (``parallel_tool_calls`` false) text that opens no other call;
@@ -69,29 +69,32 @@ def allowed_chars(m: Matcher) -> str:
 CALL = '{"name": "clock", "arguments": {"zone": "UTC"}}'
 
 
-@pytest.mark.parametrize("fmt, tokens", [(tl.TEXT_TAGS, text_ids), (SPECIAL, ids)])
-def test_forced_choice_admits_only_calls_that_hold_the_schema(vocab, fmt, tokens):
-    m = Matcher(vocab, "lark", tl.grammar(TOOLS, "required", True, fmt))
-    one = f"{tl.OPEN}\n{CALL}\n{tl.CLOSE}"
-    assert takes(m, tokens(one)) and m.ends(STOP)
-    assert takes(m, tokens(one + "\n" + one.replace("UTC", "CET"))) and m.ends(STOP)  # parallel: one per line
-    assert takes(m, tokens(one + "\n")) and m.ends(STOP)  # a newline commits to no second call
-    assert not takes(m, tokens("Sure"))  # no text
-    assert not takes(m, tokens(f'{tl.OPEN}\n{{"name": "clock", "arguments": {{"zone": "PST"}}}}'))
-    assert not takes(m, tokens(f'{tl.OPEN}\n{{"name": "other"'))
-    m = Matcher(vocab, "lark", tl.grammar(TOOLS, "function:lookup", True, fmt))
-    assert takes(m, tokens(f'{tl.OPEN}\n{{"name": "lookup", "arguments": {{"word": "abc"}}}}\n{tl.CLOSE}'))
-    assert m.ends(STOP) and not m.advance(0)  # a named function: one call
-    assert not takes(m, tokens(f'{tl.OPEN}\n{{"name": "clock"'))
-    assert not takes(m, tokens(f'{tl.OPEN}\n{{"name": "lookup", "arguments": {{"word": "abcdefghi"'))
-
-
-def test_forced_calls_start_with_the_special_token_where_the_tokenizer_has_one(vocab):
+def test_forced_choice_admits_only_a_list_of_calls_that_hold_the_schema(vocab):
+    m = Matcher(vocab, "lark", tl.grammar(TOOLS, "required", True, SPECIAL))
+    assert takes(m, text_ids(f"[{CALL}]")) and m.ends(STOP)
+    two = f'[{CALL}, {CALL.replace("UTC", "CET")}]'
+    assert takes(m, text_ids(two)) and m.ends(STOP)  # parallel: the model writes ", " for another, or "]"
+    assert m.allowed()[STOP] and not takes(m, text_ids(two + "\n"))
+    assert not takes(m, text_ids("Sure"))  # no text
+    assert not takes(m, ids(f"{tl.OPEN}"))
+    assert not takes(m, text_ids('[{"name": "clock", "arguments": {"zone": "PST"}}]'))
+    assert not takes(m, text_ids('[{"name": "other"'))
     m = Matcher(vocab, "lark", tl.grammar(TOOLS, "required", False, SPECIAL))
-    assert m.forced() == OPEN_ID  # not the text "<": a free draft, and the token the model knows
-    m.advance(OPEN_ID)
-    assert m.forced() == 0  # "\n"
-    assert not takes(m, text_ids(f"{tl.OPEN}\n"))
+    assert not takes(m, text_ids(f"[{CALL}, "))  # parallel_tool_calls false: one call
+    m = Matcher(vocab, "lark", tl.grammar(TOOLS, "function:lookup", True, SPECIAL))
+    assert takes(m, text_ids('[{"name": "lookup", "arguments": {"word": "abc"}}]')) and m.ends(STOP)
+    assert not takes(m, text_ids('[{"name": "lookup", "arguments": {"word": "abc"}}, '))  # a named function: one
+    assert not takes(m, text_ids('[{"name": "clock"'))
+    assert not takes(m, text_ids('[{"name": "lookup", "arguments": {"word": "abcdefghi"'))
+
+
+def test_forced_calls_are_free_drafts_up_to_the_name(vocab):
+    m = Matcher(vocab, "lark", tl.grammar(TOOLS, "function:clock", True, SPECIAL))
+    forced = []
+    while (t := m.forced()) is not None:
+        forced.append(t)
+        m.advance(t)
+    assert "".join(chr(30 + t) for t in forced) == '[{"name": "clock", "arguments": {"zone": "'
 
 
 @pytest.mark.parametrize("opening", ["", "Sure, checking.\n", "```json\n", "{", "[", "<tool_call>\n"])
@@ -153,7 +156,7 @@ def test_a_json_answer_or_calls_under_auto_with_a_response_format(vocab):
     answer = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
     m = Matcher(vocab, "lark", tl.grammar(TOOLS, "auto", True, SPECIAL, answer))
     assert takes(m, text_ids('{"city":"Paris"}')) and m.ends(STOP)
-    assert takes(m, ids(f"{tl.OPEN}\n{CALL}\n{tl.CLOSE}")) and m.ends(STOP)
+    assert takes(m, text_ids(f"[{CALL}]")) and m.ends(STOP)
     assert not takes(m, text_ids("Paris"))
 
 
@@ -182,5 +185,5 @@ def test_qwens_template_is_fixed_where_it_misleads_the_model():
             '<args-json-object>}}\\n</tool_call><|im_end|>\\n"')
     fixed = tl.tools_template("{{- " + line + " }}")
     assert "{{\\\"name\\\"" not in fixed and '{\\"name\\": <function-name>' in fixed
-    assert tl.PARALLEL_NOTE in fixed and fixed.endswith('<|im_end|>\\n" }}')
+    assert "Answer with a JSON list of the calls" in fixed and fixed.endswith('<|im_end|>\\n" }}')
     assert tl.tools_template("{{ messages }}") is None
