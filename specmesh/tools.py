@@ -26,7 +26,9 @@ instead (fenced or bare JSON, lists, the template echo) are parsed too
 - ``tools_template(template)``: a chat template that renders tools, with Qwen2.5's tool
   instructions fixed where they mislead the model: its example call has doubled braces
   (``{{"name": ...}}``, which the model copies) and ``TOOLS_NOTE`` added (several calls as
-  a JSON list, no made-up values, no call where none fits, an answer from the results);
+  a JSON list, no made-up values, no call where none fits), and ``RESULTS_ASK`` after the
+  last tool result of a conversation that ends in them (an answer from them, not the same
+  calls again);
   ``system_prompt`` / ``fallback_messages``: the same for a template without tools
   (SmolLM2's), earlier calls written as tags and tool results as user turns in
   ``<tool_response>`` tags; ``template_messages``: Hugging Face's tool-use message format.
@@ -66,15 +68,19 @@ TEXT_TAGS = ToolFormat()
 # What the tools' instructions add to the template's (and to ours, for a template without tools). Measured
 # on BFCL with Qwen2.5-Coder-1.5B (docs/serving.md, "Tools"): asked for calls in tags, it writes one fenced
 # JSON call and never two (0 of 8 parallel items); asked for a JSON list, it writes every call the question
-# needs (6 of 8); told to use only values the user gave, it calls a function that does not fit less often;
-# told to answer from the results, it answers after them instead of ending the turn empty.
+# needs (6 of 8); told to use only values the user gave, it calls a function that does not fit less often.
 TOOLS_NOTE = ('Answer with a JSON list of the calls, one object per call (the same function with different '
               'arguments counts as several calls):\n[{"name": <function-name>, "arguments": <args-json-object>}, '
               '...] Use only argument values the user gave; never make one up. If the user did not give a value a '
-              'call needs, or no function does what the user asks, do not call any function: answer in plain text. '
-              "When the function results are in, answer the user's question from them.")
+              'call needs, or no function does what the user asks, do not call any function: answer in plain text.')
+# after the last tool result, when the conversation ends in them (an agent loop: without it the model called
+# the same functions again, or ended its turn empty, at the second request); the system prompt stays the same
+# every turn, so the conversation stays a cached prefix
+RESULTS_ASK = "Those are the results of the calls. Answer my question from all the results above, in plain text."
 _QWEN_EXAMPLE = '<tool_call>\\n{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}\\n</tool_call>'
 _FIXED_EXAMPLE = '<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+_QWEN_TOOL_END = ("{%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+                  "            {{- '<|im_end|>\\n' }}")
 
 
 def _jinja(text: str) -> str:
@@ -219,6 +225,7 @@ def grammar(tools: Sequence[Tool], choice: str, parallel: bool = True, fmt: Tool
 
 
 def system_prompt(tools: Sequence[Tool]) -> str:
+    """The tools' instructions for a template without tools."""
     specs = "\n".join(json.dumps({"type": "function", "function": {"name": t.name, "description": t.description,
                                                                    "parameters": json.loads(t.parameters)}})
                       for t in tools)
@@ -233,7 +240,10 @@ def tools_template(template: str) -> Optional[str]:
     model (module docstring); None when it has none of the lines this knows."""
     if _QWEN_EXAMPLE not in template:
         return None
-    return template.replace(_QWEN_EXAMPLE, _FIXED_EXAMPLE + "\\n\\n" + _jinja(TOOLS_NOTE))
+    out = template.replace(_QWEN_EXAMPLE, _FIXED_EXAMPLE + "\\n\\n" + _jinja(TOOLS_NOTE))
+    ask = _QWEN_TOOL_END.replace("{{- '<|im_end|>", "{%- if loop.last %}{{- '\\n" + RESULTS_ASK + "' }}{%- endif %}"
+                                 "{{- '<|im_end|>")
+    return out.replace(_QWEN_TOOL_END, ask)
 
 
 def fallback_messages(messages: Sequence[dict], tools: Sequence[Tool]) -> list[dict]:
@@ -241,13 +251,14 @@ def fallback_messages(messages: Sequence[dict], tools: Sequence[Tool]) -> list[d
     results as text (the module docstring)."""
     out: list[dict] = []
     sys = system_prompt(tools) if tools else ""
-    for m in messages:
+    for i, m in enumerate(messages):
         role, content = m["role"], m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
             calls = "\n".join(call_text(c["name"], c["arguments"]) for c in m["tool_calls"])
             out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
         elif role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+            ask = f"\n{RESULTS_ASK}" if i == len(messages) - 1 else ""
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>{ask}"})
         else:
             out.append({"role": role, "content": content})
     if sys:
@@ -281,6 +292,6 @@ def _loads(s: str):
         return s
 
 
-__all__ = ["TOOLS_NOTE", "TEXT_TAGS", "Tool", "ToolCall", "ToolFormat", "ToolStream", "arguments_schema",
+__all__ = ["RESULTS_ASK", "TOOLS_NOTE", "TEXT_TAGS", "Tool", "ToolCall", "ToolFormat", "ToolStream", "arguments_schema",
            "check_tools", "fallback_messages", "grammar", "parameters", "parse", "strict_problem", "system_prompt",
            "template_messages", "tools_template"]

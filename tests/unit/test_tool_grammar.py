@@ -183,7 +183,16 @@ def test_qwens_template_is_fixed_where_it_misleads_the_model():
     line = ('"\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within '
             '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{{\\"name\\": <function-name>, \\"arguments\\": '
             '<args-json-object>}}\\n</tool_call><|im_end|>\\n"')
-    fixed = tl.tools_template("{{- " + line + " }}")
+    tool_end = ('{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+                "            {{- '<|im_end|>\\n' }}")
+    fixed = tl.tools_template("{{- " + line + " }}" + tool_end)
+    assert tl.RESULTS_ASK in fixed and fixed.endswith("{{- '<|im_end|>\\n' }}")
     assert "{{\\\"name\\\"" not in fixed and '{\\"name\\": <function-name>' in fixed
-    assert "Answer with a JSON list of the calls" in fixed and fixed.endswith('<|im_end|>\\n" }}')
+    assert "Answer with a JSON list of the calls" in fixed
     assert tl.tools_template("{{ messages }}") is None
+    msgs = [{"role": "user", "content": "q"},
+            {"role": "assistant", "tool_calls": [{"id": "a", "name": "clock", "arguments": "{}"}]},
+            {"role": "tool", "content": "12:00"}]
+    assert tl.fallback_messages(msgs, [CLOCK])[-1]["content"].endswith(tl.RESULTS_ASK)  # an answer, not a call
+    assert tl.fallback_messages(msgs + [{"role": "user", "content": "and now?"}], [CLOCK])[-2]["content"] == \
+        "<tool_response>\n12:00\n</tool_response>"
