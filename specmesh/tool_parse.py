@@ -1,8 +1,10 @@
 """The tool calls in a model's reply, whole or streamed: every form the served families write.
 
-A call is a JSON object ``{"name": NAME, "arguments": {...}}`` (``"parameters"`` is taken
-for ``"arguments"``, and arguments written as a JSON string holding an object are that
-object) naming one of the request's tools, written in any of these forms:
+A call is a JSON object ``{"name": NAME, "arguments": {...}}`` whose first key is
+``"name"``, naming one of the request's tools (``"parameters"`` is taken for
+``"arguments"``, and arguments written as a JSON string holding an object are that object;
+``specmesh.tools``' grammar holds a call to its tool's schema from the moment its name is
+written, so a call written otherwise would not be held), in any of these forms:
 
 - in Hermes / Qwen2.5 tags: ``<tool_call>\\n{...}\\n</tool_call>`` (the tag may hold one
   object, several, or a JSON list of them: SmolLM2's own format);
@@ -13,7 +15,8 @@ object) naming one of the request's tools, written in any of these forms:
 
 Everything else is content: text, code, JSON that is not a call of a requested tool (an
 object with other keys, an unknown function, arguments that are no object), a tag or
-fence whose body is not calls. Content keeps its text exactly, except the whitespace
+fence whose body is not calls, an object whose first key is not ``"name"``. Content
+keeps its text exactly, except the whitespace
 that touches a call (the newline before a fence, between two calls). With
 ``parallel=False`` only the first call is a call; later ones stay content.
 
@@ -51,7 +54,8 @@ class ToolCall:
 
 def as_call(d, names: Sequence[str]) -> Optional[ToolCall]:
     """``d`` (decoded JSON) as a call of a tool in ``names`` (any name when empty), else None."""
-    if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not set(d) <= _KEYS:
+    if not isinstance(d, dict) or next(iter(d), None) != "name" or not isinstance(d["name"], str) \
+            or not set(d) <= _KEYS:
         return None
     if names and d["name"] not in names:
         return None

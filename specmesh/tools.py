@@ -14,15 +14,18 @@ instead (fenced or bare JSON, lists, the template echo) are parsed too
   decoded under. ``required`` / a named function: only a JSON list of calls (the form
   ``TOOLS_NOTE`` asks for; one call, or as many as the model writes when parallel), each
   ``{"name": ..., "arguments": ...}`` with the tool's schema. ``auto``: a
-  *triggered* grammar, free text until the model opens a call (the tag, or ``{"name":``
-  in any of the untagged forms), from there on the call is held to the tools' names and
-  schemas, and after it the text is free again (parallel) or may open no other call.
+  *triggered* grammar, free text until the model opens a call of one of the tools (an
+  object whose first key is ``"name"``, with a tool's name: bare, fenced, in a list, in a
+  tag or echoed in double braces, as ``tool_parse`` reads calls), from there on the call's
+  arguments are held to that tool's schema, and after it the text is free again
+  (parallel) or may open no other call. An object naming a function that is not a tool
+  is no call of the request: free text, and content;
   ``none``: no grammar. A function's arguments are enforced exactly when it is
   ``strict``, and leniently otherwise (schema keywords llguidance cannot enforce are
   ignored, as OpenAI does not promise non-strict arguments);
 - ``ToolFormat``: how a tokenizer spells the tags: text, or one special token each
-  (Qwen2.5's ``<tool_call>`` is token 151657, which a grammar must name as a token: its
-  bytes are not the text ``<tool_call>``; a grammar spelling it as text matched nothing);
+  (Qwen2.5's ``<tool_call>`` is token 151657: its bytes are not the text ``<tool_call>``,
+  so the grammar names it by id where free text may hold it);
 - ``tools_template(template)``: a chat template that renders tools, with Qwen2.5's tool
   instructions fixed where they mislead the model: its example call has doubled braces
   (``{{"name": ...}}``, which the model copies) and ``TOOLS_NOTE`` added (several calls as
@@ -166,10 +169,6 @@ def _lit(s: str) -> str:
     return json.dumps(s)
 
 
-def _tag(text: str, token: Optional[int]) -> str:
-    return f"<[{token}]>" if token is not None else _lit(text)
-
-
 def grammar(tools: Sequence[Tool], choice: str, parallel: bool = True, fmt: ToolFormat = TEXT_TAGS,
             answer: Optional[dict] = None) -> Optional[str]:
     """The Lark grammar (llguidance) of the output under ``choice`` (module docstring); None
@@ -184,13 +183,13 @@ def grammar(tools: Sequence[Tool], choice: str, parallel: bool = True, fmt: Tool
         chosen = list(tools)
     forced = choice == "required" or choice.startswith("function:") or answer is not None
     rules = ["%llguidance {}"]
-    # one rule per tool: the rest of a call once its name's opening quote is written
+    # one rule per tool: its arguments; forced, the rest of its call after the name's opening quote
     for i, t in enumerate(chosen):
-        rest = _lit(t.name + '", "arguments": ') + f" a{i} " + _lit("}") if forced else \
-            _lit(t.name + '"') + f" ARGS_KEY a{i} OBJ_END"
-        rules += [f"b{i}: {rest}", f"a{i}: %json {json.dumps(arguments_schema(t, forced))}"]
+        rules.append(f"a{i}: %json {json.dumps(arguments_schema(t, forced))}")
+        if forced:
+            rest = _lit(t.name + '", "arguments": ')
+            rules.append(f"b{i}: {rest} a{i} {_lit('}')}")
     body = " | ".join(f"b{i}" for i in range(len(chosen)))
-    close_tag = _tag(CLOSE, fmt.close_id)
     if forced:
         # a JSON list of calls, as TOOLS_NOTE asks for: after each call the model itself writes ", " for
         # another or "]" to end (parallel), or the list holds one
@@ -200,27 +199,27 @@ def grammar(tools: Sequence[Tool], choice: str, parallel: bool = True, fmt: Tool
         if answer is not None:
             rules.append(f"answer: %json {json.dumps({'x-guidance': {'whitespace_flexible': False}, **answer})}")
         return "\n".join(rules)
-    # auto: free text; a call once it opens (lazy: the shortest text that ends in the opening)
-    rules += ["body: " + body,
-              'ARGS_KEY: /\\s*,\\s*"(arguments|parameters)"\\s*:\\s*/',
-              "OBJ_END: /\\s*\\}/",
-              'OBJ_OPEN: /\\{\\s*"name"\\s*:\\s*"/',
-              "WS: /\\s*/",
-              "TEXT: /(.|\\n)*/",
-              # an untagged call, bare or fenced, in a list or echoed in double braces
-              'json_open[lazy]: TEXT /\\{\\s*"name"\\s*:\\s*"/',
-              # a tag holds one call object, or (parallel) a JSON list of them
-              "in_tag: WS OBJ_OPEN body WS" + (' | WS "[" WS OBJ_OPEN body (WS "," WS OBJ_OPEN body)* WS "]" WS'
-                                                 if parallel else ""),
-              f"tag_open[lazy]: TEXT {_lit(OPEN)}",
-              f"call: json_open body | tag_open in_tag {_lit(CLOSE)}"]
-    if fmt.open_id is not None:  # the tag as the tokenizer's special token (the text form stays a call too)
-        rules[-1] += f" | TEXT <[{fmt.open_id}]> in_tag {close_tag}"
+    # auto: free text until a call of one of the tools opens, i.e. its name is written as the first key of an
+    # object (lazy: the shortest text ending in that); then its arguments hold the tool's schema
+    names = "|".join(t.name for t in chosen)  # 1-64 letters, digits, _ or -: nothing to escape
+    rules += ['ARGS_KEY: /\\s*,\\s*"(arguments|parameters)"\\s*:\\s*/', "OBJ_END: /\\s*\\}/",
+              "TEXT: /(.|\\n)*/"]
+    for i, t in enumerate(chosen):
+        rules.append(f'o{i}[lazy]: TEXT /\\{{\\s*"name"\\s*:\\s*"{t.name}"/')
+    rules.append("call: " + " | ".join(f"o{i} ARGS_KEY a{i} OBJ_END" for i in range(len(chosen))))
+    # the tags, where the tokenizer has them as special tokens (free text cannot spell those)
+    tags = [f"<[{x}]>" for x in (fmt.open_id, fmt.close_id) if x is not None]
     if parallel:
-        rules.append("start: call* TEXT")
+        rules.append("start: seg* TEXT")
+        rules.append("seg: call" + "".join(f" | TEXT {x}" for x in tags))
     else:  # after the one call, text that opens no other
-        rules += ["start: TEXT | call AFTER",
-                  'AFTER: /(?s:.*)/ & ~/(?s:.*)(<tool_call>|\\{\\s*"name"\\s*:)(?s:.*)/']
+        rules.append('AFTER: /(?s:.*)/ & ~/(?s:.*)\\{\\s*"name"\\s*:\\s*"(' + names + ')"(?s:.*)/')
+        if tags:
+            rules += ["start: tag* TEXT | tag* call tag_after* AFTER",
+                      "tag: " + " | ".join(f"TEXT {x}" for x in tags),
+                      "tag_after: " + " | ".join(f"AFTER {x}" for x in tags)]
+        else:
+            rules.append("start: TEXT | call AFTER")
     return "\n".join(rules)
 
 

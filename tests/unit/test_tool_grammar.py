@@ -4,9 +4,10 @@
 - ``required`` / a named function admit only a JSON list of calls whose arguments hold the
   schema (a grammar that spelled Qwen's special ``<tool_call>`` token as text matched
   nothing: issue 67's 400);
-- ``auto`` is triggered: free text, and once the model opens a call (a tag, or
-  ``{"name":`` in any untagged form) only the tools' names and schemas; after the call
-  free text again, or (``parallel_tool_calls`` false) text that opens no other call;
+- ``auto`` is triggered: free text, and once the model opens a call of a tool (an object
+  whose first key is ``"name"``, with the tool's name, in any form) its arguments held to
+  the tool's schema; after the call free text again, or (``parallel_tool_calls`` false)
+  text that opens no other call; an object naming no tool is text;
 - rolled back and walked again, the matcher allows what a fresh one allows at every
   prefix (what makes speculation exact under the grammar);
 - strict functions, OpenAI's rules; the fixed Qwen template."""
@@ -98,44 +99,44 @@ def test_forced_calls_are_free_drafts_up_to_the_name(vocab):
 
 
 @pytest.mark.parametrize("opening", ["", "Sure, checking.\n", "```json\n", "{", "[", "<tool_call>\n"])
-def test_auto_is_free_until_a_call_opens_and_then_holds_it_to_the_tools(vocab, opening):
+def test_auto_is_free_until_a_call_of_a_tool_opens_and_then_holds_it_to_its_schema(vocab, opening):
     g = tl.grammar(TOOLS, "auto", True, SPECIAL)
     m = Matcher(vocab, "lark", g)
     assert takes(m, ids("Any text at all: {\"a\": [1, 2]} <b> ``` done")) and m.ends(STOP)
-    head = ids(opening + '{"name": "')
+    # an object naming a function that is no tool is no call: free text (and content)
+    assert takes(m, ids(opening + '{"name": "Alice", "age": "x"}')) and m.ends(STOP)
+    head = ids(opening + '{"name": "clock"')  # a call of a tool opens: its arguments are held
     assert takes(m, head)
-    assert set(allowed_chars(m)) == {"c", "l"}  # clock or lookup, nothing else
-    assert not takes(m, head + text_ids("Alice"))
-    assert not takes(m, head + text_ids('clock", "arguments": {"zone": "PST"'))
-    assert not takes(m, head + text_ids('clock", "arguments": {"zone": "UTC", "x": 1'))  # additionalProperties
-    assert not takes(m, head + text_ids('lookup", "arguments": {"word": 7'))
-    assert not takes(m, head + text_ids('clock", "arguments": {"zone": "UTC"}, "id": 1'))  # no other keys
-    assert takes(m, head + text_ids('clock",\n  "arguments": {\n    "zone": "UTC"\n  }\n}'))  # the model's spacing
-    assert takes(m, head + text_ids('lookup", "parameters": {"word": "abc", "n": 2}}'))
+    assert not takes(m, head + text_ids("}"))  # arguments come next
+    assert not takes(m, head + text_ids(', "arguments": {"zone": "PST"'))
+    assert not takes(m, head + text_ids(', "arguments": {"zone": "UTC", "x": 1'))  # additionalProperties
+    assert not takes(m, head + text_ids(', "arguments": {"zone": "UTC"}, "id": 1'))  # no other keys
+    assert takes(m, head + text_ids(',\n  "arguments": {\n    "zone": "UTC"\n  }\n}'))  # the model's spacing
+    head = ids(opening + '{"name": "lookup"')
+    assert not takes(m, head + text_ids(', "arguments": {"word": 7'))
+    assert takes(m, head + text_ids(', "parameters": {"word": "abc", "n": 2}}'))
 
 
 def test_auto_calls_in_every_form_parse_back_and_after_one_call_the_text_is_free_again(vocab):
     m = Matcher(vocab, "lark", tl.grammar(TOOLS, "auto", True, SPECIAL))
     text = (f"Checking.\n{tl.OPEN}\n{CALL}\n{tl.CLOSE}\n```json\n{CALL}\n```\n{{{CALL}}}\n"
-            f'[{CALL}, {CALL.replace("UTC", "CET")}]\nDone.')
-    assert takes(m, ids(text)) and m.ends(STOP)
+            f'[{CALL}, {CALL.replace("UTC", "CET")}]\n<tool_call>{CALL}</tool_call>\nDone.')
+    assert takes(m, ids(text)) and m.ends(STOP)  # the tags as special tokens, and as text
     content, calls = tl.parse(text, ["clock", "lookup"])
-    assert len(calls) == 5 and content.startswith("Checking.") and content.endswith("Done.")
+    assert len(calls) == 6 and content.startswith("Checking.") and content.endswith("Done.")
 
 
 def test_auto_without_parallel_calls_admits_one_call(vocab):
     m = Matcher(vocab, "lark", tl.grammar(TOOLS, "auto", False, SPECIAL))
     assert takes(m, ids(f"{CALL}\nThat is all.")) and m.ends(STOP)
-    assert not takes(m, ids(f"{CALL}\n{{\"name\":"))  # a second call cannot open
-    assert not takes(m, ids(f"{CALL}\n{tl.OPEN}"))
-    assert not takes(m, ids(f"{tl.OPEN}[{CALL}, {CALL}]"))
+    assert not takes(m, ids(f'{CALL}\n{{"name": "clock"'))  # a second call cannot open
+    assert not takes(m, ids(f'{CALL}\n{{"name": "lookup"'))
+    assert takes(m, ids(f'{CALL}\n{{"name": "other"}}')) and m.ends(STOP)  # no call of a tool: text
+    assert not takes(m, ids(f"[{CALL}, {CALL}"))
     assert takes(m, ids(f"{tl.OPEN}\n{CALL}\n{tl.CLOSE}")) and m.ends(STOP)
-
-
-def test_auto_with_text_tags_triggers_on_their_text(vocab):
-    m = Matcher(vocab, "lark", tl.grammar(TOOLS, "auto", True, tl.TEXT_TAGS))
+    m = Matcher(vocab, "lark", tl.grammar(TOOLS, "auto", False, tl.TEXT_TAGS))
     assert takes(m, text_ids(f"{tl.OPEN}\n{CALL}\n{tl.CLOSE}")) and m.ends(STOP)
-    assert not takes(m, text_ids(f'{tl.OPEN}\n{{"name": "nope'))
+    assert not takes(m, text_ids(f'{tl.OPEN}\n{CALL}\n{tl.CLOSE}{tl.OPEN}{{"name": "lookup"'))
 
 
 def test_rolled_back_the_matcher_allows_what_a_fresh_one_allows_at_every_prefix(vocab):

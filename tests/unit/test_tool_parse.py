@@ -74,6 +74,7 @@ def test_every_form_of_call_is_a_call_with_the_text_before_it_as_content(text, c
     FENCED.replace("multiply", "divide"),  # not a requested tool (issue 68: never a call)
     '<tool_call>\n{"name": "divide", "arguments": {}}\n</tool_call>',  # a tag naming an unknown function
     '{"name": "multiply", "arguments": {"a": 1}, "note": "x"}',  # other keys: an answer in JSON, not a call
+    '{"arguments": {"a": 1}, "name": "multiply"}',  # a call opens with its name (the grammar holds it from there)
     '{"name": "multiply", "arguments": "oops"}',  # arguments no object (issue 68)
     '{"name": "multiply", "arguments": [1, 2]}',
     '{"name": "multiply", "arguments": {"a": 1',  # cut
