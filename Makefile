@@ -7,12 +7,18 @@ ARGS    ?=
 # test processes (pytest-xdist; whole files per process, so module fixtures load once each)
 WORKERS ?= 2
 
-.PHONY: setup demo test test-fast bench bench-services bench-peers setup-qwen bench-qwen setup-bfcl bench-tools protos clean
+.PHONY: setup demo test test-fast bench bench-services bench-peers setup-qwen bench-qwen bench-openvino setup-bfcl bench-tools protos clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# SIMDe's headers: the kernel tests build every int8 path (AVX-512 VNNI, AMX ...) through them on
+	# CPUs without those instructions (best effort: without them those tests skip, saying why)
+	test -e /usr/include/simde/x86/avx512.h || ! command -v apt-get >/dev/null || \
+	    apt-get install -y -q libsimde-dev >/dev/null 2>&1 || \
+	    (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libsimde-dev >/dev/null 2>&1) || \
+	    echo "note: could not install libsimde-dev (Debian/Ubuntu, as root); the SIMDe kernel tests will skip"
 	# torch first: the CPU build pinned here; an open range could pull a multi-GB CUDA build
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test,kernels,ray,k8s-validate,train]'
@@ -73,6 +79,21 @@ bench-qwen: $(QWEN_STAMP) $(PEERS_STAMP)
 	$(BIN)/specmesh bench --model qwen2.5-coder-1.5b-instruct --dtype int4 --workloads code_edit,code_write \
 	    --systems ours_ar,ours_draft_lm,ours_prompt_lookup,ours_suffix,llamacpp --max-new-tokens 128 \
 	    --out bench-out/qwen $(ARGS)
+
+# OpenVINO GenAI beside us on the pair (the `bench-openvino` extra: wheels, no build): its plain
+# decoding, its speculative decoding with the 0.5B (re-packed Q5_0 -> Q8_0 and exported as an
+# OpenVINO model once, into the model cache) and its prompt lookup, each in a child process, on the
+# same GGUF, prompts and threads as ours, alternating, 128 tokens, greedy. Three OpenVINO children
+# hold ~3 GB each beside our engine.
+OPENVINO_STAMP := $(VENV)/.specmesh-bench-openvino
+$(OPENVINO_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[bench-openvino]'
+	touch $(OPENVINO_STAMP)
+
+bench-openvino: $(QWEN_STAMP) $(OPENVINO_STAMP)
+	$(BIN)/specmesh bench --model qwen2.5-coder-1.5b-instruct --dtype int4 --workloads code_edit,code_write \
+	    --systems ours_ar,ours_draft_lm,ours_prompt_lookup,ours_suffix,openvino --max-new-tokens 128 \
+	    --out bench-out/openvino $(ARGS)
 
 # tool calling on the Berkeley Function Calling Leaderboard's data (`specmesh bench-tools`): its PyPI
 # package brings the data and the AST checker; installed --no-deps (its declared dependencies pin

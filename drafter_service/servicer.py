@@ -97,13 +97,13 @@ def default_factories(settings: ServeSettings) -> dict:
 
     def draft_lm():
         from specmesh.drafters.model_drafters import DraftLMDrafter
-        from specmesh.runtime import default_draft_model, make_engine
+        from specmesh.runtime import default_draft_model, make_draft_engine
         from specmesh.serving import limits
 
         path = settings.draft_model or str(default_draft_model(settings.model))
         seq = limits.resolve(settings, limits.model_context(settings.model)).max_seq_len  # the target's context
-        return DraftLMDrafter(make_engine(path, settings.dtype, settings.n_slots, seq,
-                                          settings.device, settings.cuda_graphs, quiet=True))
+        return DraftLMDrafter(make_draft_engine(path, settings.dtype, settings.n_slots, seq, settings.device,
+                                                settings.cuda_graphs, settings.draft_head_rows))
 
     def adaptive_lookup():
         from specmesh.drafters.adaptive_lookup import AdaptiveLookupDrafter, embedding_table

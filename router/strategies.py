@@ -292,6 +292,9 @@ class Run:
             stats.rejected_prediction_tokens = self.predicted.rejected
         if self.resumed is not None:
             stats.warm_prefix_tokens = self.resumed.used
+        why = drafted_nothing(p, stats, self.policies)
+        if why:
+            stats.strategy_reason = f"{stats.strategy_reason}; drafted nothing: {why}"
         self.owner.learn(p, stats, self.policies[-1].alpha if self.policies else None)
         r = self.owner.parts
         if r.s.auto_anticipate and p.conversation_id and p.messages and not cancelled and _drafter_up(r):
@@ -305,6 +308,20 @@ class Run:
         if self.entered:
             self.entered = False
             self.owner.gate.exit()
+
+
+def drafted_nothing(plan, stats, policies: list) -> str:
+    """Why a generation that ran a drafter drafted no token ("" where it drafted some, ran
+    none, or was too short to draft): the budget policy's last reason to stay off, or that
+    the drafter itself proposed nothing where the policy asked."""
+    if stats.drafted_tokens or not (plan.drafter or plan.self_draft) or stats.rounds < 2:
+        return ""
+    asked = sum(getattr(p, "asked", 0) for p in policies)
+    if asked:
+        return f"the drafter proposed no tokens in the {asked} rounds it was asked for a draft"
+    if policies and policies[-1].off_why:
+        return policies[-1].off_why
+    return "no round asked for a draft"
 
 
 class Strategies:
@@ -383,8 +400,11 @@ class Strategies:
         if self._calibration is None:
             from specmesh.drafters.calibration import load_calibration, speedup_of
 
+            from specmesh.models.loading import resolve_model
+            from specmesh.runtime import resolve_dtype
+
             s = self.parts.s
-            rec = load_calibration(s.model, s.dtype)
+            rec = load_calibration(s.model, resolve_dtype(s.dtype, resolve_model(s.model, quiet=True), s.device))
             self._calibration = (speedup_of(rec, s.layerskip_exit),)
         return self._calibration[0]
 
@@ -671,6 +691,8 @@ class Strategies:
             self.book.record_ar(stats.new_tokens, stats.total_s, stats.ttft_s)
         sp = auto.measured_speedup(stats.new_tokens, stats.total_s, stats.ttft_s, self.book.ar_token_s,
                                    stats.verify_s, stats.rounds, stats.drafted_tokens)
+        if stats.new_tokens < auto.MIN_MEASURED_TOKENS:
+            sp = None  # a short reply's few rounds say little: it must not switch a drafter off for the session
         self.book.record(key, auto.label(plan.strategy, plan.drafter or plan.self_draft or ""), stats.tau, sp, alpha)
 
     # ------------------------------------------------------------ anticipation API

@@ -34,6 +34,7 @@ class BudgetPolicy:
     """Fixed draft budget. ``AdaptiveBudget`` adapts it from what the rounds measure."""
 
     uses_entropy = False  # whether ``update``'s entropy changes what ``next`` returns
+    off_why = ""  # why the last ``next`` drafted nothing, in words ("" where it drafted)
 
     def __init__(self, budget: int):
         self.budget = budget
@@ -131,6 +132,7 @@ class VerifyCosts:
     where a new generation's ``AdaptiveBudget.load`` starts."""
 
     STALE = 32  # long rounds after the last short one: the unit is measured afresh (``needs_unit``)
+    CURVE_MIN = 2  # rounds of a row count before its EMA enters the curve (``round_cost``)
 
     def __init__(self, prior: float = 0.06, ema: float = 0.2):
         self.prior, self.ema = prior, ema
@@ -145,8 +147,14 @@ class VerifyCosts:
         # drafter -> what its last drafted round left its session measuring (``AdaptiveBudget.learned``):
         # a new generation of that drafter starts from it, not from the priors
         self.learned: dict[str, tuple] = {}
+        self._rows: dict[int, tuple[float, int]] = {}  # scored rows (drafted + 1) -> (EMA seconds, rounds)
 
     def observe(self, drafted: int, verify_s: float) -> None:
+        if verify_s > 0 and drafted >= 0:
+            with self._lock:
+                old = self._rows.get(drafted + 1)
+                self._rows[drafted + 1] = (verify_s, 1) if old is None else \
+                    ((1 - self.ema) * old[0] + self.ema * verify_s, old[1] + 1)
         group = 0 if drafted <= 2 else 1 if drafted >= 4 else None
         if group is None or verify_s <= 0:
             return
@@ -197,6 +205,32 @@ class VerifyCosts:
             if len(self._groups) < 2:
                 return self.prior
         return self._fit()[1]
+
+    def round_cost(self, k: int) -> float:
+        """A verify of k drafted tokens (k + 1 scored rows) in plain rounds: T(k + 1) / T(1)
+        on this verifier's measured curve. The curve is the rounds' verify seconds by scored
+        rows (EMAs, each row count once seen ``CURVE_MIN`` times), joined by straight lines
+        from a one-token forward (``short_seconds``) and continued past the last measured
+        count at the fitted beta; before any of that, 1 + beta k. A forward's cost is not a
+        line in its rows (on the int8 paths 2 rows cost ~1.1 forwards, 8 ~1.5-2.4 by the
+        CPU's path): the line through a short and a long group priced the rows between
+        them wrongly, and drafts of the wrong length were chosen."""
+        if k <= 0:
+            return 1.0
+        t1, beta = self._fit()
+        with self._lock:
+            pts = sorted((r, t) for r, (t, n) in self._rows.items() if n >= self.CURVE_MIN)
+        if pts and pts[0][0] == 1:  # plain rounds measured: their own seconds are the unit
+            t1, pts = pts[0][1], pts[1:]
+        if t1 is None or t1 <= 0 or not pts:
+            return 1 + beta * k
+        rows = k + 1
+        x0, y0 = 1, t1
+        for x1, y1 in pts:
+            if rows <= x1:
+                return max(1.0, (y0 + (y1 - y0) * (rows - x0) / (x1 - x0)) / t1)
+            x0, y0 = x1, y1
+        return max(1.0, y0 / t1 + beta * (rows - x0))
 
 
 @dataclass
@@ -342,7 +376,6 @@ class AdaptiveBudget(BudgetPolicy):
         self.per_round_draft = per_round_draft
         self.tree = tree and per_round_draft
         self.costs = costs if costs is not None else VerifyCosts(beta, ema)
-        self._beta = beta  # token-level drafters: fixed
         self.max_budget = max_budget
         self.ema, self.probe_every = ema, probe_every
         self.alpha = alpha0
@@ -375,7 +408,12 @@ class AdaptiveBudget(BudgetPolicy):
         if probe_key is not None and self.load > self.LOAD_PRICED:
             self._probe_gap = self.costs.probe_gaps.get(probe_key, probe_every)
         if probe_key is not None and probe_key in self.costs.learned:
-            self.learned = self.costs.learned[probe_key]
+            if per_round_draft:
+                self.learned = self.costs.learned[probe_key]
+            else:  # the draft's cost is the drafter's; what its rounds bought is this session's text
+                self.cost = self.costs.learned[probe_key][0]
+        self.off_why = ""  # why the last ``next`` drafted nothing ("" where it drafted)
+        self.asked = 0  # rounds ``next`` asked for a draft
 
     @classmethod
     def for_drafter(cls, drafter: Optional[str], max_budget: int, costs: Optional[VerifyCosts] = None, **kw):
@@ -394,21 +432,29 @@ class AdaptiveBudget(BudgetPolicy):
     LOAD_EMA = 0.3  # the verify forwards' batch size (~3 rounds)
     LOAD_PRICED = 1.2  # from this load on a scored row costs at least its share of the batched forward
 
-    @property
-    def beta(self) -> float:
-        """The cost of one more scored token, in one-token forwards of this session, times
-        the sessions sharing its forwards (``load``): a batched forward made longer by my
-        drafts delays every session in it, so under load a draft must buy that many times
-        more to raise the verifier's total tokens/s (alone: the cost model as it was).
-        Above ``LOAD_PRICED``, once the verifier's batched forwards were fitted
-        (``costs.forward``), at least b B / (a + b B) with B = ``load``: a compute-bound
-        batch (a small) prices a row near a whole plain step, so drafting stops."""
-        own = (self.costs.beta if self.per_round_draft else self._beta) * self.load
+    def extra(self, k: int) -> float:
+        """What scoring k drafted tokens adds to a round, in one-token forwards of this
+        session: the verifier's measured curve (``VerifyCosts.round_cost``) less the plain
+        round, times the sessions sharing its forwards (``load``): a batched forward made
+        longer by my drafts delays every session in it, so under load a draft must buy that
+        many times more to raise the verifier's total tokens/s. Above ``LOAD_PRICED``, once
+        the verifier's batched forwards were fitted (``costs.forward``), at least k b B / (a
+        + b B) with B = ``load``: a compute-bound batch (a small) prices a row near a whole
+        plain step, so drafting stops."""
+        if k <= 0:
+            return 0.0
+        own = (self.costs.round_cost(k) - 1.0) * self.load
         if self.load > self.LOAD_PRICED:
             shared = self.costs.forward.beta_load(self.load)
             if shared is not None:
-                return max(own, shared)
+                return max(own, k * shared)
         return own
+
+    @property
+    def beta(self) -> float:
+        """The mean cost of a scored token over the full budget (``extra(max_budget) /
+        max_budget``): what the tree rules and the schedule price a node at."""
+        return self.extra(self.max_budget) / max(1, self.max_budget)
 
     def drafts_inside(self) -> None:
         self.draft_load = self.load
@@ -440,11 +486,19 @@ class AdaptiveBudget(BudgetPolicy):
         if self.per_round_draft:
             if k == self.max_budget and measured_full and self.full_accepted is not None:
                 tokens = 1 + self.full_accepted
-            return tokens / (1 + (self.cost * self.draft_load if k > 0 else 0.0) + k * self.beta)
-        return tokens / (1 + k * (self.cost * self.draft_load + self.beta))
+            return tokens / (1 + (self.cost * self.draft_load if k > 0 else 0.0) + self.extra(k))
+        return tokens / (1 + k * self.cost * self.draft_load + self.extra(k))
 
     def next(self) -> int:
+        k = self._next()
+        self.asked += k > 0
+        if k > 0:
+            self.off_why = ""
+        return k
+
+    def _next(self) -> int:
         if self.costs.needs_unit:  # no plain round's time, or a stale one: this round measures
+            self.off_why = "a plain round measured the verifier's unit cost"
             return 0  # it (class docstring; at most one in STALE + 1)
         cap = self.max_budget
         if self.entropy > 0 and not self.per_round_draft:  # entropy-guided: at high entropy draft shorter
@@ -464,6 +518,9 @@ class AdaptiveBudget(BudgetPolicy):
             best_k = self.max_budget  # a tree whose full size is cheap to verify: its full budget or nothing
         if best_k and not self.measured_pays():  # the model says it pays; the rounds say it does not
             best_k = 0
+            self.off_why = self._slow_why()
+        elif best_k == 0:
+            self.off_why = self._cost_why(cap)
         if best_k == 0:
             self.off_rounds += 1
             if self.off_rounds >= self._probe_gap:  # re-probe; each probe that finds it still off waits twice as long
@@ -472,6 +529,7 @@ class AdaptiveBudget(BudgetPolicy):
                 self._share_gap()
                 best_k = self._probe_size()
                 if self.expected_speedup(best_k, 0.999, False) <= 1.0:
+                    self.off_why = self._cost_why(cap, whole=True)
                     return 0  # not even a draft accepted whole would pay at these costs: nothing to learn
                 self._predict(best_k)
                 return best_k
@@ -491,6 +549,22 @@ class AdaptiveBudget(BudgetPolicy):
                     self._refresh_gap = min(2 * self._refresh_gap, self.PROBE_BACKOFF * self.probe_every)
                     return self.max_budget
         return best_k
+
+    def _cost_why(self, cap: int, whole: bool = False) -> str:
+        """Why the cost model finds no draft length that pays, in its own numbers."""
+        k = max(1, min(cap, self.max_budget))
+        rows = f"a round of {k} drafts costs {1 + self.extra(k):.2f} plain rounds"
+        draft = (f", the draft {self.cost * self.draft_load:.2f} of a forward" +
+                 ("" if self.per_round_draft else " per token")) if self.cost > 0 else ""
+        acc = "even accepted whole" if whole else f"at acceptance {self.alpha:.2f}"
+        return f"no draft length pays {acc} ({rows}{draft})"
+
+    def _slow_why(self) -> str:
+        spt, plain = self.drafted_spt, self.costs.short_seconds
+        if spt is None or plain is None:
+            return "its drafted rounds measured slower than plain rounds"
+        return (f"its drafted rounds measured {spt * 1e3:.1f} ms a token against {plain * 1e3:.1f} ms for a "
+                "plain round")
 
     @property
     def learned(self) -> tuple:
@@ -516,14 +590,14 @@ class AdaptiveBudget(BudgetPolicy):
             self.costs.probe_gaps[self.probe_key] = self._probe_gap
 
     def _probe_size(self) -> int:
-        """The draft of a re-probe: per-token drafters 1; a one-pass drafter its full
-        block while that is cheap to verify (``max_budget * beta <= TREE_CHEAP``: it
-        drafts the same at any length), else the length that would pay best at the
-        prior acceptance ``alpha0`` (bf16 on an AVX2 CPU, beta ~ 0.24: 2, not a full
-        block costing ~3.3 forwards)."""
-        if not self.per_round_draft:
-            return 1
-        if self.max_budget * self.beta <= self.TREE_CHEAP:
+        """The draft of a re-probe: a one-pass drafter its full block while that is cheap
+        to verify (``max_budget * beta <= TREE_CHEAP``: it drafts the same at any length);
+        else, and for per-token drafters, the length that would pay best at the prior
+        acceptance ``alpha0`` (bf16 on an AVX2 CPU, beta ~ 0.24: 2, not a full block
+        costing ~3.3 forwards). A per-token drafter probed with one token could not show
+        that its longer drafts pay: a round of 1 token buys at most 2, and a draft LM
+        switched off by one short request's rounds stayed off for every later one."""
+        if self.per_round_draft and self.max_budget * self.beta <= self.TREE_CHEAP:
             return self.max_budget
         a = max(self.alpha, self.alpha0)
         return max(range(1, self.max_budget + 1), key=lambda k: (self.expected_speedup(k, a, False), -k))

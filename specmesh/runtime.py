@@ -111,6 +111,55 @@ def default_draft_model(target: str = DEFAULT_MODEL) -> Path:
     return d
 
 
+AUTO_DTYPE = ("auto: int4 (the GGUF's own blocks on the int8 kernels: the fastest lossless path measured on a "
+              "CPU) where the model is a GGUF and the device a CPU that builds those kernels, else bf16")
+
+
+def resolve_dtype(dtype: str, model_dir, device="cpu") -> str:
+    """``dtype`` as the engine takes it: "auto" is int4 where the model's weights are a
+    GGUF's blocks (an alias or a ``.gguf`` path: its cache directory names the file) and the
+    device is a CPU where the block kernels build, else bf16 (``AUTO_DTYPE``); any other
+    name is returned as it is."""
+    if dtype != "auto":
+        return dtype
+    if resolve_device(device).type != "cpu" or source_gguf(Path(model_dir)) is None:
+        return "bf16"
+    from .engine import blocks
+
+    return "int4" if blocks.available() else "bf16"
+
+
+# A draft LM's head keeps the first DRAFT_HEAD_ROWS token ids (and the tokenizer's added
+# tokens) where its vocabulary is at least twice that: the ids a BPE vocabulary learned
+# first are its common ones (Qwen2.5's first 65,536 cover 98% of the tokens of this
+# repository's Python and docs, the first 32,768 93%), and the 0.5B's 151,936-row head is
+# 145 of the ~390 MB its step reads
+DRAFT_HEAD_ROWS = 65536
+
+
+def draft_head_ranges(model_dir, vocab_size: int, rows: int = DRAFT_HEAD_ROWS) -> list[tuple[int, int]]:
+    """The head rows a draft LM of ``model_dir`` keeps (``LlamaEngine.restrict_head``): ids
+    below ``rows`` and from the first added token on, in multiples of 8; [] (the whole
+    head) where ``rows`` is 0 or the vocabulary is under twice it."""
+    if rows <= 0 or vocab_size < 2 * rows:
+        return []
+    tok = load_tokenizer(Path(model_dir))
+    added = [i for i in getattr(tok, "added_tokens_decoder", {}) if i >= rows]
+    tail = (min(added) // 8 * 8) if added else vocab_size
+    return [(0, rows // 8 * 8)] + ([(tail, vocab_size)] if tail < vocab_size else [])
+
+
+def make_draft_engine(path: str, dtype: str, n_slots: int, max_seq_len: int, device="cpu", cuda_graphs=True,
+                      head_rows: int = DRAFT_HEAD_ROWS) -> LlamaEngine:
+    """A draft LM's engine (``make_engine``), its head kept to ``draft_head_ranges`` where it
+    runs on GGUF blocks."""
+    eng = make_engine(path, dtype, n_slots, max_seq_len, device, cuda_graphs, quiet=True)
+    ranges = draft_head_ranges(path, eng.vocab_size, head_rows) if eng.head.mode == "q" else []
+    if ranges:
+        eng.restrict_head(ranges)
+    return eng
+
+
 def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: int = 2048, device="cpu",
                 cuda_graphs=True, quiet: bool = False) -> LlamaEngine:
     """A serving engine on ``device`` (resolved here): ``GraphedEngine`` on CUDA unless
@@ -120,6 +169,7 @@ def make_engine(path: str, dtype: str = "fp32", n_slots: int = 4, max_seq_len: i
     decoding; on a CPU the eager engine, batch-invariant there by default in bf16),
     else the eager ``LlamaEngine``."""
     dev = resolve_device(device)
+    dtype = resolve_dtype(dtype, path, dev)
     cls, kw = LlamaEngine, {}
     if cuda_graphs == "always" or (dev.type == "cuda" and cuda_graphs):
         from .engine.cudagraph import GraphedEngine
@@ -146,6 +196,7 @@ class Runtime:
                             self.device.type == "cuda" and (cuda_graphs if cuda_graphs == "invariant" else bool(cuda_graphs)))
         self.model_dir = resolve_model(model, quiet=quiet)
         self.model_name = model
+        dtype = resolve_dtype(dtype, self.model_dir, self.device)
         self.tokenizer = load_tokenizer(self.model_dir)
         with freed_memory_returned():  # the engine, the block drafter and the adapter (models.loading)
             self.engine = make_engine(str(self.model_dir), dtype, n_slots, max_seq_len, self.device, self.cuda_graphs,
@@ -278,8 +329,8 @@ class Runtime:
         if name == "draft_lm":
             if self._draft_lm is None:
                 path = self.draft_model or str(default_draft_model(self.model_name))
-                eng = make_engine(path, self.dtype, self.engine.n_slots, self.max_seq_len, self.device,
-                                  self.cuda_graphs, quiet=True)
+                eng = make_draft_engine(path, self.dtype, self.engine.n_slots, self.max_seq_len, self.device,
+                                        self.cuda_graphs)
                 self._draft_lm = DraftLMDrafter(eng)
             return self._draft_lm
         if name == "adaptive_lookup" and "embeddings" not in kw and "vocab_size" not in kw:

@@ -53,9 +53,10 @@ def add_device_args(p: argparse.ArgumentParser) -> None:
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="alias or local Hugging Face model directory")
-    # bf16: the fastest dtype whose speculative output is identical to its plain decoding
-    # and that is not a quantisation (batch-invariant engine; scripts/dtype_compare.py)
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
+    # auto: the fastest lossless path measured on a CPU (runtime.AUTO_DTYPE)
+    p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   help="auto: int4 (the GGUF's own blocks on the int8 kernels) for a GGUF on a CPU with those "
+                        "kernels, else bf16")
     add_device_args(p)
 
 

@@ -80,7 +80,7 @@ def main(args) -> int:
               "(loading...)")
     rt = Runtime(args.model, dtype=args.dtype, n_slots=2, max_seq_len=2048, **rt_kw)
     info = rt.verifier.info()
-    con.print(f"device {rt.device}" + (" (CUDA graphs)" if rt.cuda_graphs else ""))
+    con.print(f"device {rt.device}, dtype {rt.dtype}" + (" (CUDA graphs)" if rt.cuda_graphs else ""))
     con.print(f"loaded in {time.perf_counter() - t0:.1f}s: weights {info['weight_bytes'] / 2**20:.0f} MiB, "
               f"KV cache {info['kv_bytes_per_slot'] / 2**20:.0f} MiB per slot x {info['slots_total']} slots = "
               f"{info['kv_bytes_total'] / 2**20:.0f} MiB (max_seq_len {info['max_seq_len']})")
@@ -145,7 +145,7 @@ def closing_lines(model: str, dtype: str, repeats: int) -> list[str]:
     command to try next (the same model served, and a request to it)."""
     from ..models.loading import DEFAULT_MODEL
 
-    flags = "" if model == DEFAULT_MODEL and dtype == "bf16" else f" --model {model} --dtype {dtype}"
+    flags = "" if model == DEFAULT_MODEL and dtype == "auto" else f" --model {model} --dtype {dtype}"
     fastest = f"the fastest of {repeats} passes each" if repeats > 1 else "one pass each"
     return [f"tau: tokens per forward of the model (plain decoding 1.00; a drafter's accepted tokens + 1 a round); "
             f"speedup: tok/s over plain decoding on the same prompt ({fastest}); identical: the same tokens as "

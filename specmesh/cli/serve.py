@@ -39,6 +39,20 @@ from pathlib import Path
 SERVICES = ("drafter", "verifier", "router")
 
 
+def model_dtype(s) -> str:
+    """The served model's dtype as resolved (``--dtype auto``), with the int8 path of int4."""
+    from specmesh.models.loading import resolve_model
+    from specmesh.runtime import resolve_dtype
+
+    dtype = resolve_dtype(s.dtype, resolve_model(s.model, quiet=True), s.torch_device())
+    if dtype != "int4":
+        return f"dtype {dtype}"
+    from specmesh.engine import qmatmul
+
+    k = qmatmul.load()
+    return f"dtype int4, int8 path {k.isa if k is not None else 'none'}"
+
+
 # ---------------------------------------------------------------- settings flags (no pydantic import: --help stays fast)
 
 _FLAGS = [
@@ -47,7 +61,8 @@ _FLAGS = [
     ("--host", "host", str, "bind address"),
     ("--model", "model", str, "model alias, .gguf file or Hugging Face directory (verifier, drafter, router "
      "tokenizer)"),
-    ("--dtype", "dtype", str, "fp32 | bf16 | int8 | int4 (verifier and draft LM)"),
+    ("--dtype", "dtype", str, "auto | fp32 | bf16 | int8 | int4 (verifier and draft LM; auto: int4 for a GGUF on a "
+                              "CPU with the int8 kernels, else bf16)"),
     ("--device", "device", str, "verifier and draft LM: auto | cpu | cuda | cuda:N"),
     ("--cuda-graphs", "cuda_graphs", str, "on CUDA, replay CUDA graphs for small forwards: true | false | "
      "invariant (one bucket shape for every forward: bf16 greedy identity)"),
@@ -63,6 +78,8 @@ _FLAGS = [
      "LM; the router's limits follow it; unset: the model's context, at most 8192)"),
     ("--draft-model", "draft_model", str, "the draft LM's alias or directory (unset: the target's paired draft "
      "model, else a subset of its layers)"),
+    ("--draft-head-rows", "draft_head_rows", int, "the draft LM's head keeps the first N token ids (and the added "
+     "tokens) where its vocabulary is at least 2N; 0 = the whole head"),
     ("--preload-draft-lm", "preload_draft_lm", str, "load the draft LM at start: true | false (unset: when it "
      "is a model of its own)"),
     ("--drafter-address", "drafter_address", str, "drafter host:port ('': host:drafter-port, 'none': no drafter)"),
@@ -130,7 +147,8 @@ GROUP_OF = {
                      # issue 59's prefix cache and chunked prefill
                      "prefix_cache", "prefix_cache_mib", "prefix_block", "prefill_chunk", "prefill_stall_ratio"),
                     "verifier"),
-    **dict.fromkeys(("drafter_port", "drafter_metrics_port", "draft_model", "preload_draft_lm"), "drafter"),
+    **dict.fromkeys(("drafter_port", "drafter_metrics_port", "draft_model", "draft_head_rows", "preload_draft_lm"),
+                    "drafter"),
     **dict.fromkeys(("router_addresses", "http", "http_port", "http_timeout_s", "resume_window_s"), "OpenAI front"),
 }
 GROUP_HELP = {
@@ -347,6 +365,8 @@ def serve_one(service: str, s) -> int:
     mode = "tls" if running.tls else "insecure"
     auth = "token" if s.token() else "no auth"
     dev = f", device {s.torch_device()}" if service == "verifier" else ""
+    if service == "verifier":
+        dev += f", {model_dtype(s)}"
     if service in ("verifier", "drafter"):
         import torch
 

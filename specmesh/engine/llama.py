@@ -404,6 +404,7 @@ class LlamaEngine:
             raise InvalidArgument("int4_head", "chooses the head of int4_format='group'; the block format runs "
                                                "the model's own head")
         self.model_dir = Path(model_dir) if model_dir is not None else None
+        self._head_rows = None  # a drafting engine's kept head rows (restrict_head): (QMatrix view, ids)
         self._screen = False  # set by the weight load (int4_head "screen" / "auto")
         self._screen_rows = None  # an untied screen head's int8 rows
         self.config = config
@@ -646,6 +647,20 @@ class LlamaEngine:
     def kv_bytes_per_slot(self) -> int:
         return 2 * self.n_layers * self.n_kv * self.max_seq_len * self.head_dim * self.k_cache.element_size()
 
+    def restrict_head(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """A drafting engine: logits for the token ids in ``ranges`` only ([start, end)
+        pairs, multiples of 8), the others -inf, so a step reads only those rows of the head.
+        A draft model's head over a large vocabulary is a large share of what its step reads
+        (Qwen2.5-Coder-0.5B: 145 of ~390 MB); its argmax and its top-k draws then range over
+        the ids kept, and since the target verifies every draft, output is unchanged.
+        GGUF blocks (``int4``) only; ``[]`` restores the full head."""
+        if self.head.mode != "q":
+            raise InvalidArgument("restrict_head", "needs the head on GGUF blocks (dtype int4)")
+        self._head_rows = None
+        if ranges:
+            idx = torch.cat([torch.arange(a, b) for a, b in ranges])
+            self._head_rows = (self.head.qm.rows_view(ranges), idx)
+
     def _logits(self, hn: torch.Tensor, mm) -> torch.Tensor:
         """fp32 logits [n, V] of normed fp32 rows hn [n, H]: the head matmul (through
         ``mm(lin, x)``, e.g. the row tiles of ``_mm``; None: one call), then, below fp32,
@@ -653,6 +668,11 @@ class LlamaEngine:
         call where the int4 kernel runs)."""
         ad = self.act_dtype
         if self.head.mode == "q":  # the head's blocks on fp32 rows, fp32 logits (row-invariant: one call)
+            if self._head_rows is not None:  # a drafting engine's kept ids (restrict_head)
+                view, idx = self._head_rows
+                out = torch.full((hn.shape[0], self.vocab_size), float("-inf"))
+                out[:, idx] = view.mm(hn.contiguous(), torch.float32)
+                return out
             return self.head.qm.mm(hn.contiguous(), torch.float32)
         if ad == torch.float32:
             return (mm(self.head, hn) if mm else self.head(hn)).float()

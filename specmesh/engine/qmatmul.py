@@ -9,11 +9,13 @@ Q5_0, Q8_0, Q4_K, Q6_K) are kept bit for bit, only rearranged ("tiles": 8 output
 by side, so one 256-bit vector holds 4 inputs of each and one integer multiply-add serves
 8 outputs; ``csrc/qmm_layout.h``), and each activation row is rounded to int8 blocks the
 way llama.cpp pairs the types (per 32 inputs for the 32-blocks, per 256 with sums per 16
-and 32 for the K types). On AVX2 the codes meet the rows in ``vpmaddubsw``, whose 16-bit
-pair sums are added for a whole sub-block before one ``vpmaddwd`` applies its scale (a
-4-bit code times an int8 input fits 8 chunks in 16 bits): about one multiply per 32
-products, so 8 rows cost little more than reading the weights once. Without AVX2 a
-scalar path takes exactly the same steps (same bits: tested).
+and 32 for the K types). The codes meet the rows in integer dot products on the best
+path the CPU has (``PATHS``, chosen at build time from the CPU's flags): AMX-INT8 tiles for
+calls with enough rows (tile pairs of 16 outputs unpacked once into a B tile, up to 16
+rows a ``tdpbssd``), AVX-512 VNNI (512-bit ``vpdpbusd`` on tile pairs), AVX-VNNI (256-bit
+``vpdpbusd``), AVX2 (``vpmaddubsw`` pair sums added for a whole sub-block before one
+``vpmaddwd`` applies its scale) and a scalar path; all take exactly the same steps (same
+bits: tested, on every machine through the SIMDe build ``load_simde``).
 
 The arithmetic (``csrc/qmm.c``): per row and block the integer sums are exact; the fp32
 steps per block are fixed (e.g. Q4_K: ``acc = fma(S, d dx, acc); acc = fma(-Mn, dmin dx,
@@ -28,8 +30,8 @@ Q4_K, Q4_K and Q6_K), each a GGUF tensor's raw bytes repacked once at load.
 kernel rounds them (for tests' references).
 
 Knows nothing about models or files: types, bytes and rows. ``SPECMESH_Q_KERNEL``
-(``specmesh``, ``avx2``, ``generic``) chooses the path; the library is built like the other
-kernels (``keylist_attention.compile_library``).
+(``specmesh``: the best, or one of ``PATHS``) chooses the path; the library is built like
+the other kernels (``keylist_attention.compile_library``).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ from .keylist_attention import c_source
 
 _SOURCE = c_source("qmm.c")
 _FLAGS = ("-ffp-contract=off",)  # the scalar path's fp32 steps exactly as written (the vector path's order)
+# every path through SIMDe: an AVX2 target whatever the CPU has (the later -march wins)
+_SIMDE_FLAGS = ("-DQMM_SIMDE", "-march=x86-64-v3", "-mtune=generic", "-Wno-psabi")
 
 _lock = threading.Lock()
 _state: dict = {}
@@ -53,7 +57,9 @@ _state: dict = {}
 TYPES = {2: ("Q4_0", 32, 18, 144), 3: ("Q4_1", 32, 20, 160), 6: ("Q5_0", 32, 22, 176), 8: ("Q8_0", 32, 34, 272),
          12: ("Q4_K", 256, 144, 1184), 14: ("Q6_K", 256, 210, 1680)}
 TYPE_IDS = {v[0]: k for k, v in TYPES.items()}
-KERNEL_CHOICES = ("specmesh", "avx2", "generic")
+# the int8 paths, by the library's number (csrc/qmm.c); all give the same bits
+PATHS = ("generic", "avx2", "avxvnni", "avx512vnni", "amx")
+KERNEL_CHOICES = ("specmesh",) + PATHS
 
 
 def type_id(t) -> int:
@@ -87,29 +93,52 @@ class _Mat(ctypes.Structure):
 
 
 class QKernel:
-    """The loaded library (``load()``)."""
+    """The loaded library (``load()``, or ``load_simde()``: every path through SIMDe)."""
 
-    def __init__(self, lib: ctypes.CDLL, path, isa: int):
-        self.lib, self.path = lib, path
+    def __init__(self, lib: ctypes.CDLL, path, isa: int, build: str = "native"):
+        self.lib, self.path, self.build = lib, path, build
         P, I = ctypes.c_void_p, ctypes.c_int64
         for name, args in (("qmm", [P, I, I, P, I, P, P]), ("qrepack", [I, P, I, I, P]),
                            ("qrows", [I, P, I, P, I, I, P]), ("qround", [P, I, I, I, P, P])):
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, ctypes.c_int
         lib.qmm_scratch_bytes.argtypes, lib.qmm_scratch_bytes.restype = [I, I], I
-        lib.qmm_path.argtypes, lib.qmm_path.restype = [ctypes.c_int], ctypes.c_int
+        for name in ("qmm_path", "qmm_has", "qmm_amx_min_rows"):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
         lib.qmm_path(isa)
-        self.isa = "avx2" if lib.qmm_path(-2) == 1 else "generic"
         self.mm_addr = ctypes.cast(lib.qmm_bf16, ctypes.c_void_p).value  # the layer stack's entry point
 
+    @property
+    def isa(self) -> str:
+        """The path in use (one of ``PATHS``)."""
+        return PATHS[self.lib.qmm_path(-2)]
+
+    def paths(self) -> list[str]:
+        """The paths this build runs here (for AMX: the OS also granted the tile state)."""
+        return [p for i, p in enumerate(PATHS) if self.lib.qmm_has(i)]
+
     def use_path(self, isa: Optional[str] = None) -> str:
-        """The path in use ("avx2" or "generic"); sets it first where ``isa`` is given (process-wide;
-        for tests and measurements: both give the same bits)."""
+        """The path in use; sets it first where ``isa`` is given (process-wide; for tests and
+        measurements: every path gives the same bits)."""
         if isa is not None:
-            if isa == "avx2" and not self.lib.qmm_has_avx2():
-                raise RuntimeError("this build of the q kernels has no AVX2 path")
-            self.lib.qmm_path({"avx2": 1, "generic": 0}[isa])
-        return "avx2" if self.lib.qmm_path(-2) == 1 else "generic"
+            if isa not in PATHS or self.lib.qmm_path(PATHS.index(isa)) < 0:
+                raise RuntimeError(f"this build of the q kernels has no {isa} path here (it has "
+                                   f"{', '.join(self.paths())})")
+        return self.isa
+
+    def force_amx_rows(self, n: Optional[int]) -> None:
+        """On the AMX path, run every type on the tiles from ``n`` rows (for tests and
+        measurements; every path gives the same bits); None: the measured rows per type
+        (Q6_K from 14, the others from 12; AVX-512 VNNI below)."""
+        self.lib.qmm_amx_min_rows(-1 if n is None else max(1, int(n)))
+
+    def describe(self) -> str:
+        """The path in use, as reports name it."""
+        p = self.isa
+        if p == "amx":
+            p = "amx (tiles from 12 rows, Q6_K from 14; avx512vnni below)"
+        return p + (" via SIMDe" if self.build == "simde" else "")
 
     def scratch(self, M: int, K: int) -> torch.Tensor:
         return torch.empty(int(self.lib.qmm_scratch_bytes(M, K)), dtype=torch.uint8)
@@ -144,12 +173,44 @@ def load() -> Optional[QKernel]:
     def make() -> QKernel:
         choice = kernel_choice("SPECMESH_Q_KERNEL", KERNEL_CHOICES)
         lib, path = compile_library("qmm", _SOURCE, _FLAGS)
-        k = QKernel(lib, path, {"specmesh": -1, "avx2": 1, "generic": 0}[choice])
-        if choice == "avx2" and k.isa != "avx2":
-            raise RuntimeError("SPECMESH_Q_KERNEL=avx2: this CPU or build has no AVX2 with FMA and F16C")
+        k = QKernel(lib, path, -1)
+        if choice != "specmesh":
+            if choice not in k.paths():
+                raise RuntimeError(f"SPECMESH_Q_KERNEL={choice}: this CPU or build has no {choice} path "
+                                   f"(it has {', '.join(k.paths())})")
+            k.use_path(choice)
         return k
 
     return cached_load(_state, _lock, make)
+
+
+_simde_state: dict = {}
+SIMDE_HEADER = "/usr/include/simde/x86/avx512.h"
+
+
+def load_simde() -> Optional[QKernel]:
+    """The same source built for x86-64-v3 with SIMDe's portable AVX-512 / VNNI intrinsics
+    and a plain-C stand-in of the AMX tile instructions (``csrc/qmm_isa.h``): every path
+    runs on any x86-64 CPU with AVX2, for tests of the paths the CPU lacks. None where
+    SIMDe's headers (Debian's ``libsimde-dev``) or the compiler are missing
+    (``load_simde_error()``)."""
+    import os
+    import platform
+
+    from .keylist_attention import cached_load, compile_library
+
+    def make() -> QKernel:
+        if platform.machine() not in ("x86_64", "AMD64") or not os.path.exists(SIMDE_HEADER):
+            raise RuntimeError(f"no SIMDe headers ({SIMDE_HEADER}; Debian package libsimde-dev) "
+                               "or not an x86-64 machine")
+        lib, path = compile_library("qmm-simde", _SOURCE, _FLAGS + _SIMDE_FLAGS)
+        return QKernel(lib, path, 0, build="simde")
+
+    return cached_load(_simde_state, _lock, make)
+
+
+def load_simde_error() -> str:
+    return _simde_state.get("error", "")
 
 
 def load_error() -> str:
@@ -196,6 +257,32 @@ class QMatrix:
         for p, off, size in zip(parts, self.offsets, sizes):  # each part repacked into its place
             k.repack(p.type, p.raw, p.n, p.k, self.data[off: off + size])
         self._bind()
+
+    def rows_view(self, ranges: Sequence[tuple[int, int]]) -> "QMatrix":
+        """A weight of this one's output rows in ``ranges`` ([start, end) pairs, ascending,
+        each a multiple of 8 within one segment), sharing its bytes: ``mm`` gives those rows'
+        outputs, concatenated."""
+        v = object.__new__(QMatrix)
+        v.kernel, v.in_features, v.data = self.kernel, self.in_features, self.data
+        v.types, v.seg_rows, v.offsets = [], [], []
+        base = 0
+        bounds = [(sum(self.seg_rows[:i]), t, n, off) for i, (t, n, off) in
+                  enumerate(zip(self.types, self.seg_rows, self.offsets))]
+        for a, b in ranges:
+            if a % 8 or b % 8 or not 0 <= a < b <= self.out_features or a < base:
+                raise ValueError(f"rows_view: [{a}, {b}) must be ascending multiples of 8 within "
+                                 f"{self.out_features} rows")
+            seg = next((x for x in bounds if x[0] <= a and b <= x[0] + x[2]), None)
+            if seg is None:
+                raise ValueError(f"rows_view: [{a}, {b}) crosses a segment boundary")
+            start, t, _, off = seg
+            v.types.append(t)
+            v.seg_rows.append(b - a)
+            v.offsets.append(off + tile_bytes(t, a - start, self.in_features))
+            base = b
+        v.out_features = sum(v.seg_rows)
+        v._bind()
+        return v
 
     def _bind(self) -> None:
         self._segs = (_Seg * len(self.types))(*[_Seg(t, n, o) for t, n, o in zip(self.types, self.seg_rows,

@@ -54,10 +54,14 @@ class ServeSettings(BaseSettings):
 
     # ---- model (verifier; the router loads only the tokenizer)
     model: str = "smollm2-135m-instruct"
-    # bf16: the fastest exact dtype here that is not a quantisation (the engine is
-    # batch-invariant on CPU, so greedy speculation equals plain decoding; docs/performance.md)
-    dtype: Literal["fp32", "bf16", "int8", "int4"] = "bf16"
+    # auto: int4 (the GGUF's own blocks on the int8 kernels) where the model is a GGUF and the
+    # device a CPU with those kernels, else bf16 (runtime.resolve_dtype): both are batch-invariant
+    # on the CPU, so greedy speculation equals plain decoding; docs/performance.md
+    dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     n_slots: int = Field(8, ge=1, description="KV slots of the verifier")
+    draft_head_rows: int = Field(65536, ge=0, description="the draft LM's head keeps the first N token ids (and "
+                                 "the added tokens) where its vocabulary is at least 2N: a draft step reads less "
+                                 "(output unchanged: the target verifies); 0 = the whole head")
     # the limits below default from the served model's context (serving/limits.py)
     max_seq_len: Optional[int] = Field(None, ge=16, description="KV positions per slot (verifier, draft LM): the "
                                        "longest prompt + reply; None = the model's context, at most 8192")

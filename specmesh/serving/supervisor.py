@@ -76,6 +76,7 @@ class Child:
     failed_starts: int = 0  # consecutive restarts that died before listening
     restarts: int = 0
     restart_at: Optional[float] = None  # waiting to be restarted at this time
+    pump: Optional[threading.Thread] = None  # reads this process's output (``Supervisor._pump``)
 
 
 class Supervisor:
@@ -112,7 +113,8 @@ class Supervisor:
                                   bufsize=1)
         c.started_at, c.restart_at = self.clock(), None
         self.log(f"started {c.name} (pid {c.proc.pid})")
-        threading.Thread(target=self._pump, args=(c, c.proc), daemon=True, name=f"pump-{c.name}").start()
+        c.pump = threading.Thread(target=self._pump, args=(c, c.proc), daemon=True, name=f"pump-{c.name}")
+        c.pump.start()
 
     def start(self) -> None:
         for c in self.children.values():
@@ -148,7 +150,9 @@ class Supervisor:
                     if self.metrics:
                         self.metrics.up.labels(c.name).set(1)
                 continue
-            # the process exited
+            # the process exited: its last lines (a "listening on" among them) are read before it is judged
+            if c.pump is not None:
+                c.pump.join(timeout=5.0)
             if self.metrics:
                 self.metrics.up.labels(c.name).set(0)
             was_ready, c.up = c.ready.is_set(), False

@@ -61,6 +61,10 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 LONG_PROMPT_TOKENS = 384
+# replies shorter than this leave a choice's measured speedup as it was: a few rounds of a
+# short reply (a greeting) measured the draft LM at a slowdown and switched it off for the
+# session's later, longer requests
+MIN_MEASURED_TOKENS = 16
 # The block drafter's self drafter for ``auto`` and for a ``self`` request naming none:
 # its tree. Side by side in ``specmesh bench`` (bf16, 128 tokens, 4 prompts each of
 # open_writing / chat_multiturn, 2 AMD EPYC AVX-512 cores) on the engine's default

@@ -24,7 +24,7 @@ class _Drafter:
 
 class _Runtime:
     device, cuda_graphs, stop_ids, verify_costs, tree_schedule = "cpu", False, [], None, None
-    draft_model, model_name = None, "fake"
+    draft_model, model_name, dtype = None, "fake", "fp32"
 
     def __init__(self, *a, **kw):
         self.verifier = SimpleNamespace(self_drafters={}, info=lambda: {
@@ -80,7 +80,7 @@ def test_the_next_command_is_one_the_cli_takes():
 
     from specmesh.cli import build_parser
 
-    for model, dtype in (("smollm2-135m-instruct", "bf16"), ("qwen2.5-coder-1.5b-instruct", "int4")):
+    for model, dtype in (("smollm2-135m-instruct", "auto"), ("qwen2.5-coder-1.5b-instruct", "int4")):
         cmds = re.findall(r"`(specmesh [^`]+)`", demo.closing_lines(model, dtype, 2)[1])
         assert [c.split()[1] for c in cmds] == ["serve", "generate"]
         for c in cmds:

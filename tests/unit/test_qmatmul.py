@@ -2,10 +2,17 @@
 
 Blocks are random but valid (random code bytes, small fp16 scales), so every code value
 occurs, including Q8_0's -128. For each type and several row counts (across the kernel's
-64-row passes): the tiles give back gguf-py's dequantised values exactly; a matmul equals
-the float64 product of those values with the activations as the kernel rounds them; the
-AVX2 and the scalar path give the same bits; and a row's bits do not depend on the other
-rows of the call (the batch-invariant engine and greedy identity rest on that).
+64-row passes and the AMX path's 16-row tiles): the tiles give back gguf-py's dequantised
+values exactly; a matmul equals the float64 product of those values with the activations
+as the kernel rounds them; every path (scalar, AVX2, AVX-VNNI, AVX-512 VNNI, AMX) gives
+the scalar path's bits; and a row's bits do not depend on the other rows of the call (the
+batch-invariant engine and greedy identity rest on that).
+
+The paths run natively where the CPU has them (``native_paths``: a test per path, marked
+by its CPU flag and skipped with the reason elsewhere), and on every x86-64 machine
+through the SIMDe build (``qmatmul.load_simde``: SIMDe's portable AVX-512 / VNNI
+intrinsics and a plain-C stand-in of the AMX tile instructions, compiled for AVX2), so
+no path's bits depend on the CPU the suite runs on.
 """
 
 from __future__ import annotations
@@ -34,8 +41,90 @@ def kernel():
     return kernel_or_skip(qm, "the q block kernels")
 
 
+def cpu_flags() -> set:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+# each path and the CPU flags it needs (Linux's names)
+PATH_FLAGS = {"avx2": {"avx2", "fma", "f16c"}, "avxvnni": {"avx2", "avx_vnni"},
+              "avx512vnni": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+              "amx": {"avx512_vnni", "amx_tile", "amx_int8"}}
+
+
+def native_or_skip(kernel, path):
+    if path not in kernel.paths():
+        missing = PATH_FLAGS[path] - cpu_flags()
+        if path == "avxvnni" and {"avx512_vnni", "avx512vl"} <= cpu_flags():
+            missing = set()  # AVX-512 VNNI with VL has the 256-bit form too
+        pytest.skip(f"this CPU has no {path} ({', '.join(sorted(missing)) or 'the OS refused the tile state'} "
+                    "missing); the SIMDe build checks the path here instead")
+
+
+@pytest.fixture(scope="module")
+def simde():
+    k = qm.load_simde()
+    if k is None:
+        pytest.skip(f"no SIMDe build here: {qm.load_simde_error()}")
+    return k
+
+
+def all_paths_bitwise(kernel, name, paths, rows=ROWS + (17, 33)):
+    """Every path in ``paths`` at every row count (AMX: also with every type on the tiles
+    from 1 and 2 rows) gives the scalar path's bits for a type's random blocks."""
+    n, k = 40, K_OF[name]  # 5 tiles: the 16-output paths' last pair has one tile
+    raw = random_blocks(name, n, k, seed=4)
+    W = qm.QMatrix([qm.Part(qm.TYPE_IDS[name], n, k, raw)], kernel)
+    x = torch.randn(max(rows), k, generator=torch.Generator().manual_seed(5)) * 3
+    prev = kernel.use_path()
+    try:
+        kernel.use_path("generic")
+        ref = W.mm(x, torch.float32)
+        for p in paths:
+            kernel.use_path(p)
+            for force in ((None, 1, 2) if p == "amx" else (None,)):
+                kernel.force_amx_rows(force)
+                for m in rows:
+                    assert torch.equal(W.mm(x[:m], torch.float32), ref[:m]), (kernel.build, p, force, m)
+    finally:
+        kernel.force_amx_rows(None)
+        kernel.use_path(prev)
+
+
+@pytest.mark.parametrize("path", list(PATH_FLAGS))
+@pytest.mark.parametrize("name", list(K_OF))
+def test_each_native_path_gives_the_scalar_bits(kernel, name, path):
+    native_or_skip(kernel, path)
+    all_paths_bitwise(kernel, name, [path])
+
+
+@pytest.mark.parametrize("name", list(K_OF))
+def test_each_path_through_simde_gives_the_scalar_bits(simde, name):
+    assert simde.paths() == list(qm.PATHS)  # every path compiled whatever this CPU has
+    all_paths_bitwise(simde, name, list(qm.PATHS[1:]), rows=(1, 2, 3, 8, 16, 17, 33))
+
+
+def test_simde_and_native_builds_agree(kernel, simde):
+    n, k = 16, 512
+    raw = random_blocks("Q4_K", n, k, seed=6)
+    x = torch.randn(9, k)
+    a = qm.QMatrix([qm.Part(qm.TYPE_IDS["Q4_K"], n, k, raw)], kernel).mm(x, torch.float32)
+    b = qm.QMatrix([qm.Part(qm.TYPE_IDS["Q4_K"], n, k, raw)], simde).mm(x, torch.float32)
+    assert torch.equal(a, b)
+
+
+def test_the_best_path_is_chosen_and_named(kernel):
+    best = kernel.paths()[-1]
+    assert kernel.isa == best and kernel.describe().startswith(best)
+    with pytest.raises(RuntimeError, match="no nonesuch path"):
+        kernel.use_path("nonesuch")
+
+
 def paths(kernel):
-    return ["generic"] + (["avx2"] if kernel.lib.qmm_has_avx2() else [])
+    return kernel.paths()
 
 
 @pytest.mark.parametrize("name", list(K_OF))

@@ -352,7 +352,7 @@ def test_verify_costs_shared_across_requests_and_block_policies():
     assert later.tree and later.beta == pytest.approx(fit)
     assert AdaptiveBudget.for_drafter("block", 8).beta == 0.06  # no shared costs: its own, from the prior
     tok = AdaptiveBudget.for_drafter("prompt_lookup", 8, costs=costs)
-    assert not tok.per_round_draft and tok.beta == 0.06 and tok.ema == 0.3  # per-token drafters: unchanged
+    assert not tok.per_round_draft and tok.beta == pytest.approx(fit) and tok.ema == 0.3  # the same measured rows
     costs.observe(3, 5.0)  # k = 3 is in neither group: ignored
     assert costs.beta == pytest.approx(fit)
 
@@ -427,9 +427,10 @@ def test_block_policy_measures_a_plain_round_when_the_unit_is_missing_or_stale()
 
 def test_a_draft_lm_that_costs_more_than_it_buys_is_switched_off():
     """Per-token drafters measure a plain round, price a draft token over it, and are held
-    to what their rounds measured: a draft LM accepting ~1.3 of 6 at 23 ms a draft token,
-    against a 55 ms plain round and a 158 ms six-token verify (the Qwen pair on one core
-    each, open writing), drafts nothing after a few rounds."""
+    to what their rounds measured: a draft LM accepting under one token a round whatever
+    its length, at 23 ms a draft token, against a 55 ms plain round and a 158 ms six-token
+    verify (the Qwen pair on one core each, open writing), drafts nothing after a few
+    rounds (its re-probes draft the length that would pay at the prior acceptance)."""
     pol = AdaptiveBudget.for_drafter("draft_lm", 6, costs=VerifyCosts())
     sizes = []
     for i in range(40):
@@ -438,10 +439,10 @@ def test_a_draft_lm_that_costs_more_than_it_buys_is_switched_off():
         if k == 0:
             pol.update(0, 0, verify_s=0.055)
         else:
-            acc = min(k, 1 + (i % 2))  # ~1.5 accepted a round
+            acc = min(k, (0, 1, 0, 2)[i % 4])  # under one accepted a round
             pol.update(k, acc, draft_s=0.023 * k, verify_s=0.055 + 0.017 * k)
     assert sizes[0] > 0 and sizes[1] == 0, sizes  # a drafted round, then the unit
-    assert sum(1 for k in sizes[20:] if k > 0) <= 3, sizes  # off, bar re-probes of 1
+    assert sum(1 for k in sizes[20:] if k > 0) <= 3, sizes  # off, bar re-probes
 
 
 def test_cache_meter_counts_accepted_cache_drafts(ver):

@@ -8,7 +8,8 @@ functions import the heavy modules lazily so ``specmesh --help`` stays fast.
 
   workloads  find and read bench/workloads/*.jsonl
   systems    the system contract and our systems (ours_*)
-  peers      Hugging Face and llama.cpp systems (hf_*, llamacpp_*)
+  peers      Hugging Face, llama.cpp and OpenVINO GenAI systems (hf_*, llamacpp_*, openvino_*)
+  peer_process  a peer in a child process (llamacpp_worker, openvino_worker)
   device_check  ``specmesh device-check``: CUDA tests and a short GPU benchmark
   harness    one-process run, alternating systems per prompt; records
   report     report.md with the table and verdict lines
@@ -26,12 +27,13 @@ from __future__ import annotations
 
 import argparse
 
-SYSTEMS_HELP = ("comma list of systems or groups (all, ours, hf, llamacpp). ours_ar, ours_prompt_lookup, "
+SYSTEMS_HELP = ("comma list of systems or groups (all, ours, hf, llamacpp, openvino). ours_ar, ours_prompt_lookup, "
                 "ours_suffix, ours_draft_lm (a stand-in unless the target has a paired draft model: make setup-qwen), "
                 "ours_layerskip (append _fp32/_bf16/_int8/_int4 to run on another engine "
                 "dtype, e.g. ours_ar_fp32,ours_suffix_fp32 for the greedy-identity check), hf_ar, hf_pld, "
-                "hf_assisted, llamacpp_ar, llamacpp_pld; hf_static_compile (HF static cache + torch.compile, "
-                "in no group). Default: all")
+                "hf_assisted, llamacpp_ar, llamacpp_pld, llamacpp_draft_lm, openvino_ar, openvino_draft_lm, openvino_pld "
+                "(OpenVINO GenAI on the same GGUF: the bench-openvino extra); hf_static_compile (HF static cache + "
+                "torch.compile, in no group). Default: all")
 
 
 def register(subparsers) -> None:
@@ -54,7 +56,7 @@ def register(subparsers) -> None:
     p.add_argument("--fixed-budget", action="store_true", help="ours_*: always draft --budget (default: adaptive)")
     p.add_argument("--slots", type=int, default=2, help="KV slots of our engine")
     p.add_argument("--max-seq-len", type=int, default=2048, help="KV positions per slot of our engine")
-    p.add_argument("--threads", type=int, default=None, help="torch/llama.cpp threads (default: torch's)")
+    p.add_argument("--threads", type=int, default=None, help="torch/llama.cpp/OpenVINO threads (default: torch's)")
     p.add_argument("--out", default="bench-out", help="output directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-charts", action="store_true", help="skip the PNG charts")

@@ -29,20 +29,35 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .peer_process import child_memory
+
 ROWS = (1, 2, 4, 8, 16)
 
 
-def proc_mem_mb() -> dict:
-    """This process's peak and current resident memory (``VmHWM``, ``VmRSS``), MB."""
-    out = {}
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere) and its
+    int8 extensions, as figures are labelled: "Intel(R) Xeon(R) Processor (AVX-512 VNNI, AMX-INT8)"."""
+    import platform
+
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(("VmHWM:", "VmRSS:")):
-                k, v = line.split(":", 1)
-                out[k] = round(int(v.split()[0]) / 1024, 1)
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return {"peak_rss_mb": out.get("VmHWM"), "rss_mb": out.get("VmRSS")}
+        return platform.processor() or platform.machine()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
+    flags = set(next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), []))
+    isa = [n for f, n in (("avx2", "AVX2"), ("avx_vnni", "AVX-VNNI"), ("avx512_vnni", "AVX-512 VNNI"),
+                          ("amx_int8", "AMX-INT8")) if f in flags]
+    return f"{name} ({', '.join(isa)})" if isa else name
+
+
+def kernel_path(dtype: str) -> str:
+    """The int8 path the GGUF block kernels take here (int4), e.g. "amx (...)"; "" otherwise."""
+    if dtype != "int4":
+        return ""
+    from ...engine import qmatmul
+
+    k = qmatmul.load()
+    return k.describe() if k is not None else f"none ({qmatmul.load_error()})"
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -69,7 +84,7 @@ def ours(cfg: dict) -> dict:
     t0 = time.perf_counter()
     eng = LlamaEngine.from_pretrained(cfg["model"], dtype=cfg["dtype"], n_slots=2,
                                       max_seq_len=max(2048, cfg["ctx"] + 64, cfg["prefill"] + 8), quiet=True)
-    res = {"load_s": round(time.perf_counter() - t0, 2), "after_load": proc_mem_mb()}
+    res = {"load_s": round(time.perf_counter() - t0, 2), "after_load": child_memory(), "kernel": kernel_path(cfg["dtype"])}
     V = eng.vocab_size
     if cfg["rows"]:
         ctx = [(100 + i) % V for i in range(cfg["ctx"])]
@@ -94,7 +109,7 @@ def ours(cfg: dict) -> dict:
             eng.reset(0)
             rows.append(eng.score(0, seq, list(range(-1, len(seq) - 1))).logits.float())
         _save(cfg["logits_file"], torch.cat(rows).numpy())
-    res["end"] = proc_mem_mb()
+    res["end"] = child_memory()
     return res
 
 

@@ -9,8 +9,9 @@ belong to, and the fastest of N filters it for every system alike.
 
 Records carry new tokens, seconds, tokens/s, speedup over the system's own AR
 (measured side by side in this run), τ, the acceptance histogram, token identity
-with the reference AR (per prompt, all identical) and the process-wide peak RSS
-at the time the record's last prompt finished.
+with the reference AR (per prompt, all identical), for a peer also with our plain
+decoding (``ours_ar``), and the process-wide peak RSS at the time the record's last
+prompt finished (a peer in a child process: the child's own).
 
 This module knows nothing about report formats or charts (``report``, ``charts``)
 or about gRPC (``sweep``).
@@ -30,14 +31,15 @@ from typing import Optional
 from ...seqs import common_prefix_len
 from ...types import InvalidArgument
 from ... import workloads as wl
-from .llamacpp_worker import PeerFailed
-from .peers import HFModels, llamacpp_unavailable, make_hf, make_llamacpp
-from .systems import DEFAULT_SYSTEMS, DTYPES, RunOutput, System, expand, make_ours, parse_ours
+from .peer_process import PeerFailed
+from .peers import HFModels, make_hf, make_llamacpp, make_openvino, peer_unavailable
+from .systems import CHILD_FAMILIES, DEFAULT_SYSTEMS, DTYPES, RunOutput, System, expand, make_ours, parse_ours
 
 WARMUP_PROMPT = "Say hello and name three colours."
 RECORD_FIELDS = ("system", "workload", "prompts", "new_tokens", "seconds", "tokens_per_s", "speedup_vs_own_ar",
                  "tau", "acceptance_hist", "identical_to_ar", "identical_prompts", "token_agreement", "reference",
-                 "draft_s", "verify_s", "peak_rss_mb", "dtype", "budget")
+                 "draft_s", "verify_s", "peak_rss_mb", "dtype", "budget", "identical_to_ours_ar",
+                 "agreement_with_ours_ar")
 
 
 @dataclass
@@ -147,21 +149,28 @@ class Bench:
                 self.systems.append(static)
             elif n.startswith("hf_"):
                 self.systems.append(make_hf(n, hf, main.stop_ids))
-            else:
-                why = llamacpp_unavailable(self.cfg.model, main.model_dir, n)
+            else:  # llama.cpp, OpenVINO GenAI: a child process each
+                why = peer_unavailable(n, self.cfg.model, main.model_dir)
                 if why:
                     self.skipped[n] = why
                     self.log(f"note: skipping {n}: {why}")
                     continue
-                lc = make_llamacpp(n, self.cfg.model, main.model_dir, main.stop_ids, threads, self.cfg.max_seq_len)
-                try:  # warmed up here: a peer that cannot run is skipped with the reason
-                    self._warmup([lc])
-                except PeerFailed as e:
-                    self._drop(lc, f"{e} (during warm-up)")
+                try:
+                    child = (make_llamacpp(n, self.cfg.model, main.model_dir, main.stop_ids, threads,
+                                           self.cfg.max_seq_len) if n.startswith("llamacpp_") else
+                             make_openvino(n, self.cfg.model, main.model_dir, main.stop_ids, threads, log=self.log))
+                except Exception as e:  # noqa: BLE001 - preparing its model failed: reported, the run goes on
+                    self.skipped[n] = f"{type(e).__name__}: {e}"
+                    self.log(f"note: skipping {n}: {self.skipped[n]}")
                     continue
-                self.systems.append(lc)
+                try:  # warmed up here: a peer that cannot run is skipped with the reason
+                    self._warmup([child])
+                except PeerFailed as e:
+                    self._drop(child, f"{e} (during warm-up)")
+                    continue
+                self.systems.append(child)
         self._warmup([s for s in self.systems[first_peer:] if s.name != "hf_static_compile"
-                      and s.family != "llamacpp"])
+                      and s.family not in CHILD_FAMILIES])
         self._stage("all systems loaded and warmed up")
 
     def _ours(self, name: str) -> System:
@@ -249,13 +258,14 @@ class Bench:
                         times.setdefault((s.name, w, p.id), []).append(out.seconds)
                         rs = runs.setdefault((s.name, w), [])
                         old = next((i for i, r in enumerate(rs) if r[0] == p.id), None)
+                        peak = out.peak_rss_mb or peak_rss_mb()  # a child process's own, else this one's
                         if old is None:
-                            rs.append((p.id, out, peak_rss_mb()))
+                            rs.append((p.id, out, peak))
                         else:
                             if out.tokens != rs[old][1].tokens:  # a pass generated other tokens: reported
                                 unstable.append(f"{s.name} {p.id}")
                             if faster(out.seconds, rs[old][1].seconds):  # the fastest pass of this prompt
-                                rs[old] = (p.id, out, peak_rss_mb())
+                                rs[old] = (p.id, out, peak)
                         bar.update(1)
         bar.close()
         for s in self.systems:
@@ -264,6 +274,8 @@ class Bench:
                 close()
         self._stage("end of run")
         probe = self._probe(cfg, main, encoded, runs) if cfg.probe else None
+        from .engine_probe import cpu_model, kernel_path
+
         records = self.aggregate(list(encoded), runs)
         outputs = [{"system": s, "workload": w, "id": pid, "tokens": o.tokens, "seconds": round(o.seconds, 4),
                     "seconds_all": [round(t, 4) for t in times.get((s, w, pid), [])],
@@ -278,6 +290,7 @@ class Bench:
             "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
             "wall_s": round(time.time() - t_start, 1), "python": sys.version.split()[0],
             "hf_pld_tokens": 10, "device": str(_device_of(main)), "repeats": cfg.repeats,
+            "cpu": cpu_model(), "cpus": os.cpu_count(), "int8_path": kernel_path(cfg.dtype),
             "unstable_outputs": unstable,
             "cuda_graphs": type(main.engine).__name__ == "GraphedEngine",
         }
@@ -326,22 +339,32 @@ class Bench:
                 for key in ("draft_s", "verify_s"):
                     vals = [getattr(o, key) for _, o, _ in rs]
                     rec[key] = round(sum(vals), 4) if vals and all(v is not None for v in vals) else None
-                ref = tokens.get((s.reference, w)) if s.reference in by_name else None
-                if ref is None:
-                    rec.update(identical_to_ar=None, identical_prompts=None, token_agreement=None)
-                else:
-                    both = [pid for pid, _, _ in rs if pid in ref]  # a reference that broke early lacks some
-                    same = [tokens[(s.name, w)][pid] == ref[pid] for pid in both]
-                    agree = sum(common_prefix_len(tokens[(s.name, w)][pid], ref[pid]) for pid in both)
-                    ref_len = sum(len(ref[pid]) for pid in both)
-                    rec.update(identical_to_ar=all(same), identical_prompts=sum(same),
-                               token_agreement=round(agree / ref_len, 4) if ref_len else 1.0)
+                same, both, agree = _compare(tokens.get((s.name, w), {}),
+                                             tokens.get((s.reference, w)) if s.reference in by_name else None)
+                rec.update(identical_to_ar=None if same is None else same == both, identical_prompts=same,
+                           token_agreement=agree)
+                if s.family != "ours":  # a peer's outputs against our plain decoding (of the run's dtype) too
+                    same, _, agree = _compare(tokens.get((s.name, w), {}),
+                                              tokens.get(("ours_ar", w)) if "ours_ar" in by_name else None)
+                    rec.update(identical_to_ours_ar=same, agreement_with_ours_ar=agree)
                 records.append(rec)
         tps = {(r["system"], r["workload"]): r["tokens_per_s"] for r in records}
         for r in records:
             base = tps.get((by_name[r["system"]].reference, r["workload"]))
             r["speedup_vs_own_ar"] = round(r["tokens_per_s"] / base, 4) if base else None
         return [{k: r.get(k) for k in RECORD_FIELDS} for r in records]
+
+
+def _compare(mine: dict, ref: Optional[dict]) -> tuple[Optional[int], int, Optional[float]]:
+    """(prompts whose tokens equal the reference's, prompts compared, agreement: the common
+    prefixes' share of the reference's tokens) over the prompts both have ({prompt id:
+    tokens} each); (None, 0, None) without a reference."""
+    if ref is None:
+        return None, 0, None
+    both = [pid for pid in mine if pid in ref]  # a reference that broke early lacks some
+    agree = sum(common_prefix_len(mine[pid], ref[pid]) for pid in both)
+    ref_len = sum(len(ref[pid]) for pid in both)
+    return sum(mine[pid] == ref[pid] for pid in both), len(both), round(agree / ref_len, 4) if ref_len else 1.0
 
 
 def _sum_hists(hists: list[list[int]]) -> list[int]:

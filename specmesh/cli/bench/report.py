@@ -21,6 +21,8 @@ PLAIN_VS_LLAMACPP = 1.3  # issue 58: our plain decoding against llama.cpp's, eve
 # issue 58: the engine probe (engine_probe.vs_llamacpp): a forward of M scored rows at most this many one-row
 # forwards; prefill at least llama.cpp's; peak memory at most this multiple of llama.cpp's; top-1 agreement
 PROBE_ROW_TARGETS = {8: 1.3, 16: 2.0}
+PLAIN_VS_OPENVINO = 1.0  # issue 66: our plain decoding against OpenVINO GenAI's, every workload
+OPENVINO_SYSTEMS = ("openvino_ar", "openvino_draft_lm", "openvino_pld")  # systems.OPENVINO_SYSTEMS (not imported here)
 PROBE_RSS_RATIO = 1.3
 PROBE_AGREEMENT = 0.99
 
@@ -121,6 +123,8 @@ def verdicts(records: list[dict], meta: dict) -> list[tuple[str, str]]:
         out.append((v, text))
     if any(r["system"] == "llamacpp_ar" for r in records):
         out += probe_verdicts(meta.get("vs_llamacpp"))
+    if any(r["system"] in OPENVINO_SYSTEMS for r in records):
+        out += openvino_verdicts(ix)
     # 6. peak RSS <= 2 GB: judged on specmesh alone (measured before any peer model is loaded)
     peak = meta.get("peak_rss_mb")
     own = next((s["peak_rss_mb"] for s in meta.get("rss_stages", []) if "before any peer" in s["stage"]), None)
@@ -173,6 +177,52 @@ def llamacpp_verdicts(ix: "_Idx", ours_all: list[str], spec: list[str]) -> list[
     return out
 
 
+def openvino_verdicts(ix: "_Idx") -> list[tuple[str, str]]:
+    """Issue 66, against OpenVINO GenAI on the same GGUF: our plain decoding at least its
+    plain decoding on every workload; our draft LM's speedup over our plain decoding at
+    least its draft LM's over its own."""
+    out = []
+    pairs = [(w, ix.get("ours_ar", w, "tokens_per_s"), ix.get("openvino_ar", w, "tokens_per_s")) for w in ix.workloads]
+    pairs = [(w, a / b) for w, a, b in pairs if a and b]
+    if not pairs:
+        out.append(("n/a", "ours vs OpenVINO GenAI plain decoding (needs ours_ar and openvino_ar)"))
+    else:
+        worst = min(pairs, key=lambda x: x[1])
+        out.append(("PASS" if worst[1] >= PLAIN_VS_OPENVINO else "FAIL", "ours_ar vs openvino_ar tokens/s: " + ", ".join(
+            f"{w} {r:.2f}x" for w, r in pairs) + f" (worst {worst[1]:.2f}x, target {PLAIN_VS_OPENVINO:g}x)"))
+    for w in ix.workloads:
+        a, b = ix.get("ours_draft_lm", w, "speedup_vs_own_ar"), ix.get("openvino_draft_lm", w, "speedup_vs_own_ar")
+        if a and b:
+            out.append(("PASS" if a >= b else "FAIL", f"{w}: draft LM speedup over own plain decoding, ours_draft_lm "
+                        f"{a:.2f}x vs openvino_draft_lm {b:.2f}x"))
+    return out
+
+
+def openvino_section(ix: "_Idx", meta: dict) -> list[str]:
+    """The OpenVINO GenAI systems beside our plain decoding, per workload."""
+    rows = [(w, s) for w in ix.workloads for s in OPENVINO_SYSTEMS if ix.get(s, w, "tokens_per_s") is not None]
+    if not rows:
+        return []
+    L = ["", "## Side by side with OpenVINO GenAI (same GGUF, same prompts, same run)", "",
+         "Each OpenVINO system runs in a child process of its own (its peak RSS is the child's); τ = tokens per "
+         "target inference step after the prefill, as OpenVINO GenAI's perf metrics count its steps.", "",
+         "| workload | system | tok/s | vs ours_ar | vs openvino_ar | τ | identical to ours_ar | agreement with ours_ar "
+         "| peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for w, s in rows:
+        tps, ours = ix.get(s, w, "tokens_per_s"), ix.get("ours_ar", w, "tokens_per_s")
+        same, n, agree = ix.get(s, w, "identical_to_ours_ar"), ix.get(s, w, "prompts"), ix.get(s, w, "agreement_with_ours_ar")
+        L.append(f"| {w} | {s} | {_fmt(float(tps), 1)} | {_fmt(tps / ours if ours else None, 2, 'x')} | "
+                 f"{_fmt(ix.get(s, w, 'speedup_vs_own_ar'), 2, 'x')} | {_fmt(ix.get(s, w, 'tau'), 2)} | "
+                 f"{'–' if same is None else f'{same}/{n}'} | "
+                 f"{_fmt(agree * 100 if agree is not None else None, 1, '%')} | {_fmt(ix.get(s, w, 'peak_rss_mb'), 0)} |")
+    for k, v in meta.get("peers", {}).items():
+        if k in OPENVINO_SYSTEMS:
+            L.append(f"- `{k}`: OpenVINO GenAI {v.get('openvino_genai', '?')}, {v.get('threads')} threads, loaded in "
+                     f"{v.get('load_s', '?')} s" + "".join(f", {key} {v[key]}" for key in (
+                         "num_assistant_tokens", "max_ngram_size", "draft_gguf") if v.get(key) is not None))
+    return L
+
+
 def probe_verdicts(p: Optional[dict]) -> list[tuple[str, str]]:
     """The engine probe's targets (issue 58), from ``meta["vs_llamacpp"]``."""
     if not p:
@@ -214,7 +264,8 @@ def probe_section(p: dict) -> list[str]:
     L = ["", "## Below the loop: our engine and llama.cpp on the same GGUF (engine probe)", "",
          f"Each in a child process of its own, one after the other, {p.get('threads')} threads; a forward scoring M "
          f"rows after {p.get('ctx')} tokens of context (median of {p.get('reps')}; llama.cpp keeps every row's "
-         f"logits, as a verify needs), a prefill of {p.get('prefill_tokens')} tokens.", "",
+         f"logits, as a verify needs), a prefill of {p.get('prefill_tokens')} tokens."
+         + (f" Our int8 path: {ours['kernel']}." if ours.get("kernel") else ""), "",
          "| scored rows | ours ms | ours / 1 row | llama.cpp ms | llama.cpp / 1 row | ours / llama.cpp |",
          "|---|---|---|---|---|---|"]
     for m in p.get("rows", []):
@@ -255,6 +306,8 @@ def render(result: dict) -> str:
              f"(hf_pld/llamacpp_pld: {meta.get('hf_pld_tokens')}), torch threads {meta.get('torch_threads')} "
              f"(OMP_WAIT_POLICY {meta.get('omp_wait_policy', '?')}, GOMP_SPINCOUNT {meta.get('gomp_spincount', '?')}), "
              f"started {meta.get('started')}, wall {meta.get('wall_s')} s."
+             + (f" CPU: {meta['cpu']}, {meta.get('cpus')} cores." if meta.get("cpu") else "")
+             + (f" Our int8 path (GGUF blocks): {meta['int8_path']}." if meta.get("int8_path") else "")
              + (f" Every prompt ran {meta['repeats']} times on every system (each pass rotated once more, our "
                 f"systems built afresh); each keeps its fastest run." if meta.get("repeats", 1) > 1 else "")
              + (f" Passes that generated other tokens: {', '.join(meta['unstable_outputs'])}."
@@ -262,7 +315,8 @@ def render(result: dict) -> str:
     L.append("All systems ran in one process, alternating per prompt (rotating order) after one warm-up each; "
              "speedups are ratios to the system's own AR measured side by side in this run. "
              "τ = tokens per target forward after the prefill. Identity is per prompt against the reference AR "
-             "(ours_* vs ours_ar of the same dtype, hf_* vs hf_ar, llamacpp_* vs llamacpp_ar).")
+             "(ours_* vs ours_ar of the same dtype, hf_* vs hf_ar, llamacpp_* vs llamacpp_ar, openvino_* vs "
+             "openvino_ar).")
     if meta.get("skipped"):
         L += [""] + [f"- skipped `{k}`: {v}" for k, v in meta["skipped"].items()]
     L += ["", "## Verdicts", ""]
@@ -285,6 +339,7 @@ def render(result: dict) -> str:
             L.append(f"- `{k}`: " + "; ".join(v))
     if meta.get("vs_llamacpp"):
         L += probe_section(meta["vs_llamacpp"])
+    L += openvino_section(ix, meta)
     L += ["", "## Speedup vs own AR (tokens/s ratio)", ""]
     L.append("| system | " + " | ".join(ix.workloads) + " |")
     L.append("|---|" + "---|" * len(ix.workloads))
@@ -306,7 +361,8 @@ def render(result: dict) -> str:
              f"{_mb(v.get('weight_bytes'))}.")
     for st in meta.get("rss_stages", []):
         L.append(f"- peak RSS after {st['stage']}: {st['peak_rss_mb']:.0f} MiB")
-    L.append("- peak RSS is process-wide (VmHWM / ru_maxrss): every record's value includes all systems loaded so far.")
+    L.append("- peak RSS is process-wide (VmHWM / ru_maxrss): every record's value includes all systems loaded so far "
+             "in the benchmark's process; a llama.cpp or OpenVINO record's is its own child process's.")
     L += ["", "## Charts", "", "![speedup](speedup.png)", "![tokens/s](tokens_per_s.png)",
           "![acceptance](acceptance.png)", ""]
     return "\n".join(L)

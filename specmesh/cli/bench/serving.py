@@ -33,7 +33,6 @@ models beyond their tokenizer (prompt lengths) and GGUF path.
 from __future__ import annotations
 
 import json
-import platform
 import random
 import statistics
 import subprocess
@@ -450,15 +449,6 @@ def verdicts(result: dict) -> list[str]:
     return out
 
 
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), for the reports."""
-    info = Path("/proc/cpuinfo")
-    if not info.exists():
-        return platform.processor() or "?"
-    return next((ln.split(":", 1)[1].strip() for ln in info.read_text().splitlines() if ln.startswith("model name")),
-                platform.processor() or "?")
-
-
 def run(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -471,7 +461,10 @@ def run(args) -> dict:
 
     import openai
 
-    result: dict = {"meta": {"model": args.model, "dtype": args.dtype, "cpu": cpu_name(), "cpus": os.cpu_count(),
+    from .engine_probe import cpu_model
+
+    cpu = cpu_model()
+    result: dict = {"meta": {"model": args.model, "dtype": args.dtype, "cpu": cpu, "cpus": os.cpu_count(),
                              "date": time.strftime("%Y-%m-%d %H:%M"), "slo_ttft": args.slo_ttft,
                              "slo_tpot": args.slo_tpot, "systems": systems, "workloads": workloads}}
     rates = [float(x) for x in args.rates.split(",") if x]

@@ -28,8 +28,8 @@ measures them in detail).
 
 A ``_fp32`` / ``_bf16`` / ``_int8`` / ``_int4`` suffix runs the same system on an engine of
 that dtype (default: the run's ``--dtype``); its reference AR is ``ours_ar`` with
-the same suffix. Peer systems (Hugging Face, llama.cpp) live in ``peers``; ``hf_static_compile``
-is known but in no group (name it).
+the same suffix. Peer systems (Hugging Face, llama.cpp, OpenVINO GenAI) live in ``peers``;
+``hf_static_compile`` is known but in no group (name it).
 
 This module knows nothing about workloads, timing policy or reports.
 """
@@ -50,16 +50,19 @@ SELF_STRATEGIES = registry.SELF  # drafted inside the verifier
 HF_SYSTEMS = ("hf_ar", "hf_pld", "hf_assisted")
 HF_EXTRA_SYSTEMS = ("hf_static_compile",)  # known, but in no group: it compiles (minutes on a CPU)
 LLAMACPP_SYSTEMS = ("llamacpp_ar", "llamacpp_pld", "llamacpp_draft_lm")  # the last: with a paired draft GGUF
+OPENVINO_SYSTEMS = ("openvino_ar", "openvino_draft_lm", "openvino_pld")  # OpenVINO GenAI (peers.make_openvino)
+CHILD_FAMILIES = ("llamacpp", "openvino")  # peers run in a child process of their own (peer_process)
 DTYPES = ("fp32", "bf16", "int8", "int4")
 OVERLAP_SUFFIXES = {"_overlap": "on", "_serial": "off", "_auto": "auto"}  # ours_<drafter><suffix>: draft-ahead
 # forced on / off, or the policy's choice (``ahead.OverlapPolicy("auto")``, learning across the system's runs)
 OVERLAP_STRATEGIES = tuple(s for s in OURS_STRATEGIES if s in registry.CONTEXT_ONLY)  # token-only drafters
-DEFAULT_SYSTEMS = tuple(f"ours_{s}" for s in OURS_STRATEGIES) + HF_SYSTEMS + LLAMACPP_SYSTEMS
+DEFAULT_SYSTEMS = tuple(f"ours_{s}" for s in OURS_STRATEGIES) + HF_SYSTEMS + LLAMACPP_SYSTEMS + OPENVINO_SYSTEMS
 GROUPS = {
     "all": DEFAULT_SYSTEMS,
     "ours": tuple(f"ours_{s}" for s in OURS_STRATEGIES),
     "hf": HF_SYSTEMS,
     "llamacpp": LLAMACPP_SYSTEMS,
+    "openvino": OPENVINO_SYSTEMS,
     "uno": tuple(f"ours_{s}" for s in ("ar",) + OURS_EXTRA),
 }
 
@@ -76,12 +79,13 @@ class RunOutput:
     accept_hist: Optional[list[int]] = None
     draft_s: Optional[float] = None
     verify_s: Optional[float] = None
+    peak_rss_mb: Optional[float] = None  # a peer in a child process: the child's peak RSS (else the bench's own)
 
 
 @dataclass
 class System:
     name: str
-    family: str  # "ours" | "hf" | "llamacpp"
+    family: str  # "ours" | "hf" | "llamacpp" | "openvino"
     reference: str  # the AR system of the same family (and dtype) used for speedup and identity
     run: Callable[[Sequence[int], int], RunOutput]
     dtype: str = "fp32"
@@ -109,7 +113,7 @@ def parse_ours(name: str, default_dtype: str) -> tuple[str, str, str]:
 
 
 def expand(names: Sequence[str]) -> list[str]:
-    """Expand group names (all, ours, hf, llamacpp), drop duplicates, validate."""
+    """Expand group names (all, ours, hf, llamacpp, openvino), drop duplicates, validate."""
     out: list[str] = []
     for n in names:
         n = n.strip()
@@ -121,7 +125,7 @@ def expand(names: Sequence[str]) -> list[str]:
     for n in out:
         if n.startswith("ours_"):
             parse_ours(n, "fp32")
-        elif n not in HF_SYSTEMS + HF_EXTRA_SYSTEMS + LLAMACPP_SYSTEMS:
+        elif n not in HF_SYSTEMS + HF_EXTRA_SYSTEMS + LLAMACPP_SYSTEMS + OPENVINO_SYSTEMS:
             raise InvalidArgument("systems", f"unknown system {n!r}; known: {list(DEFAULT_SYSTEMS)} "
                                              f"(+ _fp32/_bf16/_int8/_int4 on ours_*) or groups {list(GROUPS)}")
     if not out:

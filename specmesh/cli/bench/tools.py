@@ -139,7 +139,7 @@ def summary(rows: list[dict]) -> dict:
 def run(args) -> dict:
     import openai
 
-    from .serving import cpu_name
+    from .engine_probe import cpu_model
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def run(args) -> dict:
     if bad:
         raise SystemExit(f"bench-tools: unknown {bad}")
     items = {c: bfcl.load(c, args.per_category) for c in cats}
-    result: dict = {"meta": {"model": args.model, "dtype": args.dtype, "cpu": cpu_name(), "cpus": os.cpu_count(),
+    result: dict = {"meta": {"model": args.model, "dtype": args.dtype, "cpu": cpu_model(), "cpus": os.cpu_count(),
                              "date": time.strftime("%Y-%m-%d %H:%M"), "per_category": args.per_category,
                              "max_tokens": args.max_tokens, "strategy": args.strategy or "auto (server default)",
                              "systems": systems, "load_before": os.getloadavg()[0]}, "systems": {}}

@@ -3,11 +3,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define QMM_AVX2 1
-#endif
 
+#include "qmm_isa.h"
 #include "qmm_layout.h"
 
 /* ---------------------------------------------------------------- activation rows
@@ -17,8 +14,10 @@
    q = round(x / d) to nearest even, the block sum of q and d * that sum) or per 256 (the
    K types: d per 256, block sums of q per 16 and per 32). A row's codes depend on that row
    alone. Scratch layout for M rows of K inputs (qmm_scratch_bytes): the 32-form's q
-   [M K], d [M K/32], s [M K/32] (fp32), sum [M K/32] (int32); then the 256-form's q [M K],
-   d [M K/256] (fp32), sums per 16 [M K/16] and per 32 [M K/32] (int16). */
+   [M + 16, K], d [M K/32], s [M K/32] (fp32), sum [M K/32] (int32); then the 256-form's q
+   [M + 16, K], d [M K/256] (fp32), sums per 16 [M K/16] and per 32 [M K/32] (int16). The
+   16 rows after each q are padding an AMX A tile of 16 rows may read past the last row
+   (their sums are dropped). */
 
 typedef struct {
     int64_t K;
@@ -27,7 +26,7 @@ typedef struct {
 } qacts;
 
 static int64_t scratch_bytes(int64_t M, int64_t K) {
-    return M * K * 2 + M * (K / 32) * 12 + M * (K / 256) * 4 + M * (K / 16) * 2 + M * (K / 32) * 2 + 64;
+    return (M + 16) * K * 2 + M * (K / 32) * 12 + M * (K / 256) * 4 + M * (K / 16) * 2 + M * (K / 32) * 2 + 64;
 }
 
 int64_t qmm_scratch_bytes(int64_t M, int64_t K) { return scratch_bytes(M, K); }
@@ -35,11 +34,11 @@ int64_t qmm_scratch_bytes(int64_t M, int64_t K) { return scratch_bytes(M, K); }
 static qacts acts_at(void* scratch, int64_t M, int64_t K) {
     qacts a; char* p = (char*)scratch;
     a.K = K;
-    a.q32 = (int8_t*)p; p += M * K;
+    a.q32 = (int8_t*)p; p += (M + 16) * K;
     a.d32 = (float*)p; p += M * (K / 32) * 4;
     a.s32 = (float*)p; p += M * (K / 32) * 4;
     a.b32 = (int32_t*)p; p += M * (K / 32) * 4;
-    a.q256 = (int8_t*)p; p += M * K;
+    a.q256 = (int8_t*)p; p += (M + 16) * K;
     a.d256 = (float*)p; p += M * (K / 256) * 4;
     a.b16 = (int16_t*)p; p += M * (K / 16) * 2;
     a.bk32 = (int16_t*)p;
@@ -388,6 +387,9 @@ static void tile_avx2_q6k(const uint8_t* T, int64_t nb, const qacts* A, int64_t 
 #define QMM_RB 64
 #endif
 
+#include "qmm_vnni.h"
+#include "qmm_amx.h"
+
 /* ---------------------------------------------------------------- matrices
 
    A matrix is segments of rows, each of one type, concatenated along the outputs (a
@@ -396,20 +398,68 @@ static void tile_avx2_q6k(const uint8_t* T, int64_t nb, const qacts* A, int64_t 
 typedef struct { int64_t type, n, off; } qseg;
 typedef struct { const uint8_t* base; int64_t K, nseg; const qseg* seg; } qmat;
 
-static int qmm_isa = -1;  /* -1: the best this build has; 0: scalar; 1: AVX2 */
+/* The paths, all giving the same bits: 0 scalar, 1 AVX2, 2 AVX-VNNI (256-bit vpdpbusd on
+   the 8-row tiles), 3 AVX-512 VNNI (512-bit on tile pairs), 4 AMX (tile pairs on the tile
+   unit where a call has enough rows for the type, the AVX-512 VNNI path otherwise). */
+enum { P_SCALAR, P_AVX2, P_VNNI256, P_AVX512, P_AMX, P_COUNT };
+static int qmm_isa = -1;  /* -1: the best this build has */
 
-int qmm_has_avx2(void) {
-#ifdef QMM_AVX2
-    return 1;
+/* Rows from which the AMX path runs a type on the tiles, the AVX-512 VNNI path below
+   (measured on a Xeon with AMX-INT8, one thread, [8960, 1536], tiles against 512-bit
+   VNNI: Q4_K 0.94 / 0.88 ms at 8 rows, 1.28 / 1.45 at 16; Q6_K 1.38 / 1.10 at 8, 1.62 /
+   1.79 at 16; Q4_0 / Q8_0 about even at 8, 0.55 / 0.70 at 16). qmm_amx_min_rows
+   overrides them. */
+static int amx_rows_forced = 0;
+static int amx_min_rows(int64_t t) {
+    if (amx_rows_forced) return amx_rows_forced;
+    return t == QT_Q6_K ? 14 : 12;
+}
+
+static int amx_usable(void) {
+#ifdef QMM_AMX
+    static int ok = -1;  /* the process's permission for the tile state, asked once */
+    if (ok < 0) ok = amx_permission();
+    return ok;
 #else
     return 0;
 #endif
 }
 
-/* sets the path (0 scalar, 1 AVX2, -1 the best) where `isa` >= -1; returns the one in use */
+/* whether this build (and, for AMX, the OS) has path `isa` */
+int qmm_has(int isa) {
+    switch (isa) {
+        case P_SCALAR: return 1;
+#ifdef QMM_AVX2
+        case P_AVX2: return 1;
+#endif
+#ifdef QMM_VNNI256
+        case P_VNNI256: return 1;
+#endif
+#ifdef QMM_AVX512
+        case P_AVX512: return 1;
+#endif
+        case P_AMX: return amx_usable();
+        default: return 0;
+    }
+}
+
+/* sets the path (0..4, -1 the best this build has) where `isa` >= -1; returns the one in
+   use (-1: `isa` is not in this build) */
 int qmm_path(int isa) {
+    if (isa >= 0 && !qmm_has(isa)) return -1;
     if (isa >= -1) qmm_isa = isa;
-    return qmm_isa < 0 ? qmm_has_avx2() : qmm_isa;
+    if (qmm_isa >= 0) return qmm_isa;
+    for (int p = P_COUNT - 1; p > 0; p--) if (qmm_has(p)) return p;
+    return P_SCALAR;
+}
+
+/* n >= 1: every type runs on the tiles from n rows (the AMX path; for tests and
+   measurements); n == -1: the measured rows again; returns the override in force before
+   (0: none) */
+int qmm_amx_min_rows(int n) {
+    const int old = amx_rows_forced;
+    if (n >= 1 || n == -1) amx_rows_forced = n < 0 ? 0 : n;
+    return old;
 }
 
 static int64_t mat_need(const qmat* W) {
@@ -426,17 +476,47 @@ static int mat_check(const qmat* W) {
     return 0;
 }
 
-static void run_tile(int64_t t, const uint8_t* T, int64_t nb, const qacts* A, int64_t m0, int64_t mc, float* acc, int avx2) {
+/* one tile (8 outputs) on the 8-row paths */
+static void run_tile(int64_t t, const uint8_t* T, int64_t nb, const qacts* A, int64_t m0, int64_t mc, float* acc, int path) {
+#ifdef QMM_VNNI256
+    if (path == P_VNNI256) {
+        if (t == QT_Q4_K) tile_vnni_q4k(T, nb, A, m0, mc, acc);
+        else if (t == QT_Q6_K) tile_vnni_q6k(T, nb, A, m0, mc, acc);
+        else tile_vnni_32(t, T, nb, A, m0, mc, acc);
+        return;
+    }
+#endif
 #ifdef QMM_AVX2
-    if (avx2) {
+    if (path >= P_AVX2) {
         if (t == QT_Q4_K) tile_avx2_q4k(T, nb, A, m0, mc, acc);
         else if (t == QT_Q6_K) tile_avx2_q6k(T, nb, A, m0, mc, acc);
         else tile_avx2_32(t, T, nb, A, m0, mc, acc);
         return;
     }
 #endif
-    (void)avx2;
+    (void)path;
     tile_scalar(t, T, nb, A, m0, mc, acc);
+}
+
+/* one tile pair (16 outputs; P1 == P0 where the segment's last tile has no partner) on
+   the 512-bit paths; R: rows per A tile where the tiles run, 0 where they do not */
+static void run_pair(int64_t t, const uint8_t* P0, const uint8_t* P1, int64_t nb, const qacts* A, int64_t m0,
+                     int64_t mc, float* acc, int R, void* work) {
+#ifdef QMM_AMX
+    if (R) {
+        pair_amx(t, P0, P1, nb, A, m0, mc, acc, R, (amx_work*)work);
+        return;
+    }
+#else
+    (void)work;
+#endif
+#ifdef QMM_AVX512
+    if (t == QT_Q4_K) pair512_q4k(P0, P1, nb, A, m0, mc, acc);
+    else if (t == QT_Q6_K) pair512_q6k(P0, P1, nb, A, m0, mc, acc);
+    else pair512_32(t, P0, P1, nb, A, m0, mc, acc);
+#else
+    (void)t; (void)P0; (void)P1; (void)nb; (void)A; (void)m0; (void)mc; (void)acc; (void)R; (void)work;
+#endif
 }
 
 static inline uint16_t f2bf(float f) {  /* round to nearest even; NaN stays NaN */
@@ -445,37 +525,78 @@ static inline uint16_t f2bf(float f) {  /* round to nearest even; NaN stays NaN 
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* rows m0 .. m0 + mc of acc [mc][w] into y's outputs n0 .. n0 + n */
+static inline void put_rows(const float* acc, int64_t w, int64_t n, int64_t m0, int64_t mc, int64_t n0, int64_t N,
+                            int64_t ytype, void* y) {
+    for (int64_t r = 0; r < mc; r++)
+        for (int64_t o = 0; o < n; o++) {
+            const int64_t at = (m0 + r) * N + n0 + o;
+            if (ytype) ((uint16_t*)y)[at] = f2bf(acc[w * r + o]);
+            else ((float*)y)[at] = acc[w * r + o];
+        }
+}
+
+/* the work unit u (a tile, or a tile pair where `pairs`) of W: its segment's type, its
+   first tile-block, the second's (the same where none), its first output and width */
+static void unit_at(const qmat* W, int64_t u, int pairs, int64_t* type, const uint8_t** P0, const uint8_t** P1,
+                    int64_t* n0, int64_t* n) {
+    int64_t s = 0, first = 0;
+    for (;; s++) {
+        const int64_t tiles = W->seg[s].n / 8, units = pairs ? (tiles + 1) / 2 : tiles;
+        if (u < units) break;
+        u -= units; first += W->seg[s].n;
+    }
+    const int64_t t = W->seg[s].type, tiles = W->seg[s].n / 8, nb = W->K / q_qk(t), tile = pairs ? 2 * u : u;
+    *type = t;
+    *P0 = W->base + W->seg[s].off + tile * nb * q_tile_bytes(t);
+    *P1 = pairs && tile + 1 < tiles ? *P0 + nb * q_tile_bytes(t) : *P0;
+    *n0 = first + 8 * tile;
+    *n = pairs && tile + 1 < tiles ? 16 : 8;
+}
+
 /* y [M, N] (ytype 0 fp32, 1 bf16) = x [M, K] (xtype 0 fp32, 1 bf16) times W's rows;
    scratch: qmm_scratch_bytes(M, K). 0: done; 1: a type or shape W cannot take. */
 int qmm(const void* x, int64_t xtype, int64_t M, const qmat* W, int64_t ytype, void* scratch, void* y) {
     if (mat_check(W)) return 1;
     const int64_t K = W->K, need = mat_need(W);
-    int64_t N = 0, tiles = 0;
-    for (int64_t s = 0; s < W->nseg; s++) { N += W->seg[s].n; tiles += W->seg[s].n / 8; }
+    int64_t N = 0, units = 0;
+    const int path = qmm_path(-2), pairs = path >= P_AVX512;
+    for (int64_t s = 0; s < W->nseg; s++) {
+        N += W->seg[s].n;
+        units += pairs ? (W->seg[s].n / 8 + 1) / 2 : W->seg[s].n / 8;
+    }
     const qacts A = acts_at(scratch, M, K);
-    const int avx2 = qmm_path(-2) == 1;
+    int tiles = 0;  /* whether a segment of W runs on the tiles at M rows */
+    for (int64_t s = 0; s < W->nseg; s++) tiles |= path == P_AMX && M >= amx_min_rows(W->seg[s].type);
+    const int R = tiles ? (int)(M < 16 ? M : 16) : 0;  /* rows per A tile */
     _Pragma("omp parallel for schedule(static) if(M > 1)")
-    for (int64_t r = 0; r < M; r++) quantize_row(x, xtype, r, &A, need, avx2);
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t ti = 0; ti < tiles; ti++) {
-        int64_t s = 0, t0 = ti;
-        while (t0 >= W->seg[s].n / 8) { t0 -= W->seg[s].n / 8; s++; }
-        const int64_t type = W->seg[s].type, nb = K / q_qk(type);
-        const uint8_t* T = W->base + W->seg[s].off + t0 * nb * q_tile_bytes(type);
-        int64_t n0 = 8 * t0;
-        for (int64_t p = 0; p < s; p++) n0 += W->seg[p].n;
-        float acc[QMM_RB * 8];
-        for (int64_t m0 = 0; m0 < M; m0 += QMM_RB) {
-            const int64_t mc = M - m0 < QMM_RB ? M - m0 : QMM_RB;
-            memset(acc, 0, sizeof(float) * 8 * (size_t)mc);
-            run_tile(type, T, nb, &A, m0, mc, acc, avx2);
-            for (int64_t r = 0; r < mc; r++)
-                for (int o = 0; o < 8; o++) {
-                    const int64_t at = (m0 + r) * N + n0 + o;
-                    if (ytype) ((uint16_t*)y)[at] = f2bf(acc[8 * r + o]);
-                    else ((float*)y)[at] = acc[8 * r + o];
-                }
+    for (int64_t r = 0; r < M; r++) quantize_row(x, xtype, r, &A, need, path >= P_AVX2);
+    _Pragma("omp parallel")
+    {
+        void* work = NULL;
+#ifdef QMM_AMX
+        amx_work X;  /* this thread's tile buffers */
+        if (R) { amx_configure(R); amx_work_init(&X); work = &X; }
+#endif
+        _Pragma("omp for schedule(static)")
+        for (int64_t u = 0; u < units; u++) {
+            int64_t type, n0, n;
+            const uint8_t *P0, *P1;
+            unit_at(W, u, pairs, &type, &P0, &P1, &n0, &n);
+            const int64_t nb = K / q_qk(type), w = pairs ? 16 : 8;
+            float acc[QMM_RB * 16] __attribute__((aligned(64)));
+            for (int64_t m0 = 0; m0 < M; m0 += QMM_RB) {
+                const int64_t mc = M - m0 < QMM_RB ? M - m0 : QMM_RB;
+                memset(acc, 0, sizeof(float) * (size_t)(w * mc));
+                const int Rt = R && M >= amx_min_rows(type) ? R : 0;
+                if (pairs) run_pair(type, P0, P1, nb, &A, m0, mc, acc, Rt, work);
+                else run_tile(type, P0, nb, &A, m0, mc, acc, path);
+                put_rows(acc, w, n, m0, mc, n0, N, ytype, y);
+            }
         }
+#ifdef QMM_AMX
+        if (R) T_RELEASE();
+#endif
     }
     return 0;
 }
@@ -528,7 +649,7 @@ int qround(const float* x, int64_t M, int64_t K, int64_t form, void* scratch, fl
     if ((form == 1 && K % 32) || (form == 2 && K % 256) || (form != 1 && form != 2)) return 1;
     const qacts A = acts_at(scratch, M, K);
     for (int64_t r = 0; r < M; r++) {
-        quantize_row(x, 0, r, &A, form, qmm_path(-2) == 1);
+        quantize_row(x, 0, r, &A, form, qmm_path(-2) >= P_AVX2);
         for (int64_t k = 0; k < K; k++)
             out[r * K + k] = form == 1 ? A.d32[r * (K / 32) + k / 32] * (float)A.q32[r * K + k]
                                        : A.d256[r * (K / 256) + k / 256] * (float)A.q256[r * K + k];
