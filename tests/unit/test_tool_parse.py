@@ -1,7 +1,8 @@
 """``specmesh.tool_parse``: every form of call the served families write is a call (tags,
 fences, bare objects one after another, JSON lists, the template echo ``{{...}}``), with
 the text before it as content; anything else stays content, exactly; whole and streamed
-piece by piece (any piece size) alike; ``parallel=False`` keeps one call."""
+piece by piece (any piece size) alike; ``parallel=False`` keeps one call. And a refusal the
+router passes on names the request's field (``tools``), never the stage (``downstream``)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,15 @@ def test_calls_stream_as_they_close_and_content_before_them_is_not_held():
     assert s.push('\n{"name": "get_weather", "arguments": {"city"') == "" and s.new == []
     assert s.push(': "Rome"}}') == "" and calls_of(s.new) == [ROME]
     assert s.flush() == "" and len(s.calls) == 2
+
+
+def test_a_refusal_the_router_passes_on_names_the_requests_field_never_the_stage():
+    """Issue 67: a verifier's refusal reached the HTTP API as param "downstream"."""
+    from specmesh.errors import InvalidArgumentError
+    from specmesh.serving.openai_request import from_specmesh
+
+    e = InvalidArgumentError("downstream: sampling.grammar: the session's committed output does not match it")
+    assert e.field == "sampling.grammar" and e.reason == "the session's committed output does not match it"
+    body = from_specmesh(e, {"sampling.grammar": "tools"}).body()["error"]
+    assert body["param"] == "tools" and body["message"] == "tools: the session's committed output does not match it"
+    assert InvalidArgumentError("top_p: must be in (0, 1]").field == "top_p"
