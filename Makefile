@@ -7,7 +7,7 @@ ARGS    ?=
 # test processes (pytest-xdist; whole files per process, so module fixtures load once each)
 WORKERS ?= 2
 
-.PHONY: setup demo test test-fast bench bench-services bench-peers setup-qwen bench-qwen bench-openvino protos clean
+.PHONY: setup demo test test-fast bench bench-services bench-peers setup-qwen bench-qwen bench-openvino setup-bfcl bench-tools protos clean
 
 setup: $(STAMP)
 
@@ -94,6 +94,21 @@ bench-openvino: $(QWEN_STAMP) $(OPENVINO_STAMP)
 	$(BIN)/specmesh bench --model qwen2.5-coder-1.5b-instruct --dtype int4 --workloads code_edit,code_write \
 	    --systems ours_ar,ours_draft_lm,ours_prompt_lookup,ours_suffix,openvino --max-new-tokens 128 \
 	    --out bench-out/openvino $(ARGS)
+
+# tool calling on the Berkeley Function Calling Leaderboard's data (`specmesh bench-tools`): its PyPI
+# package brings the data and the AST checker; installed --no-deps (its declared dependencies pin
+# numpy and pull every provider's SDK; the checker needs none of them)
+BFCL_STAMP := $(VENV)/.specmesh-bfcl
+$(BFCL_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps bfcl-eval==2026.3.23
+	touch $(BFCL_STAMP)
+
+setup-bfcl: $(BFCL_STAMP)
+
+# the pair through `specmesh serve` beside llama-cpp-python's server (--chat_format
+# chatml-function-calling) on the same GGUF, 20 items of each BFCL category, greedy
+bench-tools: $(QWEN_STAMP) $(PEERS_STAMP) $(BFCL_STAMP)
+	$(BIN)/specmesh bench-tools --model qwen2.5-coder-1.5b-instruct --out bench-out/tools $(ARGS)
 
 protos: setup
 	$(BIN)/python scripts/gen_protos.py

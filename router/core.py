@@ -156,7 +156,8 @@ class Plan:
     budget_pinned: bool = False  # the request set draft_budget: every round drafts ``budget``
     prediction: tuple[int, ...] = ()  # predicted output tokens (drafted through a lookup drafter)
     parse_tools: bool = False  # the output's tool calls are parsed (tools given, tool_choice not none)
-    tool_names: tuple = ()  # the request's tools (a reply that is one untagged call of one is that call)
+    tool_names: tuple = ()  # the request's tools: only their calls are calls
+    parallel_tools: bool = True  # parallel_tool_calls: False returns one call at most
     cache_salt: str = ""  # the tenant's key in the verifiers' prefix cache (``strategies.tenant_key``)
 
 
@@ -310,6 +311,7 @@ class Router:
         self.readiness = Readiness(replicas, self.runner.info_read).start()
         self._clients: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._tool_format = None
 
     # ------------------------------------------------------------ validation
     def _strategy(self, spec: GenerateSpec, ids: list[int], reasoning: bool) -> tuple[str, str, Optional[str],
@@ -341,7 +343,8 @@ class Router:
 
             msgs = spec.messages or [{"role": "user", "content": spec.prompt}]
             if getattr(self.codec, "renders_tools", False):  # the chat template renders them itself
-                ids = self.codec.encode(None, tl.template_messages(msgs), tools=spec.tools)
+                ids = self.codec.encode(None, tl.template_messages(msgs), tools=spec.tools,
+                                        chat_template=tl.tools_template(self.codec.chat_template))
             else:
                 ids = self.codec.encode(None, tl.fallback_messages(msgs, spec.tools))
         else:
@@ -353,22 +356,52 @@ class Router:
         self.limits.check_prompt(len(ids))
         return ids
 
-    def _tools(self, spec: GenerateSpec) -> GenerateSpec:
-        """Validate the tools; ``required`` or a named function becomes the request's grammar."""
+    def tool_format(self):
+        """How the served tokenizer spells the call tags (``specmesh.tools.ToolFormat``)."""
         from specmesh import tools as tl
+
+        if self._tool_format is None:
+            special = getattr(self.codec, "special_id", None)
+            ids = (special(tl.OPEN), special(tl.CLOSE)) if special is not None else (None, None)
+            self._tool_format = tl.ToolFormat(*ids) if None not in ids else tl.TEXT_TAGS
+        return self._tool_format
+
+    def _tools(self, spec: GenerateSpec) -> GenerateSpec:
+        """Validate the tools; their grammar becomes the request's (``specmesh.tools.grammar``:
+        only calls for ``required`` or a named function; under ``auto`` free text, and a call
+        held to the tools' names and schemas once the model opens one)."""
+        import json
+
+        from specmesh import tools as tl
+        from specmesh.grammar import GrammarError, check
 
         if not spec.tools and not spec.tool_choice:
             return spec
         tl.check_tools(spec.tools, spec.tool_choice)
         if spec.raw_prompt:
             raise InvalidArgument("tools", "tools are rendered into a chat; not with raw_prompt")
-        g = tl.grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls)
-        if g is not None:
-            if spec.sampling.constrained:
+        if spec.tool_choice == "none" or not spec.tools:
+            return spec
+        if spec.reasoning or spec.strategy == "ssr":
+            raise InvalidArgument("tools", "a reasoning request takes no tools (its thinking phase is not "
+                                  "constrained); send tool_choice none or no reasoning")
+        for t in spec.tools:  # each schema compiles (leniently unless strict), else the tool is refused
+            try:
+                check("json_schema", json.dumps(tl.arguments_schema(t, False)))
+            except GrammarError as e:
+                raise InvalidArgument("tools", f"tool {t.name!r}: its parameters cannot be enforced: {e}") from None
+        sp, answer = spec.sampling, None
+        if sp.constrained:
+            if spec.tool_choice not in ("", "auto"):
                 raise InvalidArgument("tool_choice", f"{spec.tool_choice!r} is enforced by a grammar; the request "
                                       "has a structured output of its own")
-            spec = replace(spec, sampling=replace(spec.sampling, grammar_kind="lark", grammar=g))
-        return spec
+            if sp.grammar_kind not in ("json_schema", "json_object"):
+                raise InvalidArgument("tool_choice", f"tools under tool_choice auto with a {sp.grammar_kind} "
+                                      "structured output: the reply would be either; send a JSON response_format, "
+                                      "or tool_choice none")
+            answer = json.loads(sp.grammar) if sp.grammar_kind == "json_schema" else {"type": "object"}
+        g = tl.grammar(spec.tools, spec.tool_choice, spec.parallel_tool_calls, self.tool_format(), answer)
+        return replace(spec, sampling=replace(sp, grammar_kind="lark", grammar=g))
 
     def plan(self, spec: GenerateSpec) -> Plan:
         """Validate every field (INVALID_ARGUMENT naming it); nothing changes."""
@@ -417,7 +450,8 @@ class Router:
                     resume=tuple(resume.token_ids) if resume else (), resume_chars=resume.text_chars if resume else 0,
                     draft_ahead=spec.draft_ahead, budget_pinned=spec.draft_budget is not None, prediction=prediction,
                     parse_tools=bool(spec.tools) and spec.tool_choice != "none",
-                    tool_names=tuple(t.name for t in spec.tools or ()), cache_salt=tenant_key(spec.cache_salt))
+                    tool_names=tuple(t.name for t in spec.tools or ()), parallel_tools=spec.parallel_tool_calls,
+                    cache_salt=tenant_key(spec.cache_salt))
 
     def _check_processors(self, spec: GenerateSpec, reasoning: bool) -> None:
         """Logits processors, logprobs and grammars: the values the sampling cannot judge alone."""
@@ -569,8 +603,8 @@ class Router:
             if plan.parse_tools:
                 from specmesh.tools import parse
 
-                final, calls = parse(final, plan.tool_names)
-                if calls:
+                final, calls = parse(final, plan.tool_names, plan.parallel_tools)
+                if calls and stats.finish_reason != "length":  # a reply cut short says so, calls or not
                     stats.finish_reason = "tool_calls"
             yield Final(final, out_ids, stats, sid, calls)
         except BaseException as e:

@@ -569,10 +569,15 @@ class Strategies:
             msgs = spec.messages or []
             text = spec.prompt or "\n".join(m.get("content", "") for m in msgs)
             up = _drafter_up(r)
+            grammar = ""
+            if spec.sampling.constrained:
+                tools = getattr(spec, "tools", None) and getattr(spec, "tool_choice", "") != "none"
+                grammar = "tool calls" if tools else spec.sampling.grammar_kind
             f = auto.features_from(ids, text, max(1, len(msgs)), reasoning,
                                    self.anticipation_ready(spec.conversation_id), up,
                                    self.layerskip_speedup(), block_drafter=auto.BLOCK_SELF in self.self_drafters(),
-                                   in_verifier=self.hosted_drafters(), draft_model=self.draft_model() if up else "")
+                                   in_verifier=self.hosted_drafters(), draft_model=self.draft_model() if up else "",
+                                   grammar=grammar)
             if not spec.sampling.greedy and f.layerskip_speedup is not None:
                 # layer-skip drafts sampled tokens with their distribution (rejection sampling); auto drafts
                 # one-hot only, so that a seeded output does not depend on its choice or the draft sizes
@@ -581,7 +586,7 @@ class Strategies:
             c = auto.choose(f, self.book.get(key))
             if c.switched_from:
                 self.book.skip(key, c.switched_from)
-            if spec.sampling.constrained:  # every choice of auto drafts the grammar's forced tokens too
+            if grammar and "jump-forward" not in c.reason:  # any choice of auto drafts the forced tokens too
                 c = replace(c, reason=f"{c.reason}; grammar-forced tokens drafted free (jump-forward)")
             if c.strategy == "external" and self.in_verifier(c.drafter):
                 return Resolved(c.strategy, f"{c.reason}; {c.drafter} drafted in the verifier", None, c.drafter)

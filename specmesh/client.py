@@ -133,7 +133,7 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     JSON text), ``json_object``, ``regex``, ``choice`` (strings), ``grammar`` (Lark or GBNF).
     ``prediction``: the expected output (predicted outputs): drafted through a lookup drafter.
     ``tools``: functions the model may call (dicts of name, description, parameters: a JSON
-    schema, or OpenAI's ``{"type": "function", "function": {...}}``); ``tool_choice`` "auto",
+    schema, strict, or OpenAI's ``{"type": "function", "function": {...}}``); ``tool_choice`` "auto",
     "none", "required" or "function:NAME"; calls come back in ``Result.tool_calls``.
     ``cache_salt``: the prefix cache's tenant (vLLM's): cached prefixes are reused among
     requests with the same salt only. An integer outside its field's 32-bit range, or text
@@ -183,8 +183,10 @@ def build_request(prompt: Optional[str] = None, *, messages: Optional[Sequence[d
     for t in tools or []:
         f = t.get("function", t)
         params = f.get("parameters") or {"type": "object"}
-        req.tools.add(name=str(f.get("name", "")), description=str(f.get("description") or ""),
-                      parameters=params if isinstance(params, str) else _json.dumps(params))
+        m = req.tools.add(name=str(f.get("name", "")), description=str(f.get("description") or ""),
+                          parameters=params if isinstance(params, str) else _json.dumps(params))
+        if f.get("strict") is not None:
+            m.strict = bool(f["strict"])
     req.tool_choice = tool_choice
     if parallel_tool_calls is not None:
         req.parallel_tool_calls = parallel_tool_calls

@@ -23,14 +23,29 @@ class SpecmeshError(Exception):
             self.code = code
 
 
+DOWNSTREAM = "downstream: "  # the router's prefix on a refusal passed on from a drafter or verifier
+
+
 class InvalidArgumentError(SpecmeshError, ValueError):
     code = "INVALID_ARGUMENT"
 
     @property
     def field(self) -> str:
-        """The offending request field named by the server (e.g. ``sampling.top_p``)."""
-        head = self.details.split(":", 1)[0] if ":" in self.details else ""
+        """The offending request field named by the server (e.g. ``sampling.top_p``); a
+        refusal the router passed on from a service behind it (``downstream: <field>: ...``)
+        names the field that service named, never the stage."""
+        d = self._own()
+        head = d.split(":", 1)[0] if ":" in d else ""
         return head if head and " " not in head else ""
+
+    @property
+    def reason(self) -> str:
+        """The message without the field (and without a ``downstream:`` prefix)."""
+        d = self._own()
+        return d.split(":", 1)[1].strip() if self.field else d
+
+    def _own(self) -> str:
+        return self.details[len(DOWNSTREAM):] if self.details.startswith(DOWNSTREAM) else self.details
 
 
 class UnauthenticatedError(SpecmeshError):

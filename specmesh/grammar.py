@@ -148,9 +148,10 @@ class _BytesTokenizer:
     """What llguidance's ``TokenizerWrapper`` reads: each token's bytes, the eos id, and
     a tokenize function (greedy longest match over the vocabulary)."""
 
-    def __init__(self, tokens: Sequence[bytes], eos: int):
+    def __init__(self, tokens: Sequence[bytes], eos: int, special: Sequence[int] = ()):
         self.tokens = list(tokens)
         self.eos_token_id, self.bos_token_id = eos, None
+        self.special_token_ids = list(special)  # a grammar names these as tokens (<[id]>), never as text
         self._by = {}
         for i, b in enumerate(self.tokens):
             if b and b not in self._by:
@@ -187,9 +188,9 @@ class Vocab:
                                                 if stop_ids else None), vocab_size, stop_ids)
 
     @classmethod
-    def from_bytes(cls, tokens: Sequence[bytes], stop_ids: Sequence[int]) -> "Vocab":
+    def from_bytes(cls, tokens: Sequence[bytes], stop_ids: Sequence[int], special: Sequence[int] = ()) -> "Vocab":
         ll = _ll()
-        tok = _BytesTokenizer(tokens, list(stop_ids)[0])
+        tok = _BytesTokenizer(tokens, list(stop_ids)[0], special)
         return cls(ll.LLTokenizer(ll.TokenizerWrapper(tok), n_vocab=len(tokens)), len(tokens), stop_ids)
 
 

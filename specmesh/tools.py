@@ -1,28 +1,40 @@
-"""Tool calling (OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``), as text.
+"""Tool calling (OpenAI's ``tools`` / ``tool_choice`` / ``parallel_tool_calls``): prompts and grammars.
 
-The wire format is the one Qwen2.5's and Hermes' chat templates use: a call is
+The wire format is the Hermes one Qwen2.5's chat template uses: a call is
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` in the assistant's
-text, a tool's result comes back as a ``tool`` message. A chat template that renders
-tools itself gets them (``tools=`` of ``apply_chat_template``); for one that does not
-(SmolLM2's), ``fallback_messages`` renders them the documented way: a system message
-listing the tools as JSON schemas and saying the format above, earlier assistant calls
-written in it, and tool results as user turns inside ``<tool_response>`` tags.
+text, a tool's result comes back as a ``tool`` message. The untagged forms models write
+instead (fenced or bare JSON, lists, the template echo) are parsed too
+(``specmesh.tool_parse``, re-exported here).
 
 - ``check_tools`` validates the request's tools and choice (INVALID_ARGUMENT naming
-  ``tools`` or ``tool_choice``: an unknown function named is refused);
-- ``grammar(tools, choice, parallel)``: for ``required`` and a named function, a Lark
-  grammar (llguidance, with each tool's parameters as an inline JSON schema) that only
-  admits calls, so every call parses and its arguments hold the tool's schema; None for
-  ``auto`` (the model chooses) and ``none``;
-- ``parse(text, names)`` -> (content, calls): the calls in the output (``ToolCall``: id,
-  name, arguments as JSON text) and the text around them; a block that does not parse
-  stays content. A reply that is nothing but one untagged call object of a tool in
-  ``names``, bare or in a Markdown code fence (```` ```json\n{"name": "multiply",
-  "arguments": {...}}\n``` ````), is that call: Qwen2.5-Coder-1.5B-Instruct answers a
-  tool request that way instead of with the tags (``scripts/agent_loop.py``);
-- ``ToolStream``: the same, incrementally, for streams: text that may begin a call is
-  held back (a reply that may be an untagged call: until it ends), each call is returned
-  once its block closes.
+  ``tools`` or ``tool_choice``): names, schemas, ``strict`` (OpenAI's rules: every object
+  of a strict function's parameters has ``additionalProperties: false`` and requires all
+  its properties), an unknown function named is refused;
+- ``grammar(tools, choice, parallel, fmt)``: the Lark grammar (llguidance) the output is
+  decoded under. ``required`` / a named function: only a JSON list of calls (the form
+  ``TOOLS_NOTE`` asks for; one call, or as many as the model writes when parallel), each
+  ``{"name": ..., "arguments": ...}`` with the tool's schema. ``auto``: a
+  *triggered* grammar, free text until the model opens a call of one of the tools (an
+  object whose first key is ``"name"``, with a tool's name: bare, fenced, in a list, in a
+  tag or echoed in double braces, as ``tool_parse`` reads calls), from there on the call's
+  arguments are held to that tool's schema, and after it the text is free again
+  (parallel) or may open no other call. An object naming a function that is not a tool
+  is no call of the request: free text, and content;
+  ``none``: no grammar. A function's arguments are enforced exactly when it is
+  ``strict``, and leniently otherwise (schema keywords llguidance cannot enforce are
+  ignored, as OpenAI does not promise non-strict arguments);
+- ``ToolFormat``: how a tokenizer spells the tags: text, or one special token each
+  (Qwen2.5's ``<tool_call>`` is token 151657: its bytes are not the text ``<tool_call>``,
+  so the grammar names it by id where free text may hold it);
+- ``tools_template(template)``: a chat template that renders tools, with Qwen2.5's tool
+  instructions fixed where they mislead the model: its example call has doubled braces
+  (``{{"name": ...}}``, which the model copies) and ``TOOLS_NOTE`` added (several calls as
+  a JSON list, no made-up values, no call where none fits), and ``RESULTS_ASK`` after the
+  last tool result of a conversation that ends in them (an answer from them, not the same
+  calls again);
+  ``system_prompt`` / ``fallback_messages``: the same for a template without tools
+  (SmolLM2's), earlier calls written as tags and tool results as user turns in
+  ``<tool_response>`` tags; ``template_messages``: Hugging Face's tool-use message format.
 
 Knows nothing about models, tokenizers, gRPC or HTTP.
 """
@@ -30,13 +42,11 @@ Knows nothing about models, tokenizers, gRPC or HTTP.
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from .tool_parse import CLOSE, OPEN, ToolCall, ToolStream, call_text, parse  # noqa: F401 (re-exported)
 from .types import InvalidArgument
-
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 @dataclass
@@ -44,13 +54,41 @@ class Tool:
     name: str
     description: str = ""
     parameters: str = '{"type": "object"}'  # JSON schema text
+    strict: Optional[bool] = None  # OpenAI's function.strict (None: not given)
 
 
-@dataclass
-class ToolCall:
-    name: str
-    arguments: str  # JSON text
-    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+@dataclass(frozen=True)
+class ToolFormat:
+    """The call tags as the served tokenizer spells them: ``open_id`` / ``close_id`` are the
+    tags' token ids where each is one special token, else None (text)."""
+
+    open_id: Optional[int] = None
+    close_id: Optional[int] = None
+
+
+TEXT_TAGS = ToolFormat()
+
+# What the tools' instructions add to the template's (and to ours, for a template without tools). Measured
+# on BFCL with Qwen2.5-Coder-1.5B (docs/serving.md, "Tools"): asked for calls in tags, it writes one fenced
+# JSON call and never two (0 of 8 parallel items); asked for a JSON list, it writes every call the question
+# needs (6 of 8); told to use only values the user gave, it calls a function that does not fit less often.
+TOOLS_NOTE = ('Answer with a JSON list of the calls, one object per call (the same function with different '
+              'arguments counts as several calls):\n[{"name": <function-name>, "arguments": <args-json-object>}, '
+              '...] Use only argument values the user gave; never make one up. If the user did not give a value a '
+              'call needs, or no function does what the user asks, do not call any function: answer in plain text.')
+# after the last tool result, when the conversation ends in them (an agent loop: without it the model called
+# the same functions again, or ended its turn empty, at the second request); the system prompt stays the same
+# every turn, so the conversation stays a cached prefix
+RESULTS_ASK = "Those are the results of the calls. Answer my question from all the results above, in plain text."
+_QWEN_EXAMPLE = '<tool_call>\\n{{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}}\\n</tool_call>'
+_FIXED_EXAMPLE = '<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call>'
+_QWEN_TOOL_END = ("{%- if loop.last or (messages[loop.index0 + 1].role != \"tool\") %}\n"
+                  "            {{- '<|im_end|>\\n' }}")
+
+
+def _jinja(text: str) -> str:
+    """``text`` inside a double-quoted Jinja string literal."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def check_tools(tools: Sequence[Tool], choice: str) -> None:
@@ -59,12 +97,12 @@ def check_tools(tools: Sequence[Tool], choice: str) -> None:
         if not t.name or len(t.name) > 64 or not all(c.isalnum() or c in "_-" for c in t.name):
             raise InvalidArgument("tools", f"tool {i}: a function name is 1-64 letters, digits, _ or -, "
                                   f"got {t.name!r}")
-        try:
-            schema = json.loads(t.parameters or "{}")
-        except ValueError as e:
-            raise InvalidArgument("tools", f"tool {t.name!r}: parameters are not JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise InvalidArgument("tools", f"tool {t.name!r}: parameters must be a JSON schema object")
+        schema = parameters(t)
+        if t.strict:
+            why = strict_problem(schema)
+            if why:
+                raise InvalidArgument("tools", f"tool {t.name!r} is strict, but its parameters are not a strict "
+                                      f"schema: {why} (OpenAI's rule; or send strict: false)")
     if len(set(names)) != len(names):
         raise InvalidArgument("tools", "function names must be distinct")
     if choice not in ("", "auto", "none", "required") and not choice.startswith("function:"):
@@ -76,43 +114,135 @@ def check_tools(tools: Sequence[Tool], choice: str) -> None:
                               f"{names}")
 
 
-def _schema(t: Tool) -> dict:
-    return {"type": "object", "properties": {"name": {"const": t.name},
-                                             "arguments": json.loads(t.parameters or '{"type": "object"}')},
-            "required": ["name", "arguments"], "additionalProperties": False}
+def parameters(t: Tool) -> dict:
+    """The tool's parameters as a JSON schema object (INVALID_ARGUMENT ``tools`` when not)."""
+    try:
+        schema = json.loads(t.parameters or "{}")
+    except ValueError as e:
+        raise InvalidArgument("tools", f"tool {t.name!r}: parameters are not JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidArgument("tools", f"tool {t.name!r}: parameters must be a JSON schema object")
+    return schema
 
 
-def grammar(tools: Sequence[Tool], choice: str, parallel: bool = True) -> Optional[str]:
-    """The Lark grammar that only admits calls (``required``, ``function:NAME``), else None."""
-    if choice == "required":
-        chosen = list(tools)
-    elif choice.startswith("function:"):
+def strict_problem(schema: dict, where: str = "parameters") -> Optional[str]:
+    """What keeps ``schema`` from being strict as OpenAI defines it, else None: every object
+    says ``additionalProperties: false`` and lists all its properties in ``required``."""
+    if schema.get("type") == "object" or "properties" in schema:
+        if schema.get("additionalProperties") is not False:
+            return f"{where} must set additionalProperties to false"
+        props = schema.get("properties") or {}
+        missing = [k for k in props if k not in (schema.get("required") or [])]
+        if missing:
+            return f"{where}: every property must be required, {missing} are not"
+        for k, sub in props.items():
+            if isinstance(sub, dict) and (why := strict_problem(sub, f"{where}.{k}")):
+                return why
+    for key in ("items", "additionalItems"):
+        if isinstance(schema.get(key), dict) and (why := strict_problem(schema[key], f"{where}.{key}")):
+            return why
+    for key in ("anyOf", "oneOf", "allOf"):
+        for j, sub in enumerate(schema.get(key) or []):
+            if isinstance(sub, dict) and (why := strict_problem(sub, f"{where}.{key}[{j}]")):
+                return why
+    for key in ("$defs", "definitions"):
+        for k, sub in (schema.get(key) or {}).items():
+            if isinstance(sub, dict) and (why := strict_problem(sub, f"{where}.{key}.{k}")):
+                return why
+    return None
+
+
+def arguments_schema(t: Tool, forced: bool) -> dict:
+    """The tool's parameters with llguidance's options: the JSON separators the model writes
+    (forced calls: fixed ``", "`` and ``": "``, so they are free drafts; a call the model
+    opened itself: any whitespace, as it chose), exact when strict, else lenient."""
+    opts = {"lenient": not t.strict, "whitespace_flexible": not forced}
+    if forced:
+        opts.update(item_separator=", ", key_separator=": ")
+    return dict(parameters(t), **{"x-guidance": opts})
+
+
+NAME_OPEN = '{"name": "'  # a forced call's opening
+
+
+def _lit(s: str) -> str:
+    return json.dumps(s)
+
+
+def grammar(tools: Sequence[Tool], choice: str, parallel: bool = True, fmt: ToolFormat = TEXT_TAGS,
+            answer: Optional[dict] = None) -> Optional[str]:
+    """The Lark grammar (llguidance) of the output under ``choice`` (module docstring); None
+    for ``none`` (and without tools). ``answer``: the JSON schema of the request's own
+    structured output under ``auto``: the output is then that JSON or a list of calls (from
+    the first token: a reply in free text could be neither)."""
+    if choice == "none" or not tools:
+        return None
+    if choice.startswith("function:"):
         chosen = [t for t in tools if t.name == choice[9:]]
     else:
-        return None
-    alts = " | ".join(f"c{i}" for i in range(len(chosen)))
-    rules = [f"start: call{'+' if parallel and choice == 'required' else ''}",
-             f'call: "{OPEN}\\n" ({alts}) "\\n{CLOSE}"']
-    rules += [f"c{i}: %json {json.dumps(_schema(t))}" for i, t in enumerate(chosen)]
+        chosen = list(tools)
+    forced = choice == "required" or choice.startswith("function:") or answer is not None
+    rules = ["%llguidance {}"]
+    # one rule per tool: its arguments; forced, the rest of its call after the name's opening quote
+    for i, t in enumerate(chosen):
+        rules.append(f"a{i}: %json {json.dumps(arguments_schema(t, forced))}")
+        if forced:
+            rest = _lit(t.name + '", "arguments": ')
+            rules.append(f"b{i}: {rest} a{i} {_lit('}')}")
+    body = " | ".join(f"b{i}" for i in range(len(chosen)))
+    if forced:
+        # a JSON list of calls, as TOOLS_NOTE asks for: after each call the model itself writes ", " for
+        # another or "]" to end (parallel), or the list holds one
+        calls = '"[" call (", " call)* "]"' if parallel and not choice.startswith("function:") else '"[" call "]"'
+        rules += [f"start: {calls}" if answer is None else f"start: answer | {calls}",
+                  f"call: {_lit(NAME_OPEN)} ({body})"]
+        if answer is not None:
+            rules.append(f"answer: %json {json.dumps({'x-guidance': {'whitespace_flexible': False}, **answer})}")
+        return "\n".join(rules)
+    # auto: free text until a call of one of the tools opens, i.e. its name is written as the first key of an
+    # object (lazy: the shortest text ending in that); then its arguments hold the tool's schema
+    names = "|".join(t.name for t in chosen)  # 1-64 letters, digits, _ or -: nothing to escape
+    rules += ['ARGS_KEY: /\\s*,\\s*"(arguments|parameters)"\\s*:\\s*/', "OBJ_END: /\\s*\\}/",
+              "TEXT: /(.|\\n)*/"]
+    for i, t in enumerate(chosen):
+        rules.append(f'o{i}[lazy]: TEXT /\\{{\\s*"name"\\s*:\\s*"{t.name}"/')
+    rules.append("call: " + " | ".join(f"o{i} ARGS_KEY a{i} OBJ_END" for i in range(len(chosen))))
+    # the tags, where the tokenizer has them as special tokens (free text cannot spell those)
+    tags = [f"<[{x}]>" for x in (fmt.open_id, fmt.close_id) if x is not None]
+    if parallel:
+        rules.append("start: seg* TEXT")
+        rules.append("seg: call" + "".join(f" | TEXT {x}" for x in tags))
+    else:  # after the one call, text that opens no other
+        rules.append('AFTER: /(?s:.*)/ & ~/(?s:.*)\\{\\s*"name"\\s*:\\s*"(' + names + ')"(?s:.*)/')
+        if tags:
+            rules += ["start: tag* TEXT | tag* call tag_after* AFTER",
+                      "tag: " + " | ".join(f"TEXT {x}" for x in tags),
+                      "tag_after: " + " | ".join(f"AFTER {x}" for x in tags)]
+        else:
+            rules.append("start: TEXT | call AFTER")
     return "\n".join(rules)
 
 
 def system_prompt(tools: Sequence[Tool]) -> str:
+    """The tools' instructions for a template without tools."""
     specs = "\n".join(json.dumps({"type": "function", "function": {"name": t.name, "description": t.description,
                                                                    "parameters": json.loads(t.parameters)}})
                       for t in tools)
     return ("You may call one or more functions to assist with the user query. The functions are listed as JSON "
             f"schemas inside <tools></tools>:\n<tools>\n{specs}\n</tools>\nTo call a function, answer with a JSON "
             f"object of its name and arguments inside tags:\n{OPEN}\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n' f"{CLOSE}")
+            '{"name": <function-name>, "arguments": <args-json-object>}\n' f"{CLOSE}\n\n{TOOLS_NOTE}")
 
 
-def call_text(name: str, arguments: str) -> str:
-    try:
-        args = json.loads(arguments or "{}")
-    except ValueError:
-        args = arguments
-    return f"{OPEN}\n{json.dumps({'name': name, 'arguments': args})}\n{CLOSE}"
+def tools_template(template: str) -> Optional[str]:
+    """A chat template that renders tools, its tool instructions fixed where they mislead the
+    model (module docstring); None when it has none of the lines this knows."""
+    if _QWEN_EXAMPLE not in template:
+        return None
+    out = template.replace(_QWEN_EXAMPLE, _FIXED_EXAMPLE + "\\n\\n" + _jinja(TOOLS_NOTE))
+    ask = _QWEN_TOOL_END.replace("{{- '<|im_end|>", "{%- if loop.last %}{{- '\\n" + RESULTS_ASK + "' }}{%- endif %}"
+                                 "{{- '<|im_end|>")
+    return out.replace(_QWEN_TOOL_END, ask)
 
 
 def fallback_messages(messages: Sequence[dict], tools: Sequence[Tool]) -> list[dict]:
@@ -120,13 +250,14 @@ def fallback_messages(messages: Sequence[dict], tools: Sequence[Tool]) -> list[d
     results as text (the module docstring)."""
     out: list[dict] = []
     sys = system_prompt(tools) if tools else ""
-    for m in messages:
+    for i, m in enumerate(messages):
         role, content = m["role"], m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
             calls = "\n".join(call_text(c["name"], c["arguments"]) for c in m["tool_calls"])
             out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
         elif role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+            ask = f"\n{RESULTS_ASK}" if i == len(messages) - 1 else ""
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>{ask}"})
         else:
             out.append({"role": role, "content": content})
     if sys:
@@ -160,116 +291,6 @@ def _loads(s: str):
         return s
 
 
-def _call(block: str) -> Optional[ToolCall]:
-    try:
-        d = json.loads(block.strip())
-    except ValueError:
-        return None
-    if not isinstance(d, dict) or not isinstance(d.get("name"), str):
-        return None
-    args = d.get("arguments", d.get("parameters", {}))
-    return ToolCall(d["name"], args if isinstance(args, str) else json.dumps(args))
-
-
-FENCES = ("```json", "```")
-
-
-def bare_call(text: str, names: Sequence[str]) -> Optional[ToolCall]:
-    """The call that ``text`` is when it is nothing but one untagged call object
-    (``{"name": ..., "arguments": {...}}``, bare or in a code fence) of a tool in ``names``."""
-    body = text.strip()
-    for f in FENCES:
-        if body.startswith(f) and body.endswith("```") and len(body) >= len(f) + 3:
-            body = body[len(f):-3].strip()
-            break
-    if not body.startswith("{"):
-        return None
-    try:
-        d = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(d, dict) or d.get("name") not in names or not set(d) <= {"name", "arguments", "parameters"}:
-        return None
-    args = d.get("arguments", d.get("parameters", {}))
-    return ToolCall(d["name"], json.dumps(args)) if isinstance(args, dict) else None
-
-
-def _may_be_bare(text: str) -> bool:
-    """Whether ``text`` may begin a reply that is an untagged call (held back in a stream)."""
-    t = text.lstrip()
-    return not t or t.startswith("{") or t.startswith("```") or "```".startswith(t)
-
-
-def parse(text: str, names: Sequence[str] = ()) -> tuple[str, list[ToolCall]]:
-    s = ToolStream(names)
-    content = s.push(text) + s.flush()
-    return content, s.calls
-
-
-class ToolStream:
-    """``push(piece)`` -> content safe to emit; ``calls`` grows as call blocks close.
-    ``names``: the request's tools, whose untagged calls are recognised (empty: tags only)."""
-
-    def __init__(self, names: Sequence[str] = ()):
-        self.buf = ""
-        self.calls: list[ToolCall] = []
-        self.new: list[ToolCall] = []  # calls completed by the last push (or by flush)
-        self.names = tuple(names)
-        self.emitted = False  # content was emitted: the reply is no untagged call
-
-    def push(self, piece: str) -> str:
-        self.buf += piece
-        self.new = []
-        if self.names and not self.emitted and not self.calls and OPEN not in self.buf and _may_be_bare(self.buf):
-            return ""  # may be an untagged call: held until the reply ends (flush)
-        text = self._push()
-        self.emitted = self.emitted or bool(text.strip())
-        return text
-
-    def _push(self) -> str:
-        out = []
-        while True:
-            i = self.buf.find(OPEN)
-            if i < 0:
-                keep = _partial(self.buf, OPEN)
-                out.append(self.buf[: len(self.buf) - keep])
-                self.buf = self.buf[len(self.buf) - keep:]
-                break
-            j = self.buf.find(CLOSE, i)
-            if j < 0:
-                out.append(self.buf[:i])
-                self.buf = self.buf[i:]
-                break
-            call = _call(self.buf[i + len(OPEN): j])
-            if call is None:  # not a call: the block is content
-                out.append(self.buf[: j + len(CLOSE)])
-            else:
-                out.append(self.buf[:i])
-                self.calls.append(call)
-                self.new.append(call)
-            self.buf = self.buf[j + len(CLOSE):]
-        text = "".join(out)
-        return text.strip("\n") if self.calls and not text.strip() else text
-
-    def flush(self) -> str:
-        """The rest of the reply: "" when it was one untagged call (then in ``calls`` and ``new``)."""
-        out, self.buf = self.buf, ""
-        self.new = []
-        call = bare_call(out, self.names) if self.names and not self.emitted and not self.calls else None
-        if call is not None:
-            self.calls.append(call)
-            self.new.append(call)
-            return ""
-        return out
-
-
-def _partial(s: str, tag: str) -> int:
-    """Characters at the end of ``s`` that begin ``tag``."""
-    for n in range(min(len(tag) - 1, len(s)), 0, -1):
-        if s.endswith(tag[:n]):
-            return n
-    return 0
-
-
-__all__ = ["Tool", "ToolCall", "ToolStream", "bare_call", "check_tools", "fallback_messages", "grammar", "parse",
-           "system_prompt", "template_messages"]
+__all__ = ["RESULTS_ASK", "TOOLS_NOTE", "TEXT_TAGS", "Tool", "ToolCall", "ToolFormat", "ToolStream", "arguments_schema",
+           "check_tools", "fallback_messages", "grammar", "parameters", "parse", "strict_problem", "system_prompt",
+           "template_messages", "tools_template"]

@@ -23,6 +23,7 @@ three services in one process, for tests and the benchmarks) and ``serve_ray``
   bench-serving      serving workloads through the OpenAI API beside llama-cpp-python's server
                      (specmesh.cli.bench.serving)
   bench-strategies   workloads x strategies through the services (specmesh.cli.bench.strategies)
+  bench-tools        tool calling on BFCL's categories beside llama-cpp-python's server (specmesh.cli.bench.tools)
   device-check       on a CUDA machine: the CUDA tests and a short GPU benchmark (specmesh.cli.bench.device_check)
   costs              the speculation cost model measured on this device (specmesh.cli.bench.costs)
   quality            speed vs quality of each acceptance rule, and speculative vs vanilla CD
@@ -63,8 +64,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 # subcommand registered but named in no group is listed under "other".
 COMMAND_GROUPS = (
     ("serving", ("serve", "generate", "demo", "stats", "trace", "convert", "make-draft-model")),
-    ("benchmarking", ("bench", "bench-services", "bench-serving", "bench-strategies", "bench-sweep", "costs",
-                      "quality", "calibrate-layerskip", "device-check")),
+    ("benchmarking", ("bench", "bench-services", "bench-serving", "bench-strategies", "bench-sweep", "bench-tools",
+                      "costs", "quality", "calibrate-layerskip", "device-check")),
     ("training and studies", ("distill-data", "train-drafter", "accel-drafter", "floor", "tree-study",
                               "train-specialist", "train-uno", "uno-study")),
 )
@@ -100,6 +101,8 @@ COMMANDS = {
     "calibrate-layerskip": ("specmesh.cli.bench.calibrate", "measure tau and tokens/s per layer-skip exit layer E; "
                             "write the best E"),
     "bench-strategies": ("specmesh.cli.bench.strategies", "workloads x router strategies through the services"),
+    "bench-tools": ("specmesh.cli.bench.tools", "tool calling on BFCL's categories through the OpenAI API, beside "
+                    "llama-cpp-python's server on the same GGUF"),
     "costs": ("specmesh.cli.bench.costs", "measure the speculation cost model (verify/draft times, break-even tau, "
               "the S <= tau/2 bound) for this device and dtype"),
     "quality": ("specmesh.cli.bench.quality", "speed vs quality of each acceptance rule against the target, and "

@@ -41,13 +41,25 @@ class TextCodec:
     @property
     def renders_tools(self) -> bool:
         """The chat template renders tools (``tools=``; Qwen2.5's does, SmolLM2's does not)."""
+        return "tools" in self.chat_template
+
+    @property
+    def chat_template(self) -> str:
         t = getattr(self.tokenizer, "chat_template", None) or ""
-        return isinstance(t, str) and "tools" in t
+        return t if isinstance(t, str) else ""
+
+    def special_id(self, text: str) -> Optional[int]:
+        """The id of the added (special) token that spells ``text`` (Qwen2.5's ``<tool_call>``),
+        else None: the text is ordinary tokens."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        return int(ids[0]) if len(ids) == 1 and int(ids[0]) in added else None
 
     def encode(self, prompt: Optional[str] = None, messages: Optional[list[dict]] = None,
-               chat: bool = True, tools: Optional[list] = None) -> list[int]:
+               chat: bool = True, tools: Optional[list] = None, chat_template: Optional[str] = None) -> list[int]:
         """Token ids for a prompt (wrapped as one user turn when ``chat``) or messages;
-        ``tools`` (``specmesh.tools.Tool``) for a template that renders them."""
+        ``tools`` (``specmesh.tools.Tool``) for a template that renders them, ``chat_template``
+        to render with instead of the tokenizer's."""
         if messages is None:
             if not prompt:
                 raise InvalidArgument("prompt", "is empty")
@@ -65,6 +77,8 @@ class TextCodec:
 
             kw["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                              "parameters": json.loads(t.parameters)}} for t in tools]
+        if chat_template:
+            kw["chat_template"] = chat_template
         return self.chat_ids(self.named(messages), add_generation_prompt=True, **kw)
 
     def named(self, messages: list[dict]) -> list[dict]:

@@ -41,7 +41,7 @@ Errors have the OpenAI shape ``{"error": {"message", "type", "param",
 with ``param`` the OpenAI name of the field the router named
 (``sampling.top_p`` -> ``top_p``, ``max_new_tokens`` -> ``max_tokens``, ...),
 and so are malformed bodies and the fields ``openai_fields`` refuses (``echo``,
-``audio``, ``tools`` for now, unknown fields, ...); a missing or wrong bearer token is 401
+``audio``, unknown fields, ...); a missing or wrong bearer token is 401
 (when the server has a token); RESOURCE_EXHAUSTED 429; UNAVAILABLE 503;
 DEADLINE_EXCEEDED 504. An error after a stream has started arrives as a last
 ``data: {"error": ...}`` event.
@@ -299,7 +299,8 @@ class Api:
             sent = [0] * len(runs)  # characters of each choice sent (completions' text_offset)
             tools = job.kind == "chat" and bool(job.kwargs.get("tools")) and job.kwargs.get("tool_choice") != "none"
             names = [t.get("name") for t in job.kwargs.get("tools") or []]
-            parsers = [ToolStream(names) for _ in runs] if tools else None
+            parallel = job.kwargs.get("parallel_tool_calls") is not False
+            parsers = [ToolStream(names, parallel) for _ in runs] if tools else None
 
             def calls_out(i, p):  # the calls the parser completed last, as tool_calls deltas
                 out = ""
@@ -353,7 +354,7 @@ class Api:
                     yield chunk(i, *item)
                 stats = self._stats(job, runs)
                 for run in runs:
-                    if parsers is not None and parsers[run.index].buf:  # held back: an untagged call, or content
+                    if parsers is not None:  # what was held back: calls, or content
                         p = parsers[run.index]
                         rest = p.flush()
                         if rest:

@@ -163,7 +163,7 @@ def from_specmesh(e: SpecmeshError, params: dict) -> ApiError:
     if isinstance(e, InvalidArgumentError):
         f = e.field
         param = params.get(f, _PARAMS.get(f, f or None))
-        why = e.details.split(":", 1)[1].strip() if f else e.details
+        why = e.reason if f else e.details
         return bad(param, why)
     if isinstance(e, UnauthenticatedError):
         return ApiError(401, "missing or invalid bearer token", "invalid_request_error", None, "invalid_api_key")
@@ -278,6 +278,8 @@ def build_job(b: _Body, kind: str, served_model: str) -> Job:
         # "developer" is OpenAI's newer name of the system role
         kw["messages"] = [_message(m) for m in b.messages]
         _tools(fields, kw)
+        if "tools" in kw:  # the tools' grammar, unless a structured output of the request's own comes below
+            params["sampling.grammar"] = params["sampling.grammar_kind"] = "tools"
     else:
         assert isinstance(b, CompletionBody)
         if b.logprobs is not None:
@@ -338,13 +340,25 @@ def _message(m: ChatMessage) -> dict:
     return d
 
 
+TOOL_FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
+
+
 def _tools(fields: dict, kw: dict) -> None:
     """tools / tool_choice / parallel_tool_calls as SDK arguments (the router validates the rest)."""
     tools = fields.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(t, dict) and t.get("type") == "function"
                                                   and isinstance(t.get("function"), dict) for t in tools):
-            raise bad("tools", "a list of {\"type\": \"function\", \"function\": {name, description, parameters}}")
+            raise bad("tools", "a list of {\"type\": \"function\", \"function\": {name, description, parameters, "
+                      "strict}}")
+        for i, t in enumerate(tools):  # a field of a tool this server would not use is refused, not dropped
+            extra = sorted(set(t) - {"type", "function"}) + sorted(set(t["function"]) - TOOL_FUNCTION_FIELDS)
+            if extra:
+                raise bad("tools", f"tool {i}: unknown field(s) {extra}; a tool is {{type, function: {{"
+                          f"{', '.join(sorted(TOOL_FUNCTION_FIELDS))}}}}}")
+            strict = t["function"].get("strict")
+            if strict is not None and not isinstance(strict, bool):
+                raise bad("tools", f"tool {i}: strict must be true, false or null")
         kw["tools"] = [t["function"] for t in tools]
     choice = fields.get("tool_choice")
     if choice is not None:

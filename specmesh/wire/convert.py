@@ -288,10 +288,12 @@ def messages_to_proto(messages: Optional[Sequence[dict]]) -> list[common_pb2.Cha
 
 
 def tools_to_proto(tools) -> list:
-    return [common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in tools]
+    return [common_pb2.Tool(name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)
+            for t in tools]
 
 
 def tools_from_proto(ms) -> list:
     from ..tools import Tool
 
-    return [Tool(m.name, m.description, m.parameters or '{"type": "object"}') for m in ms]
+    return [Tool(m.name, m.description, m.parameters or '{"type": "object"}',
+                 m.strict if m.HasField("strict") else None) for m in ms]

@@ -34,7 +34,7 @@ IDS = ["plain", "prompt_lookup", "layerskip", "suffix"]
 
 @pytest.fixture(scope="module")
 def front():
-    f = Front(chars=True, max_seq_len=1024, max_prompt_tokens=800, max_new_tokens=160)
+    f = Front(chars=True, max_seq_len=1536, max_prompt_tokens=1300, max_new_tokens=160)
     yield f
     f.close()
 
@@ -303,26 +303,68 @@ def test_bad_tools_are_refused_naming_the_field(front):
         assert e.value.body["param"] == param, (kw, e.value.body)
 
 
-def test_an_untagged_call_reply_is_a_tool_call_streamed_and_not(front):
-    """A reply that is nothing but one untagged call object of a requested tool (what
-    Qwen2.5-Coder-1.5B-Instruct writes with tool_choice auto, in a code fence) comes back as
-    tool_calls, streamed and not; the tiny model is steered into that shape by a schema."""
+def test_auto_tools_decode_under_their_triggered_grammar_identically_for_every_strategy(front):
+    """tool_choice auto: the output is free text until the model opens a call (then held to the
+    tools), the same tokens under every strategy as plain decoding, greedy and streamed."""
+    outs = []
+    for s in STRATEGIES:
+        r = chat(front, s, tools=[LOOKUP, CLOCK], max_tokens=40)
+        outs.append((r.choices[0].message.content, [(c.function.name, c.function.arguments)
+                                                    for c in r.choices[0].message.tool_calls or []]))
+    assert all(o == outs[0] for o in outs), dict(zip(IDS, outs))
+    chunks = list(chat(front, STRATEGIES[1], tools=[LOOKUP, CLOCK], max_tokens=40, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (outs[0][0] or "")
+    r = chat(front, {}, tools=[LOOKUP, CLOCK], max_tokens=40)  # auto: the grammar's drafter, and why
+    sm = r.model_extra["specmesh"]
+    assert (sm["strategy"], sm["drafter"]) == ("external", "prompt_lookup") and "tool calls grammar" in \
+        sm["strategy_reason"], sm["strategy_reason"]
+
+
+def test_tool_fields_are_honoured_or_refused_naming_them(front):
+    strict_ok = {"type": "function", "function": dict(CLOCK["function"], strict=True)}
+    r = chat(front, STRATEGIES[0], tools=[strict_ok], tool_choice="required", max_tokens=60)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments)["zone"] in ("UTC", "CET")
+    loose = {"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}}
+    for extra, tools, param in [
+            ({}, [loose], "tools"),  # strict, but additionalProperties is not false
+            ({}, [{"type": "function", "function": dict(CLOCK["function"], strict="yes")}], "tools"),
+            ({}, [{"type": "function", "function": dict(CLOCK["function"], examples=[])}], "tools"),
+            ({}, [dict(CLOCK, cache_control={})], "tools"),
+            ({"guided_regex": "[a-z]+"}, [CLOCK], "tool_choice")]:  # free text or a call: not both a regex
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(front, extra, tools=tools)
+        assert e.value.body["param"] == param, (extra, tools, e.value.body)
+    from specmesh.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as e:  # a thinking phase is not constrained: no tools
+        front.sdk.generate(messages=CHAT, tools=[CLOCK], reasoning=True, max_new_tokens=8)
+    assert e.value.field == "tools"
+
+
+def test_a_response_format_with_auto_tools_is_that_json_or_calls_streamed_and_not(front):
+    """tool_choice auto beside a JSON response_format: the reply is the format's JSON or a list
+    of calls that hold their schemas (one grammar of both); the format's JSON, where it is an
+    untagged call object of a requested tool (what Qwen2.5-Coder-1.5B-Instruct writes), is a
+    call too; streamed as not; without tools the same JSON is content."""
     params = CLOCK["function"]["parameters"]
     schema = {"type": "object", "properties": {"name": {"const": "clock"}, "arguments": params},
               "required": ["name", "arguments"], "additionalProperties": False}
     rf = {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}
-    r = chat(front, STRATEGIES[1], tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60)
-    (call,) = r.choices[0].message.tool_calls
-    assert call.function.name == "clock" and r.choices[0].finish_reason == "tool_calls"
-    assert not r.choices[0].message.content
-    jsonschema.validate(json.loads(call.function.arguments), params)
-    chunks = list(chat(front, STRATEGIES[1], tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60, stream=True))
+    for s in STRATEGIES[:2]:
+        r = chat(front, s, tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60, parallel_tool_calls=False)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        jsonschema.validate(json.loads(call.function.arguments), {"clock": CLOCK, "lookup": LOOKUP}[
+            call.function.name]["function"]["parameters"])
+    chunks = list(chat(front, STRATEGIES[1], tools=[CLOCK, LOOKUP], response_format=rf, max_tokens=60, stream=True,
+                       parallel_tool_calls=False))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == [
-        (0, "clock", call.function.arguments)]
+        (0, call.function.name, call.function.arguments)]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    # without tools (or with tool_choice none) the same reply is content
+    # without tools (or with tool_choice none) the format's JSON is content
     for kw in ({}, {"tools": [CLOCK], "tool_choice": "none"}):
         r = chat(front, STRATEGIES[1], response_format=rf, max_tokens=60, **kw)
         assert r.choices[0].message.tool_calls is None and json.loads(r.choices[0].message.content)["name"] == "clock"

@@ -45,7 +45,7 @@ BARE = ("router", "drafter_service", "verifier_service", "kernels")
 LAYERS = [
     ("leaves", ["specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees",
                 "specmesh.errors", "specmesh.workloads", "specmesh.results", "specmesh.threads",
-                "specmesh.kernels", "specmesh.v1", "specmesh.tools", "specmesh.prefix_cache"]),
+                "specmesh.kernels", "specmesh.v1", "specmesh.tools", "specmesh.tool_parse", "specmesh.prefix_cache"]),
     # the engine package: its forward, the CUDA-graph engine, the device choice, the CPU
     # kernels and rowops (specmesh/engine/__init__.py)
     ("numerics", ["specmesh.acceptance", "specmesh.engine", "specmesh.models", "specmesh.grammar",
@@ -72,7 +72,8 @@ ROOT_PACKAGE_LAYER = "SDK"  # ``specmesh`` itself: it re-exports the SDK (lazily
 # entry points' packages, never inside a library package below them)
 ALLOWED_UPWARD: set = set()
 CORE = ("specmesh.types", "specmesh.seeding", "specmesh.seqs", "specmesh.trees", "specmesh.prefix_cache",
-        "specmesh.acceptance", "specmesh.grammar", "specmesh.processors", "specmesh.tools", "specmesh.prefix_reuse",
+        "specmesh.acceptance", "specmesh.grammar", "specmesh.processors", "specmesh.tools", "specmesh.tool_parse",
+        "specmesh.prefix_reuse",
         "specmesh.engine", "specmesh.verifier", "specmesh.loop", "specmesh.drafters", "specmesh.contrastive",
         "specmesh.ahead")
 CORE_MUST_NOT_REACH = ("grpc", "google.protobuf", "specmesh.v1", "specmesh.wire", "specmesh.serving", "specmesh.client",

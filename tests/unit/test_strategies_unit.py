@@ -91,6 +91,25 @@ def test_auto_prefers_the_block_tree_on_fresh_text_when_the_verifier_has_it():
                               block_drafter=True).block_drafter
 
 
+def test_auto_under_a_grammar_prefers_a_chain_drafter_that_drafts_the_forced_tokens():
+    """Issue 67: a schema of fixed keys ran at τ 1.18 with the block tree auto picked (a tree
+    gets no forced tokens) and τ 6.0 with prompt lookup (4.8x plain decoding)."""
+    F = auto.Features
+    for f in (F(grammar="json_schema", block_drafter=True), F(grammar="json_schema", draft_model="qwen-0.5b"),
+              F(grammar="tool calls", turns=4), F(grammar="regex", code_block=True),
+              F(grammar="json_schema", drafter_up=False, in_verifier=frozenset({"prompt_lookup"}))):
+        c = auto.choose(f)
+        assert (c.strategy, c.drafter) == ("external", "prompt_lookup"), f
+        assert f.grammar in c.reason and "forced" in c.reason
+    assert auto.choose(F(grammar="json_schema", reasoning=True)).strategy == "ssr"  # (refused later: no grammars)
+    # no drafter to run it: the usual fallbacks
+    assert auto.choose(F(grammar="json_schema", drafter_up=False, block_drafter=True)).drafter == "block_tree"
+    # measured slower in this session: off, as any choice
+    stats = {"external:prompt_lookup": auto.Measured(speedup=0.8, n=1)}
+    assert auto.choose(F(grammar="json_schema"), stats).strategy == "autoregressive"
+    assert auto.features_from([1], "x", 1, False, False, True, None, grammar="choice").grammar == "choice"
+
+
 def test_auto_switches_the_block_tree_away_where_it_does_not_pay_and_reprobes():
     F = auto.Features(block_drafter=True)
     stats = {"self:block_tree": auto.Measured(speedup=0.8, n=1)}

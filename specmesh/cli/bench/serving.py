@@ -109,13 +109,17 @@ class Texts:
 class LlamaCppServer:
     """llama-cpp-python's OpenAI server on the GGUF, in a child process."""
 
-    def __init__(self, gguf: Path, threads: int, log_path: Path, ctx: int = 4096, timeout: float = 300.0):
+    def __init__(self, gguf: Path, threads: int, log_path: Path, ctx: int = 4096, timeout: float = 300.0,
+                 extra: Sequence[str] = (), extra_bufts: bool = True):
+        """``extra``: more server flags (``--chat_format chatml-function-calling``); ``extra_bufts``
+        False: llama.cpp's AMX / repacked weight buffers off (``llamacpp_server``)."""
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}/v1"
         self.log = open(log_path, "w", encoding="utf-8")
-        self.proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--n_ctx",
+        module = "llama_cpp.server" if extra_bufts else "specmesh.cli.bench.llamacpp_server"
+        self.proc = subprocess.Popen([sys.executable, "-m", module, "--model", str(gguf), "--n_ctx",
                                       str(ctx), "--n_threads", str(threads), "--host", "127.0.0.1", "--port",
-                                      str(port)], stdout=self.log, stderr=subprocess.STDOUT)
+                                      str(port), *extra], stdout=self.log, stderr=subprocess.STDOUT)
         end = time.monotonic() + timeout
         while not _up(self.url):
             if self.proc.poll() is not None or time.monotonic() > end:
