@@ -74,7 +74,7 @@ def test_check_refuses_unknown_fields_and_names_them():
 
 @pytest.fixture(scope="module")
 def front():
-    f = Front(chars=True, max_seq_len=1024, max_prompt_tokens=800, max_new_tokens=160)
+    f = Front(chars=True, max_seq_len=2048, max_prompt_tokens=1800, max_new_tokens=160)  # the tools prompt in characters
     yield f
     f.close()
 
