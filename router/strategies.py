@@ -668,7 +668,8 @@ class Strategies:
         adaptive = plan.strategy in ("proactive", "ssr") or plan.reason.startswith("auto") or (
             not plan.budget_pinned and plan.sampling.greedy)
         key = self.session_key(plan.conversation_id, plan.client)
-        alpha0 = self.book.initial_alpha(key, auto.label(plan.strategy, plan.drafter or plan.self_draft or ""))
+        # the session's own acceptance, else None: the drafter's across sessions (``VerifyCosts.prior_alpha``)
+        alpha0 = self.book.initial_alpha(key, auto.label(plan.strategy, plan.drafter or plan.self_draft or ""), None)
 
         local = None  # a context-only drafter run here, beside a prediction, instead of in the verifiers
         if plan.drafter and plan.prediction and plan.strategy == "external" and self.in_verifier(plan.drafter):

@@ -132,6 +132,7 @@ class VerifyCosts:
     where a new generation's ``AdaptiveBudget.load`` starts."""
 
     STALE = 32  # long rounds after the last short one: the unit is measured afresh (``needs_unit``)
+    ACCEPT_EMA = 0.02  # a drafted round's weight in the drafter's acceptance across sessions (~50 rounds)
     CURVE_MIN = 2  # rounds of a row count before its EMA enters the curve (``round_cost``)
 
     def __init__(self, prior: float = 0.06, ema: float = 0.2):
@@ -148,6 +149,10 @@ class VerifyCosts:
         # a new generation of that drafter starts from it, not from the priors
         self.learned: dict[str, tuple] = {}
         self._rows: dict[int, tuple[float, int]] = {}  # scored rows (drafted + 1) -> (EMA seconds, rounds)
+        # drafter -> slow EMAs (accepted, accepted + rejections) of its drafted rounds over every session
+        # (``ACCEPT_EMA`` a round): where a new session's acceptance starts (``AdaptiveBudget``) when its
+        # caller knows none of its own
+        self.accept: dict[str, tuple[float, float]] = {}
 
     def observe(self, drafted: int, verify_s: float) -> None:
         if verify_s > 0 and drafted >= 0:
@@ -205,6 +210,21 @@ class VerifyCosts:
             if len(self._groups) < 2:
                 return self.prior
         return self._fit()[1]
+
+    def observe_accept(self, key: str, accepted: int, fails: int, start: float) -> None:
+        """A drafted round of drafter ``key`` into its acceptance across sessions (from
+        ``start`` at its first round)."""
+        g = self.ACCEPT_EMA
+        with self._lock:
+            a, t = self.accept.get(key, (start, 1.0))
+            self.accept[key] = ((1 - g) * a + g * accepted, (1 - g) * t + g * (accepted + fails))
+
+    def prior_alpha(self, key: Optional[str]) -> Optional[float]:
+        """The drafter's acceptance across sessions (a new session's start), None before
+        its first drafted round."""
+        with self._lock:
+            a, t = self.accept.get(key, (0.0, 0.0)) if key is not None else (0.0, 0.0)
+        return a / t if t > 0 else None
 
     def round_cost(self, k: int) -> float:
         """A verify of k drafted tokens (k + 1 scored rows) in plain rounds: T(k + 1) / T(1)
@@ -363,12 +383,13 @@ class AdaptiveBudget(BudgetPolicy):
     ``for_drafter`` picks these settings by drafter name."""
 
     TREE_CHEAP = 0.5  # bf16 on CPU matrix units: 8 x 0.01-0.03; fp32 on a CPU: 8 x 0.12
+    ALPHA0 = 0.6  # a session's starting acceptance where nothing was measured
     PROBE_BACKOFF = 4  # re-probes of switched-off drafting: every probe_every rounds, up to 4x that apart
     SPEED_EMA = 0.1  # the measured seconds per token of drafted rounds (~10 rounds)
     SPEED_MIN = 8  # ... from this many drafted rounds on
 
     def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
-                 alpha0: float = 0.6, entropy_scale: float = 3.0, per_round_draft: bool = False,
+                 alpha0: Optional[float] = None, entropy_scale: float = 3.0, per_round_draft: bool = False,
                  costs: Optional[VerifyCosts] = None, tree: bool = False,
                  schedule: Optional[TreeSchedule] = None, probe_key: Optional[str] = None, load: float = 1.0):
         super().__init__(max_budget)
@@ -376,6 +397,9 @@ class AdaptiveBudget(BudgetPolicy):
         self.per_round_draft = per_round_draft
         self.tree = tree and per_round_draft
         self.costs = costs if costs is not None else VerifyCosts(beta, ema)
+        if alpha0 is None:  # the caller knows no acceptance of this session's: the drafter's across sessions
+            prior = self.costs.prior_alpha(probe_key)
+            alpha0 = self.ALPHA0 if prior is None else prior
         self.max_budget = max_budget
         self.ema, self.probe_every = ema, probe_every
         self.alpha = alpha0
@@ -578,7 +602,12 @@ class AdaptiveBudget(BudgetPolicy):
         its EMA caught up, the offline table trusted, the seconds-per-token guard not yet
         armed) at 0.7 accepted a round, 20% of its rounds, while the batch's forward slowed
         for every stream (0.85-0.90x plain decoding through the services). The acceptance
-        EMAs stay the request's own (the router starts them from the session's history)."""
+        EMAs stay the request's own: the router starts them from the session's history, a
+        session without one from the drafter's acceptance across sessions
+        (``VerifyCosts.prior_alpha``, a slow EMA of every session's drafted rounds, so one
+        short request moves it a little): a fixed prior of 0.6 priced the 0.5B draft LM
+        (0.4-0.55 of a target forward a token) out of every new request, where its
+        sessions accepted 0.9 a token."""
         return self.cost, self._seen, self._pred, self._spd, self.full_accepted
 
     @learned.setter
@@ -661,6 +690,8 @@ class AdaptiveBudget(BudgetPolicy):
         # alpha = EMA(accepted) / EMA(accepted + rejections): the geometric acceptance's
         # estimate from recent rounds (an EMA of per-round ratios would be biased low:
         # every fully rejected round counts 0 whatever the others accepted)
+        if self.probe_key is not None:
+            self.costs.observe_accept(self.probe_key, accepted, fails, self.alpha0)
         self._acc = (1 - w) * self._acc + w * accepted
         self._tot = (1 - w) * self._tot + w * (accepted + fails)
         self.alpha = self._acc / self._tot if self._tot > 0 else self.alpha

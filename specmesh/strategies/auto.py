@@ -244,7 +244,7 @@ class SessionBook:
                 self._s.move_to_end(key)
             return dict(d or {})
 
-    def initial_alpha(self, key: str, lab: str, default: float = 0.6) -> float:
+    def initial_alpha(self, key: str, lab: str, default: Optional[float] = 0.6) -> Optional[float]:
         m = self.get(key).get(lab)
         return m.alpha if m is not None and m.n else default
 

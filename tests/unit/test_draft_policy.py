@@ -71,6 +71,29 @@ def test_one_slow_request_does_not_switch_the_draft_lm_off_for_the_next():
     assert nxt.measured_pays() and nxt.next() > 0  # ... its rounds' verdict does not
 
 
+def test_a_new_session_starts_from_the_drafters_acceptance_across_sessions():
+    costs = _curve({3: 0.012, 5: 0.013, 7: 0.014})
+    assert AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs).alpha == AdaptiveBudget.ALPHA0  # nothing seen
+    good = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs)
+    for _ in range(200):  # sessions whose drafts were accepted nearly whole
+        good.update(6, 6, draft_s=0.003, verify_s=0.014)
+    fresh = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs)
+    assert fresh.alpha > 0.95 and fresh.alpha0 == fresh.alpha
+    bad = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs)
+    for _ in range(8):  # one short request that accepted nothing
+        bad.update(4, 0, draft_s=0.002, verify_s=0.013)
+    after = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs)
+    assert 0.8 < after.alpha < fresh.alpha  # moved a little, not switched off
+    after.update(0, 0, verify_s=0.010)  # a plain round: the unit measured afresh after the long ones
+    after.cost = 0.55  # a draft token at 0.55 of a target forward: pays at this acceptance, not at 0.6
+    assert after.next() > 0
+    at_prior = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs, alpha0=AdaptiveBudget.ALPHA0)
+    at_prior.cost = 0.55
+    assert at_prior.next() == 0 and "no draft length pays" in at_prior.off_why
+    assert AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs, alpha0=0.3).alpha == 0.3  # the session's own
+    assert AdaptiveBudget.for_drafter("suffix", 8, costs=costs).alpha == AdaptiveBudget.ALPHA0  # per drafter
+
+
 def test_a_switched_off_draft_lm_is_reprobed_with_a_draft_that_could_pay():
     costs = _curve({1: 0.0105, 3: 0.011, 5: 0.0115})
     p = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs, alpha0=0.8, probe_every=2)
