@@ -307,6 +307,53 @@ static void tile_avx2_32(int64_t t, const uint8_t* T, int64_t nb, const qacts* A
     }
 }
 
+/* The steps the 8-output Q4_K / Q6_K tiles of the AVX2 and AVX-VNNI paths share. Q4_K, after
+   block b's sums S[r]: subtract the mins (each sub-block's min times its sum of x) and add
+   both, scaled, into acc. Q6_K: the 6-bit codes of group g (its nibbles and two high bits);
+   after block b's sums, S - 32 B (the codes' offset) scaled into acc. */
+static inline void q4k_finish8(const uint8_t* T, const qacts* A, int64_t m0, int64_t mc, int64_t b,
+                               const __m256i* S, float* acc) {
+    const int64_t K = A->K;
+    const __m256 d = half8(T + 1152), dmin = half8(T + 1168);
+    __m256i mp[4];
+    for (int p = 0; p < 4; p++) mp[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(T + 1088 + 16 * p)));
+    for (int64_t r = 0; r < mc; r++) {
+        const int16_t* bs = A->bk32 + (m0 + r) * (K / 32) + 8 * b;
+        __m256i mn = _mm256_madd_epi16(mp[0], bc32(bs));
+        for (int p = 1; p < 4; p++) mn = _mm256_add_epi32(mn, _mm256_madd_epi16(mp[p], bc32(bs + 2 * p)));
+        const __m256 dx = _mm256_set1_ps(A->d256[(m0 + r) * (K / 256) + b]);
+        __m256 a = _mm256_loadu_ps(acc + 8 * r);
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[r]), _mm256_mul_ps(d, dx), a);
+        a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_mul_ps(dmin, dx), a);
+        _mm256_storeu_ps(acc + 8 * r, a);
+    }
+}
+
+static inline void q6k_codes8(const uint8_t* T, int g, __m256i* w) {
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+    nibbles8(T + 128 * g, w);
+    for (int u = 0; u < 2; u++) {
+        const __m256i h = ld(T + 1024 + 64 * g + 32 * u);
+        w[4 * u + 0] = _mm256_or_si256(w[4 * u + 0], _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
+        w[4 * u + 1] = _mm256_or_si256(w[4 * u + 1], _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
+        w[4 * u + 2] = _mm256_or_si256(w[4 * u + 2], _mm256_and_si256(h, m30));
+        w[4 * u + 3] = _mm256_or_si256(w[4 * u + 3], _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
+    }
+}
+
+static inline void q6k_finish8(const uint8_t* T, const qacts* A, int64_t m0, int64_t mc, int64_t b,
+                               const __m256i* S, const __m256i* Bs, float* acc) {
+    const int64_t K = A->K;
+    const __m256 d = half8(T + 1664);
+    for (int64_t r = 0; r < mc; r++) {
+        const __m256 dx = _mm256_set1_ps(A->d256[(m0 + r) * (K / 256) + b]);
+        const __m256i tot = _mm256_sub_epi32(S[r], _mm256_slli_epi32(Bs[r], 5));
+        __m256 a = _mm256_loadu_ps(acc + 8 * r);
+        a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(d, dx), a);
+        _mm256_storeu_ps(acc + 8 * r, a);
+    }
+}
+
 static void tile_avx2_q4k(const uint8_t* T, int64_t nb, const qacts* A, int64_t m0, int64_t mc, float* acc) {
     const int64_t K = A->K;
     __m256i S[QMM_RB];
@@ -324,38 +371,18 @@ static void tile_avx2_q4k(const uint8_t* T, int64_t nb, const qacts* A, int64_t 
                 S[r] = j ? _mm256_add_epi32(S[r], p) : p;
             }
         }
-        const __m256 d = half8(T + 1152), dmin = half8(T + 1168);
-        __m256i mp[4];
-        for (int p = 0; p < 4; p++) mp[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(T + 1088 + 16 * p)));
-        for (int64_t r = 0; r < mc; r++) {
-            const int16_t* bs = A->bk32 + (m0 + r) * (K / 32) + 8 * b;
-            __m256i mn = _mm256_madd_epi16(mp[0], bc32(bs));
-            for (int p = 1; p < 4; p++) mn = _mm256_add_epi32(mn, _mm256_madd_epi16(mp[p], bc32(bs + 2 * p)));
-            const __m256 dx = _mm256_set1_ps(A->d256[(m0 + r) * (K / 256) + b]);
-            __m256 a = _mm256_loadu_ps(acc + 8 * r);
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S[r]), _mm256_mul_ps(d, dx), a);
-            a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_mul_ps(dmin, dx), a);
-            _mm256_storeu_ps(acc + 8 * r, a);
-        }
+        q4k_finish8(T, A, m0, mc, b, S, acc);
     }
 }
 
 static void tile_avx2_q6k(const uint8_t* T, int64_t nb, const qacts* A, int64_t m0, int64_t mc, float* acc) {
     const int64_t K = A->K;
-    const __m256i m30 = _mm256_set1_epi8(0x30);
     __m256i S[QMM_RB], Bs[QMM_RB];
     for (int64_t b = 0; b < nb; b++, T += 1680) {
         if (b + 1 < nb) for (int i = 0; i < 1680; i += 64) _mm_prefetch((const char*)(T + 1680 * 2 + i), _MM_HINT_T0);
         for (int g = 0; g < 8; g++) {
             __m256i w[8];
-            nibbles8(T + 128 * g, w);
-            for (int u = 0; u < 2; u++) {
-                const __m256i h = ld(T + 1024 + 64 * g + 32 * u);
-                w[4 * u + 0] = _mm256_or_si256(w[4 * u + 0], _mm256_and_si256(_mm256_slli_epi16(h, 4), m30));
-                w[4 * u + 1] = _mm256_or_si256(w[4 * u + 1], _mm256_and_si256(_mm256_slli_epi16(h, 2), m30));
-                w[4 * u + 2] = _mm256_or_si256(w[4 * u + 2], _mm256_and_si256(h, m30));
-                w[4 * u + 3] = _mm256_or_si256(w[4 * u + 3], _mm256_and_si256(_mm256_srli_epi16(h, 2), m30));
-            }
+            q6k_codes8(T, g, w);
             const __m256i pr = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(T + 1536 + 16 * g)));
             const __m256i s0 = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pr, 0xA0), 0xA0);
             const __m256i s1 = _mm256_shufflehi_epi16(_mm256_shufflelo_epi16(pr, 0xF5), 0xF5);
@@ -373,14 +400,7 @@ static void tile_avx2_q6k(const uint8_t* T, int64_t nb, const qacts* A, int64_t 
                 Bs[r] = g ? _mm256_add_epi32(Bs[r], q) : q;
             }
         }
-        const __m256 d = half8(T + 1664);
-        for (int64_t r = 0; r < mc; r++) {
-            const __m256 dx = _mm256_set1_ps(A->d256[(m0 + r) * (K / 256) + b]);
-            const __m256i tot = _mm256_sub_epi32(S[r], _mm256_slli_epi32(Bs[r], 5));
-            __m256 a = _mm256_loadu_ps(acc + 8 * r);
-            a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(tot), _mm256_mul_ps(d, dx), a);
-            _mm256_storeu_ps(acc + 8 * r, a);
-        }
+        q6k_finish8(T, A, m0, mc, b, S, Bs, acc);
     }
 }
 #else
