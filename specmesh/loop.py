@@ -419,6 +419,7 @@ class AdaptiveBudget(BudgetPolicy):
         # seconds and of their tokens, and their count (``measured_pays``)
         self._spd = (0.0, 0.0, 0.0, 0)
         self._updates = 0
+        self._drafted_rounds = 0  # rounds that drafted (``update``)
         self._pending: Optional[float] = None  # the table's τ - 1 for the round in flight
         # EMA of the sessions in this session's verify forwards (``observe_load``), from the verifier's
         # recent load, or the caller's count of sessions decoding now where that is more (a burst of
@@ -698,7 +699,12 @@ class AdaptiveBudget(BudgetPolicy):
         if self.per_round_draft and drafted >= self.max_budget:
             self.full_accepted = accepted if self.full_accepted is None else \
                 (1 - w) * self.full_accepted + w * accepted
-        if verify_s > 0:
+        # a per-token drafter's cost from its second drafted round on: its first propose of a session
+        # feeds it the whole context (a draft LM prefills the prompt), which no later round pays (the
+        # 0.5B's prefill of a 300-token prompt priced its tokens at 0.8-1 target forwards each, and the
+        # draft LM, switched off by that, never drafted again to measure its real 0.35)
+        self._drafted_rounds += 1
+        if verify_s > 0 and (self.per_round_draft or self._drafted_rounds > 1):
             per = draft_s if self.per_round_draft else draft_s / drafted
             unit = self.costs.short_seconds or verify_s  # a one-token forward, once measured
             self.cost = (1 - w) * self.cost + w * per / unit

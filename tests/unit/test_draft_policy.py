@@ -94,6 +94,16 @@ def test_a_new_session_starts_from_the_drafters_acceptance_across_sessions():
     assert AdaptiveBudget.for_drafter("suffix", 8, costs=costs).alpha == AdaptiveBudget.ALPHA0  # per drafter
 
 
+def test_the_draft_lms_prompt_prefill_is_not_the_price_of_its_tokens():
+    costs = _curve({3: 0.012, 5: 0.013})
+    p = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs, alpha0=0.9)
+    p.update(4, 4, draft_s=0.4, verify_s=0.013)  # its first drafted round: the prompt's prefill as well
+    assert p.cost == 0.0 and p.next() > 0
+    for _ in range(3):
+        p.update(4, 4, draft_s=0.014, verify_s=0.013)  # 3.5 ms a drafted token, 0.35 of a 10 ms forward
+    assert 0.2 < p.cost <= 0.35 and p.next() > 0
+
+
 def test_a_switched_off_draft_lm_is_reprobed_with_a_draft_that_could_pay():
     costs = _curve({1: 0.0105, 3: 0.011, 5: 0.0115})
     p = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs, alpha0=0.8, probe_every=2)
