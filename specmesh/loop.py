@@ -606,9 +606,8 @@ class AdaptiveBudget(BudgetPolicy):
         EMAs stay the request's own: the router starts them from the session's history, a
         session without one from the drafter's acceptance across sessions
         (``VerifyCosts.prior_alpha``, a slow EMA of every session's drafted rounds, so one
-        short request moves it a little): a fixed prior of 0.6 priced the 0.5B draft LM
-        (0.4-0.55 of a target forward a token) out of every new request, where its
-        sessions accepted 0.9 a token."""
+        short request moves it a little; a fixed low prior would price a dear drafter, a
+        draft LM, out of every new request however well its sessions accept)."""
         return self.cost, self._seen, self._pred, self._spd, self.full_accepted
 
     @learned.setter
@@ -700,9 +699,8 @@ class AdaptiveBudget(BudgetPolicy):
             self.full_accepted = accepted if self.full_accepted is None else \
                 (1 - w) * self.full_accepted + w * accepted
         # a per-token drafter's cost from its second drafted round on: its first propose of a session
-        # feeds it the whole context (a draft LM prefills the prompt), which no later round pays (the
-        # 0.5B's prefill of a 300-token prompt priced its tokens at 0.8-1 target forwards each, and the
-        # draft LM, switched off by that, never drafted again to measure its real 0.35)
+        # feeds it the whole context (a draft LM prefills the prompt), a cost no later round pays; counted,
+        # it prices the draft's tokens at several times their cost and switches drafting off for good
         self._drafted_rounds += 1
         if verify_s > 0 and (self.per_round_draft or self._drafted_rounds > 1):
             per = draft_s if self.per_round_draft else draft_s / drafted
