@@ -423,10 +423,8 @@ class Strategies:
         if self._calibration is None:
             from specmesh.drafters.calibration import load_calibration, speedup_of
 
-            from specmesh.models.loading import resolve_model
+            from specmesh.models.loading import ModelNotFound, resolve_model
             from specmesh.runtime import resolve_dtype
-
-            from specmesh.models.loading import ModelNotFound
 
             s = self.parts.s
             dtype = s.dtype
