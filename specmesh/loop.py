@@ -900,8 +900,11 @@ class _Generation:
                 st.cached_tokens = min(res.cached_tokens, self.prompt_len)
         else:
             self_draft_s = res.draft_ms / 1e3
-            st.verify_s += rnd.wall_s - self_draft_s
-            st.draft_s += rnd.draft_s + self_draft_s
+            # a step a Decode stream decided ahead arrives after a wait shorter than its own draft:
+            # the phases split this round's wall, so its draft counts no more than the wall
+            within = min(self_draft_s, rnd.wall_s)
+            st.verify_s += rnd.wall_s - within
+            st.draft_s += rnd.draft_s + within
             depth = max(rnd.tree.depths()) + 1 if len(rnd.tree) else res.drafted
             depth = max(depth, len(res.accepted))  # grammar-forced drafts (jump-forward) lengthen a chain
             st.record_round(res.drafted, len(res.accepted), depth)

@@ -651,7 +651,9 @@ def check_metrics_agree(before: dict, after: dict, results: list, verifier_befor
             assert d("specmesh_drafted_positions_total", position=str(k + 1), **lab) == dr
         for phase in ("draft", "verify", "prefill", "network"):
             want = sum(getattr(s, f"{phase}_s") for s in ss)
-            assert d("specmesh_phase_seconds_total", phase=phase, **lab) == pytest.approx(want, rel=1e-6, abs=1e-9)
+            got = d("specmesh_phase_seconds_total", phase=phase, **lab)
+            assert got == pytest.approx(want, rel=1e-6, abs=1e-9), \
+                (phase, lab, got, [getattr(s, f"{phase}_s") for s in ss])
         assert d("specmesh_tokens_per_second_count", **lab) == len(ss)
     if verifier_after is not None:  # one Verify call per target forward (ssr adds side branches off the loop)
         calls = sum(r.stats.target_forwards for r in results)
