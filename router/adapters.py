@@ -63,6 +63,7 @@ from typing import Callable, Optional, Sequence
 import grpc
 
 from specmesh.ahead import AheadInfo, main_path, truncate
+from specmesh.drafters.registry import FREE
 from specmesh.seqs import common_prefix_len
 from specmesh.wire import convert
 from specmesh.types import FEATURE_DTYPE, DraftContext, FeatureRows, SessionLost, TokenTree, VerifyRequest, \
@@ -197,6 +198,9 @@ class RemoteDrafter:
         its base, to which the call's work at that speed is added (``DraftSpeed.deadline_s``)."""
         self.peer, self.name, self.calls, self.timeout_s = peer, drafter, calls, timeout_s
         self.speed = speed
+        # its drafts run a model (not a lookup): a Decode stream decoding ahead on the same CPUs meanwhile
+        # slows them several times over (``RemoteVerifier.drafting``)
+        self.computes = drafter not in FREE
         self.cache_id = cache_id  # draft cache the "cache" drafter reads
         self.features = features  # the generation's hidden features, for a drafter that needs them
         self._held: dict[str, list[int]] = {}  # session -> tokens the service holds
@@ -610,6 +614,13 @@ class RemoteVerifier:
         self.address = peer.address
         self.network_s += max(0.0, time.perf_counter() - t0 - resp.server_ms / 1e3)
         return convert.verify_result_from_proto(resp)
+
+    def drafting(self) -> None:
+        """The loop is about to ask a drafter that computes for this round's draft: the
+        Decode stream's steps ahead are no longer this session's next rounds (a drafted
+        round is a Verify call) and the verifier decoding them would take the CPUs the
+        draft needs, so the stream ends now rather than at the verify."""
+        self._end_stream()
 
     def _end_stream(self) -> None:
         if self._stream is not None:

@@ -821,6 +821,8 @@ class _Generation:
         if want > 0 and self.o.self_draft is not None:
             rnd.self_draft = SelfDraft(self.o.self_draft, want)
         elif want > 0 and self.drafter_ok:
+            if getattr(self.drafter, "computes", False) and hasattr(self.verifier, "drafting"):
+                self.verifier.drafting()  # no decoding ahead beside a draft model's work
             t0 = time.perf_counter()
             rnd.want = want
             try:
@@ -911,8 +913,13 @@ class _Generation:
             st.forced_tokens += res.forced
             self.policy.observe_load(res.batch_size, self.o.self_draft is not None, res.batch_rows,
                                      res.verify_ms / 1e3)
+            verify_s = rnd.wall_s - self_draft_s
+            if res.source == "decode_stream" and res.verify_ms > 0:
+                # a step the verifier decoded ahead: the wait for it is not what a round costs (near 0, it
+                # made a plain round look cheap and every draft dear, and drafting stayed off); its forward is
+                verify_s = res.verify_ms / 1e3
             self.policy.update(res.drafted, len(res.accepted), res.entropy, rnd.draft_s + self_draft_s,
-                               max(rnd.wall_s - self_draft_s, 1e-6))
+                               max(verify_s, 1e-6))
             if self.o.draft_ahead is not None and self.drafter_ok and self.o.self_draft is None:
                 self.o.draft_ahead.observe(rnd.ahead_asked or getattr(rnd.ahead, "result", "off") != "off",
                                            rnd.draft_s + rnd.wall_s, len(res.accepted) + 1,

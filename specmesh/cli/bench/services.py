@@ -148,7 +148,9 @@ class _Paths:
             dt = time.perf_counter() - t0
             st = r.stats
             return {"tokens": list(r.token_ids), "n": len(r.token_ids), "s": dt, "rounds": st.rounds,
-                    "network_s": st.network_s, "text": r.text}
+                    "network_s": st.network_s, "text": r.text, "drafted": st.drafted_tokens,
+                    "tau": (st.accepted_tokens + st.rounds) / st.rounds if st.rounds else None,
+                    "reason": st.strategy_reason}
         text, n, dt = _http_generate(self.services.http_url, prompt, sysd, self.max_new, self.timeout)
         return {"tokens": None, "n": n, "s": dt, "text": text}
 
@@ -206,8 +208,11 @@ def run_bench(args) -> dict:
                         key = (sysd["name"], path, prompt.id)
                         if faster(r["s"], best[key]["s"] if key in best else None):
                             best[key] = r
+                        more = f"  tau {r['tau']:.2f}, {r['drafted']} drafted" if r.get("tau") else ""
                         log(f"  [{done}/{total}] {sysd['name']:12s} {path:10s} {prompt.id:22s} "
-                            f"{r['n'] / r['s']:7.1f} tok/s")
+                            f"{r['n'] / r['s']:7.1f} tok/s{more}")
+                        if r.get("tau") and not r["drafted"] and sysd["drafter"]:
+                            log(f"      {r['reason']}")
         paths_run.client.close()
     finally:
         services.stop()
