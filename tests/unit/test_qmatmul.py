@@ -212,3 +212,19 @@ def test_shapes_the_kernels_cannot_take_are_refused(kernel):
         W.mm(torch.zeros(2, 32))
     with pytest.raises(IndexError):
         W.rows(torch.tensor([8]))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_a_mapped_part_repacks_in_steps_to_the_same_tiles(kernel, tmp_path, monkeypatch, name):
+    """A part read from a mapped file is repacked a few rows at a time, each step's pages
+    released (``qmatmul._repack_part``): the tiles are those of one repack of the whole."""
+    n, k = 200, 512
+    raw = random_blocks(name, n, k, seed=3).numpy()
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 100 + raw.tobytes())  # not at a page boundary
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", offset=100, shape=(raw.size,)).reshape(n, -1)
+    whole = qm.QMatrix([qm.Part(qm.TYPE_IDS[name], n, k, raw)], kernel)
+    monkeypatch.setattr(qm, "REPACK_CHUNK", 3 * raw.size // n * 8)  # 24 rows a step: 9 steps, the last short
+    steps = qm.QMatrix([qm.Part(qm.TYPE_IDS[name], n, k, mapped)], kernel)
+    assert torch.equal(whole.data, steps.data)
+    assert np.array_equal(np.asarray(mapped).reshape(-1), raw.reshape(-1))  # the pages read back as they were
