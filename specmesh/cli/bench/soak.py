@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 FLAT = 0.05  # RSS growth after the warm-up that still counts as flat
+WARM_TOKENS = 8  # tokens a warm-up request generates (``warm_capacity``)
 
 
 def tree_rss(pid: int) -> int:
@@ -64,11 +65,14 @@ def tree_parts(pid: int) -> dict:
 def warm_capacity(client, model: str, texts, slots: int, prompt_tokens: int) -> None:
     """Touch the server's lazily mapped capacity once: ``slots`` concurrent requests of a
     ``prompt_tokens``-token prompt, plainly and through each model drafter (the draft LM, the
-    block drafter on the drafter service and in the verifier), two tokens each."""
+    block drafter on the drafter service and in the verifier), ``WARM_TOKENS`` tokens each:
+    enough for a drafted round, the one that feeds a drafter the prompt (with two tokens no
+    round had room for a draft, the draft LM never read the prompt, and its KV pages were
+    first written mid-soak: a 160 MiB step of the drafter's RSS)."""
     def one(k: int, extra: dict) -> None:
         try:
-            client.completions.create(model=model, prompt=texts.piece(prompt_tokens), max_tokens=2, temperature=0,
-                                      extra_body=extra)
+            client.completions.create(model=model, prompt=texts.piece(prompt_tokens), max_tokens=WARM_TOKENS,
+                                      temperature=0, extra_body=extra)
         except Exception as e:  # noqa: BLE001 - a drafter this server lacks: that capacity is not there
             print(f"  warm-up {extra}: {type(e).__name__}", file=sys.stderr, flush=True)
 
