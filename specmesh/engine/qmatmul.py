@@ -245,7 +245,8 @@ def _repack_part(k: QKernel, p: Part, data: torch.Tensor, off: int) -> None:
     memory is the tiles plus one step, not the tiles plus the file's pages read so far
     (a [151936, 1536] Q6_K head held 190 MB of both at once)."""
     mm = getattr(p.raw, "_mmap", None)
-    if mm is None or p.n <= 8:
+    if mm is None or getattr(p.raw, "mode", None) != "r" or p.n <= 8:  # (dropped pages of a copy-on-write
+        # mapping would lose what was written to them; a read-only one reads them back from the file)
         k.repack(p.type, p.raw, p.n, p.k, data[off: off + tile_bytes(p.type, p.n, p.k)])
         return
     import mmap
