@@ -385,11 +385,20 @@ class Router:
         if spec.reasoning or spec.strategy == "ssr":
             raise InvalidArgument("tools", "a reasoning request takes no tools (its thinking phase is not "
                                   "constrained); send tool_choice none or no reasoning")
-        for t in spec.tools:  # each schema compiles (leniently unless strict), else the tool is refused
+        tools = []
+        for t in spec.tools:  # each schema compiles (leniently unless strict); a strict one that does not
+            # is refused, a non-strict one's arguments are left free (OpenAI accepts such a request)
             try:
                 check("json_schema", json.dumps(tl.arguments_schema(t, False)))
             except GrammarError as e:
-                raise InvalidArgument("tools", f"tool {t.name!r}: its parameters cannot be enforced: {e}") from None
+                if t.strict:
+                    raise InvalidArgument("tools", f"tool {t.name!r}: its parameters cannot be enforced: {e}") \
+                        from None
+                log.info("tool %r: its parameters cannot be enforced (%s); its arguments are any JSON object",
+                         t.name, e)
+                t = replace(t, enforced=False)
+            tools.append(t)
+        spec = replace(spec, tools=tools)
         sp, answer = spec.sampling, None
         if sp.constrained:
             if spec.tool_choice not in ("", "auto"):

@@ -22,7 +22,8 @@ instead (fenced or bare JSON, lists, the template echo) are parsed too
   is no call of the request: free text, and content;
   ``none``: no grammar. A function's arguments are enforced exactly when it is
   ``strict``, and leniently otherwise (schema keywords llguidance cannot enforce are
-  ignored, as OpenAI does not promise non-strict arguments);
+  ignored, as OpenAI does not promise non-strict arguments; a non-strict schema nothing
+  can satisfy leaves its arguments any JSON object, ``Tool.enforced``);
 - ``ToolFormat``: how a tokenizer spells the tags: text, or one special token each
   (Qwen2.5's ``<tool_call>`` is token 151657: its bytes are not the text ``<tool_call>``,
   so the grammar names it by id where free text may hold it);
@@ -55,6 +56,10 @@ class Tool:
     description: str = ""
     parameters: str = '{"type": "object"}'  # JSON schema text
     strict: Optional[bool] = None  # OpenAI's function.strict (None: not given)
+    # the grammar holds its arguments to its schema; False (set by the router): a schema that is
+    # not strict and that no output can satisfy (an integer whose enum lists strings): its
+    # arguments are any JSON object, as OpenAI does not promise non-strict arguments
+    enforced: bool = True
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,7 @@ def arguments_schema(t: Tool, forced: bool) -> dict:
     opts = {"lenient": not t.strict, "whitespace_flexible": not forced}
     if forced:
         opts.update(item_separator=", ", key_separator=": ")
-    return dict(parameters(t), **{"x-guidance": opts})
+    return dict(parameters(t) if t.enforced else {"type": "object"}, **{"x-guidance": opts})
 
 
 NAME_OPEN = '{"name": "'  # a forced call's opening

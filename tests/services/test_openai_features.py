@@ -342,6 +342,24 @@ def test_tool_fields_are_honoured_or_refused_naming_them(front):
     assert e.value.field == "tools"
 
 
+def test_a_tool_whose_schema_nothing_satisfies_is_called_with_free_arguments_unless_strict(front):
+    """BFCL's Events_3_BuyEventTickets: an integer whose enum lists strings. OpenAI accepts
+    such a non-strict tool (it does not promise non-strict arguments): its arguments are any
+    JSON object, forced or not; strict, it cannot be enforced: a 400 naming ``tools``."""
+    params = {"type": "object", "properties": {"n": {"type": "integer", "enum": ["1", "2"]}}, "required": ["n"]}
+    buy = {"type": "function", "function": {"name": "buy", "description": "buy tickets", "parameters": params}}
+    r = chat(front, STRATEGIES[0], tools=[buy], tool_choice="required", max_tokens=40, parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "buy" and isinstance(json.loads(call.function.arguments), dict)
+    r = chat(front, STRATEGIES[0], tools=[buy, CLOCK], max_tokens=20)  # auto: served
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    strict = {"type": "function", "function": dict(buy["function"], strict=True, parameters=dict(
+        params, additionalProperties=False))}
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(front, STRATEGIES[0], tools=[strict], tool_choice="required", max_tokens=40)
+    assert e.value.body["param"] == "tools" and "cannot be enforced" in e.value.body["message"], e.value.body
+
+
 def test_a_response_format_with_auto_tools_is_that_json_or_calls_streamed_and_not(front):
     """tool_choice auto beside a JSON response_format: the reply is the format's JSON or a list
     of calls that hold their schemas (one grammar of both); the format's JSON, where it is an
