@@ -419,7 +419,7 @@ class AdaptiveBudget(BudgetPolicy):
         # seconds and of their tokens, and their count (``measured_pays``)
         self._spd = (0.0, 0.0, 0.0, 0)
         self._updates = 0
-        self._drafted_rounds = 0  # rounds that drafted (``update``)
+        self._after_draft = False  # the last round ``update`` saw drafted (the drafter's context is current)
         self._pending: Optional[float] = None  # the table's τ - 1 for the round in flight
         # EMA of the sessions in this session's verify forwards (``observe_load``), from the verifier's
         # recent load, or the caller's count of sessions decoding now where that is more (a burst of
@@ -672,13 +672,22 @@ class AdaptiveBudget(BudgetPolicy):
         if verify_s > 0:
             self.costs.observe(drafted, verify_s)
         pending, self._pending = self._pending, None
+        after_draft, self._after_draft = self._after_draft, drafted > 0
         if drafted <= 0:
             return
         fails = 1 if accepted < drafted else 0
         w = self.ema
-        if verify_s > 0 and self._updates > 1:  # what the round bought (not
-            # the first round: it carries the prefill); a ratio of EMAs (an EMA of per-round
-            # ratios would be biased high: a round accepting 0 costs its seconds for 1 token)
+        # what the round bought (not the first round: it carries the prefill; nor a per-token drafter's
+        # round after rounds without a draft: it catches the drafter up on them, a cost drafting on does
+        # not pay); a ratio of EMAs (an EMA of per-round ratios would be biased high: a round accepting 0
+        # costs its seconds for 1 token)
+        if not (self.per_round_draft or after_draft) and self._updates > 1 and accepted >= drafted:
+            # a re-probe accepted its whole draft: the text has changed since the rounds that switched
+            # drafting off, so their verdict is dropped and the rounds from here on make a new one (kept,
+            # the verdict of a hard opening held a draft LM off for a whole code_write reply whose
+            # probes all accepted everything)
+            self._spd = (0.0, 0.0, 0.0, 0)
+        elif verify_s > 0 and self._updates > 1 and (self.per_round_draft or after_draft):
             dv, d, tok, n = self._spd
             g = self.SPEED_EMA if n else 1.0
             extra = verify_s - (self.costs.short_seconds or verify_s)  # over a plain round now
@@ -698,11 +707,11 @@ class AdaptiveBudget(BudgetPolicy):
         if self.per_round_draft and drafted >= self.max_budget:
             self.full_accepted = accepted if self.full_accepted is None else \
                 (1 - w) * self.full_accepted + w * accepted
-        # a per-token drafter's cost from its second drafted round on: its first propose of a session
-        # feeds it the whole context (a draft LM prefills the prompt), a cost no later round pays; counted,
-        # it prices the draft's tokens at several times their cost and switches drafting off for good
-        self._drafted_rounds += 1
-        if verify_s > 0 and (self.per_round_draft or self._drafted_rounds > 1):
+        # a per-token drafter's cost from drafted rounds that follow a drafted round: the first propose of a
+        # session feeds it the whole context (a draft LM prefills the prompt), and one after rounds without a
+        # draft feeds it the tokens it missed; counted, those priced the 0.5B's tokens at 0.8-1 target
+        # forwards (its own ~0.35) and switched drafting off for good, a re-probe never looking cheap enough
+        if verify_s > 0 and (self.per_round_draft or after_draft):
             per = draft_s if self.per_round_draft else draft_s / drafted
             unit = self.costs.short_seconds or verify_s  # a one-token forward, once measured
             self.cost = (1 - w) * self.cost + w * per / unit

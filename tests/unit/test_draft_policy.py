@@ -104,6 +104,44 @@ def test_the_draft_lms_prompt_prefill_is_not_the_price_of_its_tokens():
     assert 0.2 < p.cost <= 0.35 and p.next() > 0
 
 
+def test_a_draft_after_rounds_without_one_is_not_the_price_of_its_tokens():
+    """A re-probe after plain rounds feeds the draft LM the tokens it missed (and through the
+    services it may share the CPUs with a step the verifier had decoded ahead): 6 drafts took
+    255 ms instead of ~110 on the Qwen pair, and priced at that the probe never looked cheap
+    enough to keep drafting."""
+    costs = _curve({3: 0.012, 5: 0.013})
+    p = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs, alpha0=0.9)
+    p.update(4, 4, draft_s=0.4, verify_s=0.013)  # the first drafted round (the prompt's prefill)
+    for _ in range(3):
+        p.update(4, 4, draft_s=0.014, verify_s=0.013)
+    steady = p.cost
+    for _ in range(3):
+        p.update(0, 0, verify_s=0.010)  # rounds without a draft
+    p.update(4, 4, draft_s=0.1, verify_s=0.013)  # the re-probe: catching up as well
+    assert p.cost == steady and p.next() > 0
+    p.update(4, 4, draft_s=0.014, verify_s=0.013)  # drafting on: measured again
+    assert p.cost != steady
+
+
+def test_a_reprobe_that_accepts_its_whole_draft_switches_drafting_back_on():
+    """Rounds of a hard opening measured drafting slower than plain decoding; the text then
+    became predictable and the re-probes accepted everything: the old verdict goes, and the
+    draft LM drafts again (through serve it had stayed off for the rest of the reply)."""
+    costs = _curve({1: 0.0105, 3: 0.011, 5: 0.0115, 7: 0.012})
+    p = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs, alpha0=0.9, probe_every=2)
+    for _ in range(10):  # 6 drafts a round, 0 accepted, each round slower than a plain one
+        p.update(6, 0, draft_s=0.03, verify_s=0.014)
+    assert not p.measured_pays()
+    for _ in range(50):  # rounds without a draft until the re-probe
+        probe = p.next()
+        if probe:
+            break
+        p.update(0, 0, verify_s=0.010)
+    assert probe > 0
+    p.update(probe, probe, draft_s=0.05, verify_s=0.012)  # the re-probe, catching up as well: all accepted
+    assert p.measured_pays() and p.next() > 0
+
+
 def test_a_switched_off_draft_lm_is_reprobed_with_a_draft_that_could_pay():
     costs = _curve({1: 0.0105, 3: 0.011, 5: 0.0115})
     p = AdaptiveBudget.for_drafter("draft_lm", 8, costs=costs, alpha0=0.8, probe_every=2)
