@@ -27,6 +27,7 @@ from .types import (DraftContext, GenerationStats, InvalidArgument, SamplingPara
 
 
 BLOCK_DRAFTERS = registry.PER_ROUND  # propose a whole block in one pass: draft cost per round, not per token
+MODEL_TOKEN_DRAFTERS = registry.names(cost="token")  # a model drafting token by token (the draft LM)
 TREE_DRAFTERS = registry.PER_ROUND_TREES  # of those, the ones that grow a best-first tree of the budget's size
 
 
@@ -391,8 +392,12 @@ class AdaptiveBudget(BudgetPolicy):
     def __init__(self, max_budget: int = 8, beta: float = 0.06, ema: float = 0.3, probe_every: int = 8,
                  alpha0: Optional[float] = None, entropy_scale: float = 3.0, per_round_draft: bool = False,
                  costs: Optional[VerifyCosts] = None, tree: bool = False,
-                 schedule: Optional[TreeSchedule] = None, probe_key: Optional[str] = None, load: float = 1.0):
+                 schedule: Optional[TreeSchedule] = None, probe_key: Optional[str] = None, load: float = 1.0,
+                 catches_up: bool = False):
+        """``catches_up``: a per-token drafter that runs a model, so a round after rounds
+        without a draft also feeds it the tokens it missed (``update``)."""
         super().__init__(max_budget)
+        self.catches_up = catches_up and not per_round_draft
         self.schedule = schedule
         self.per_round_draft = per_round_draft
         self.tree = tree and per_round_draft
@@ -420,6 +425,7 @@ class AdaptiveBudget(BudgetPolicy):
         self._spd = (0.0, 0.0, 0.0, 0)
         self._updates = 0
         self._after_draft = False  # the last round ``update`` saw drafted (the drafter's context is current)
+        self._drafted_rounds = 0  # rounds that drafted (``update``)
         self._pending: Optional[float] = None  # the table's τ - 1 for the round in flight
         # EMA of the sessions in this session's verify forwards (``observe_load``), from the verifier's
         # recent load, or the caller's count of sessions decoding now where that is more (a burst of
@@ -452,6 +458,7 @@ class AdaptiveBudget(BudgetPolicy):
             kw.update(per_round_draft=True, tree=drafter in TREE_DRAFTERS)
         if drafter not in TREE_DRAFTERS:
             kw.pop("schedule", None)
+        kw.setdefault("catches_up", drafter in MODEL_TOKEN_DRAFTERS)
         return cls(max_budget, costs=costs, **kw)
 
     LOAD_EMA = 0.3  # the verify forwards' batch size (~3 rounds)
@@ -677,17 +684,17 @@ class AdaptiveBudget(BudgetPolicy):
             return
         fails = 1 if accepted < drafted else 0
         w = self.ema
-        # what the round bought (not the first round: it carries the prefill; nor a per-token drafter's
-        # round after rounds without a draft: it catches the drafter up on them, a cost drafting on does
-        # not pay); a ratio of EMAs (an EMA of per-round ratios would be biased high: a round accepting 0
-        # costs its seconds for 1 token)
-        if not (self.per_round_draft or after_draft) and self._updates > 1 and accepted >= drafted:
+        # what the round bought (not the first round: it carries the prefill; nor, for a drafter that
+        # ``catches_up``, a round after rounds without a draft: it feeds the drafter's model the tokens it
+        # missed, a cost drafting on does not pay); a ratio of EMAs (an EMA of per-round ratios would be
+        # biased high: a round accepting 0 costs its seconds for 1 token)
+        if self.catches_up and not after_draft and self._updates > 1 and accepted >= drafted:
             # a re-probe accepted its whole draft: the text has changed since the rounds that switched
             # drafting off, so their verdict is dropped and the rounds from here on make a new one (kept,
             # the verdict of a hard opening held a draft LM off for a whole code_write reply whose
             # probes all accepted everything)
             self._spd = (0.0, 0.0, 0.0, 0)
-        elif verify_s > 0 and self._updates > 1 and (self.per_round_draft or after_draft):
+        elif verify_s > 0 and self._updates > 1 and (after_draft or not self.catches_up):
             dv, d, tok, n = self._spd
             g = self.SPEED_EMA if n else 1.0
             extra = verify_s - (self.costs.short_seconds or verify_s)  # over a plain round now
@@ -707,11 +714,14 @@ class AdaptiveBudget(BudgetPolicy):
         if self.per_round_draft and drafted >= self.max_budget:
             self.full_accepted = accepted if self.full_accepted is None else \
                 (1 - w) * self.full_accepted + w * accepted
-        # a per-token drafter's cost from drafted rounds that follow a drafted round: the first propose of a
-        # session feeds it the whole context (a draft LM prefills the prompt), and one after rounds without a
-        # draft feeds it the tokens it missed; counted, those priced the 0.5B's tokens at 0.8-1 target
-        # forwards (its own ~0.35) and switched drafting off for good, a re-probe never looking cheap enough
-        if verify_s > 0 and (self.per_round_draft or after_draft):
+        # a per-token drafter's cost from its second drafted round on (its first propose of a session feeds
+        # it the whole context: a draft LM prefills the prompt), and for one that ``catches_up`` only from
+        # rounds right after a drafted one (a round after rounds without a draft feeds it the tokens it
+        # missed); counted, those priced the 0.5B's tokens at 0.8-1 target forwards (its own ~0.35) and
+        # switched drafting off for good, a re-probe never looking cheap enough
+        self._drafted_rounds += 1
+        settled = after_draft if self.catches_up else self._drafted_rounds > 1
+        if verify_s > 0 and (self.per_round_draft or settled):
             per = draft_s if self.per_round_draft else draft_s / drafted
             unit = self.costs.short_seconds or verify_s  # a one-token forward, once measured
             self.cost = (1 - w) * self.cost + w * per / unit
