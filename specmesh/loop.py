@@ -691,8 +691,7 @@ class AdaptiveBudget(BudgetPolicy):
         if self.catches_up and not after_draft and self._updates > 1 and accepted >= drafted:
             # a re-probe accepted its whole draft: the text has changed since the rounds that switched
             # drafting off, so their verdict is dropped and the rounds from here on make a new one (kept,
-            # the verdict of a hard opening held a draft LM off for a whole code_write reply whose
-            # probes all accepted everything)
+            # a hard opening's verdict would hold the drafter off however well the probes did)
             self._spd = (0.0, 0.0, 0.0, 0)
         elif verify_s > 0 and self._updates > 1 and (after_draft or not self.catches_up):
             dv, d, tok, n = self._spd
@@ -717,8 +716,8 @@ class AdaptiveBudget(BudgetPolicy):
         # a per-token drafter's cost from its second drafted round on (its first propose of a session feeds
         # it the whole context: a draft LM prefills the prompt), and for one that ``catches_up`` only from
         # rounds right after a drafted one (a round after rounds without a draft feeds it the tokens it
-        # missed); counted, those priced the 0.5B's tokens at 0.8-1 target forwards (its own ~0.35) and
-        # switched drafting off for good, a re-probe never looking cheap enough
+        # missed); counted, those price its tokens at several times their cost and switch drafting off
+        # for good, a re-probe never looking cheap enough
         self._drafted_rounds += 1
         settled = after_draft if self.catches_up else self._drafted_rounds > 1
         if verify_s > 0 and (self.per_round_draft or settled):
