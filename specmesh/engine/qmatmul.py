@@ -243,7 +243,7 @@ def _repack_part(k: QKernel, p: Part, data: torch.Tensor, off: int) -> None:
     repacked ``REPACK_CHUNK`` bytes of rows at a time, each step's source pages dropped
     from this process once read (the file stays in the page cache): the load's peak
     memory is the tiles plus one step, not the tiles plus the file's pages read so far
-    (a [151936, 1536] Q6_K head held 190 MB of both at once)."""
+    (for a large head, both of its copies at once)."""
     mm = getattr(p.raw, "_mmap", None)
     if mm is None or getattr(p.raw, "mode", None) != "r" or p.n <= 8:  # (dropped pages of a copy-on-write
         # mapping would lose what was written to them; a read-only one reads them back from the file)

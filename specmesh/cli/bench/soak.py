@@ -66,9 +66,8 @@ def warm_capacity(client, model: str, texts, slots: int, prompt_tokens: int) -> 
     """Touch the server's lazily mapped capacity once: ``slots`` concurrent requests of a
     ``prompt_tokens``-token prompt, plainly and through each model drafter (the draft LM, the
     block drafter on the drafter service and in the verifier), ``WARM_TOKENS`` tokens each:
-    enough for a drafted round, the one that feeds a drafter the prompt (with two tokens no
-    round had room for a draft, the draft LM never read the prompt, and its KV pages were
-    first written mid-soak: a 160 MiB step of the drafter's RSS)."""
+    enough for a drafted round, the one that feeds a drafter the prompt (with fewer no round
+    has room for a draft, and the draft LM's KV pages are first written mid-soak)."""
     def one(k: int, extra: dict) -> None:
         try:
             client.completions.create(model=model, prompt=texts.piece(prompt_tokens), max_tokens=WARM_TOKENS,
