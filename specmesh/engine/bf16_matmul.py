@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from .keylist_attention import c_source
+from .pages import on_huge_pages
 
 _SOURCE = c_source("bf16_matmul.c")
 
@@ -91,7 +92,7 @@ class Bf16Matmul:
         N, K = w.shape
         if not supported(N, K):
             raise ValueError(f"bf16 pack: unsupported shape {tuple(w.shape)}")
-        return w.to(torch.bfloat16).reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+        return on_huge_pages(w.to(torch.bfloat16).reshape(N // 16, 16, K // 2, 2).permute(0, 2, 1, 3))
 
     def mm(self, x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """x [M, K] bf16 (contiguous) times the packed weight: [M, N] bf16."""

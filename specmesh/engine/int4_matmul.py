@@ -57,6 +57,7 @@ from typing import Optional
 import torch
 
 from .keylist_attention import c_source
+from .pages import on_huge_pages
 
 _SOURCE = c_source("int4_matmul.c")
 
@@ -154,7 +155,7 @@ class Int4Matmul:
         def sc(t):
             return t.to(torch.bfloat16).reshape(N // 16, 16, G).permute(0, 2, 1).contiguous().view(torch.uint8)
 
-        return torch.cat([nib, sc(scale), sc(zero)], -1).contiguous()
+        return on_huge_pages(torch.cat([nib, sc(scale), sc(zero)], -1))
 
     def mm(self, x: torch.Tensor, packed: torch.Tensor, n_out: int, group: int) -> torch.Tensor:
         """x [M, K] bf16 (contiguous) times the packed weight: [M, n_out] bf16."""

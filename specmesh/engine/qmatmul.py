@@ -44,6 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from .keylist_attention import c_source
+from .pages import weights_buffer
 
 _SOURCE = c_source("qmm.c")
 _FLAGS = ("-ffp-contract=off",)  # the scalar path's fp32 steps exactly as written (the vector path's order)
@@ -237,7 +238,6 @@ class Part:
 
 REPACK_CHUNK = 32 << 20  # source bytes a repack step reads from a mapped file
 
-
 def _repack_part(k: QKernel, p: Part, data: torch.Tensor, off: int) -> None:
     """``p``'s tiles into ``data`` at ``off``. A part that is a view of a mapped file is
     repacked ``REPACK_CHUNK`` bytes of rows at a time, each step's source pages dropped
@@ -285,7 +285,7 @@ class QMatrix:
                 raise ValueError(f"the q kernels take {', '.join(TYPE_IDS)}, not GGML type {p.type}")
         sizes = [tile_bytes(p.type, p.n, p.k) for p in parts]
         self.offsets = [sum(sizes[:i]) for i in range(len(parts))]
-        self.data = torch.empty(sum(sizes), dtype=torch.uint8)
+        self.data = weights_buffer(sum(sizes))
         for p, off in zip(parts, self.offsets):  # each part repacked into its place
             _repack_part(k, p, self.data, off)
         self._bind()

@@ -8,13 +8,16 @@
    Q4_K and Q6_K, as scaled planes. A K-quant's sub-blocks (32 inputs; Q6_K: 16) each have
    a scale per output, which the tile unit cannot apply, and applying it to each row's
    sums per sub-block (llama.cpp's AMX kernels do) costs more than the products. So each
-   weight's sub-block scale is multiplied in once per block (vpmaddubsw: sc q fits 16 bits)
-   and split into two byte planes, w = 2^s hi + lo (Q4_K: 0 <= sc q <= 945, s = 6; Q6_K:
-   |sc q| <= 8064, s = 7). The tiles then take a whole block, 64 inputs a tdpbssd, the
-   sums accumulating in the tile unit, and each row reads two sums a block: S = 2^s C_hi +
-   C_lo = sum sc q x, exactly the scalar path's S. (Measured on a Xeon with AMX, one
-   thread, [8960, 1536]: Q4_K 1.28 ms at 16 rows against 1.30 for per-sub-block sums and
-   1.45 on 512-bit VNNI, 2.56 against 3.51 at 48; Q6_K 1.62 against 2.28 and 1.79.)
+   weight's sub-block scale is multiplied in once per block (vpmaddubsw: w = sc q fits 16
+   bits: Q4_K 0 <= w <= 945, Q6_K |w| <= 8064) and its two bytes become two planes, w =
+   256 hi + lo: lo the low byte, unsigned (tdpbsud), hi the high one, signed (tdpbssd);
+   one vpermt2b gathers a plane's 64 bytes from the even and odd inputs' products. The
+   tiles then take a whole block, 64 inputs a tile product, the sums accumulating in the
+   tile unit, and each row reads two sums a block: S = 256 C_hi + C_lo = sum sc q x,
+   exactly the scalar path's S. (Measured on a Xeon with AMX, one thread, [8960, 1536],
+   planes then split by shifts and masks: Q4_K 1.28 ms at 16 rows against 1.30 for
+   per-sub-block sums and 1.45 on 512-bit VNNI, 2.56 against 3.51 at 48; Q6_K 1.62
+   against 2.28 and 1.79. The byte split costs 6% less at 16 rows than the shifts.)
 
    The 32-input types, as items: a block's codes unpacked into one B tile (its second half
    zero, so the tiles' shapes are the planes'), its sums read per row (one scale per
@@ -81,8 +84,11 @@ typedef struct {
    at its even (parity 0) or odd (parity 1) inputs and 0 at the others, for vpmaddubsw; the
    scales come from a vector whose 128-bit lane L holds those of outputs 4 L .. 4 L + 3:
    [0] Q4_K (output o at byte o), [1 + h] Q6_K's sub-block 2 g + h (byte 2 (o mod 8) + h of
-   the tile's scale pairs). Filled once, at load. */
+   the tile's scale pairs). planes_sel: vpermt2b controls taking byte h (0 low, 1 high) of
+   the even inputs' 16-bit products (lane i: input 2 i) and of the odd ones' into the row's
+   byte order. Filled once, at load. */
 static int8_t planes_ctl[3][2][64] __attribute__((aligned(64)));
+static int8_t planes_sel[2][64] __attribute__((aligned(64)));
 
 __attribute__((constructor)) static void planes_ctl_init(void) {
     for (int v = 0; v < 3; v++)
@@ -93,21 +99,20 @@ __attribute__((constructor)) static void planes_ctl_init(void) {
                         const int o = 4 * L + i, idx = v == 0 ? o : 2 * (o % 8) + (v - 1);
                         planes_ctl[v][odd][16 * L + 4 * i + e] = (int8_t)((e & 1) == odd ? idx : 0x80);
                     }
+    for (int h = 0; h < 2; h++)
+        for (int i = 0; i < 32; i++) { planes_sel[h][2 * i] = (int8_t)(2 * i + h); planes_sel[h][2 * i + 1] = (int8_t)(64 + 2 * i + h); }
 }
 
 static inline __m512i scale_bytes(__m512i src, int v, int odd) {
     return _mm512_shuffle_epi8(src, _mm512_load_si512((const __m512i*)planes_ctl[v][odd]));
 }
 
-/* a chunk row of codes times its scales (se: even inputs', so: odd inputs'), split into
-   the planes' bytes: w = 2^sh hi + lo, lo = w mod 2^sh */
-static inline void split_planes(__m512i q, __m512i se, __m512i so, int sh, uint8_t* hi, uint8_t* lo) {
+/* a chunk row of codes times its scales (se: even inputs', so: odd inputs'), as the
+   planes' bytes: w = 256 hi + lo (sl, sh: planes_sel) */
+static inline void split_planes(__m512i q, __m512i se, __m512i so, __m512i sl, __m512i sh, uint8_t* hi, uint8_t* lo) {
     const __m512i pe = _mm512_maddubs_epi16(q, se), po = _mm512_maddubs_epi16(q, so);  /* inputs 0, 2 / 1, 3 */
-    const __m512i m = _mm512_set1_epi16((short)((1 << sh) - 1)), b = _mm512_set1_epi16(0xFF);
-    const __m512i le = _mm512_and_si512(pe, m), lo_ = _mm512_and_si512(po, m);
-    const __m512i he = _mm512_and_si512(_mm512_srai_epi16(pe, sh), b), ho = _mm512_srai_epi16(po, sh);
-    _mm512_store_si512((__m512i*)lo, _mm512_or_si512(le, _mm512_slli_epi16(lo_, 8)));
-    _mm512_store_si512((__m512i*)hi, _mm512_or_si512(he, _mm512_slli_epi16(ho, 8)));
+    _mm512_store_si512((__m512i*)lo, _mm512_permutex2var_epi8(pe, sl, po));
+    _mm512_store_si512((__m512i*)hi, _mm512_permutex2var_epi8(pe, sh, po));
 }
 
 /* block b's planes into slot s: B tile t covers inputs 64 t .. 64 t + 63 (rows: chunks) */
@@ -116,6 +121,7 @@ static void planes_unpack(const amx_job* J, int64_t b, int s) {
     const uint8_t *p0 = J->P0 + b * tb, *p1 = J->P1 + b * tb;
     if (b + 2 < J->nb) prefetch2(p0, p1, tb);
     uint8_t (*pb)[4][1024] = J->X->pb[s];
+    const __m512i sl = _mm512_load_si512((const __m512i*)planes_sel[0]), sh = _mm512_load_si512((const __m512i*)planes_sel[1]);
     __m512i w[8];
     if (J->t == QT_Q4_K) {
         for (int j = 0; j < 8; j++) {  /* the 16 outputs' scales of sub-block j in every lane */
@@ -124,7 +130,7 @@ static void planes_unpack(const amx_job* J, int64_t b, int s) {
             nibbles16(p0 + 128 * j, p1 + 128 * j, w);
             for (int c = 0; c < 8; c++) {
                 const int row = 8 * (j & 1) + c;
-                split_planes(w[c], se, so, 6, pb[0][j / 2] + 64 * row, pb[1][j / 2] + 64 * row);
+                split_planes(w[c], se, so, sl, sh, pb[0][j / 2] + 64 * row, pb[1][j / 2] + 64 * row);
             }
         }
         return;
@@ -138,7 +144,7 @@ static void planes_unpack(const amx_job* J, int64_t b, int s) {
             const __m512i se = scale_bytes(src, 1 + h, 0), so = scale_bytes(src, 1 + h, 1);
             for (int c = 4 * h; c < 4 * h + 4; c++) {
                 const int row = 8 * (g & 1) + c;
-                split_planes(w[c], se, so, 7, pb[0][g / 2] + 64 * row, pb[1][g / 2] + 64 * row);
+                split_planes(w[c], se, so, sl, sh, pb[0][g / 2] + 64 * row, pb[1][g / 2] + 64 * row);
             }
         }
     }
@@ -157,21 +163,20 @@ static void planes_tiles(const amx_job* J, int64_t b, int s) {
         if (two) { T_ZERO(5); T_ZERO(6); }
         for (int t = 0; t < 4; t++) {
             T_LOAD(0, pb[0][t], 64); T_LOAD(1, pb[1][t], 64);
-            T_LOAD(2, x + g * R * K + 64 * t, K); T_DP(3, 2, 0); T_DP(4, 2, 1);
-            if (two) { T_LOAD(7, x + (g + 1) * R * K + 64 * t, K); T_DP(5, 7, 0); T_DP(6, 7, 1); }
+            T_LOAD(2, x + g * R * K + 64 * t, K); T_DP(3, 2, 0); T_DPSU(4, 2, 1);
+            if (two) { T_LOAD(7, x + (g + 1) * R * K + 64 * t, K); T_DP(5, 7, 0); T_DPSU(6, 7, 1); }
         }
         T_STORE(3, hi + g * R * 16, 64); T_STORE(4, lo + g * R * 16, 64);
         if (two) { T_STORE(5, hi + (g + 1) * R * 16, 64); T_STORE(6, lo + (g + 1) * R * 16, 64); }
     }
 }
 
-/* block b's sums: S = 2^sh C_hi + C_lo per row, then the block's fp32 steps */
+/* block b's sums: S = 256 C_hi + C_lo per row, then the block's fp32 steps */
 static void planes_sums(const amx_job* J, int64_t b, int s) {
     const int64_t K = J->A->K, tb = q_tile_bytes(J->t), m0 = J->m0, mc = J->mc;
     const uint8_t *p0 = J->P0 + b * tb, *p1 = J->P1 + b * tb;
-    const int sh = J->t == QT_Q4_K ? 6 : 7;
     for (int64_t r = 0; r < mc; r++)
-        J->S[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const __m512i*)(J->X->pc[s][0] + 16 * r)), sh),
+        J->S[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const __m512i*)(J->X->pc[s][0] + 16 * r)), 8),
                                    _mm512_load_si512((const __m512i*)(J->X->pc[s][1] + 16 * r)));
     if (J->t == QT_Q4_K) { finish16_q4k(p0, p1, b, J->A, m0, mc, J->S, J->acc); return; }
     __m512i pr[8], s0, s1;

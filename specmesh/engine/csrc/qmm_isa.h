@@ -4,7 +4,8 @@
    (the CPU's CPUID flags, through -march=native): QMM_AVX2 (AVX2 + FMA + F16C),
    QMM_VNNI256 (AVX-VNNI, or AVX-512 VNNI with VL: vpdpbusd on 256-bit vectors),
    QMM_AVX512 (AVX-512 F/BW/VL + VNNI: vpdpbusd on 512-bit vectors), QMM_AMX (AMX-INT8
-   tiles, with AVX-512 for the steps around them).
+   tiles, with AVX-512 and VBMI's vpermt2b for the steps around them; every AMX CPU has
+   both).
 
    SIMDe build (-DQMM_SIMDE, compiled for x86-64-v3): every path is compiled whatever the
    CPU has; the AVX-512 and VNNI intrinsics come from SIMDe's portable implementations
@@ -36,7 +37,7 @@
     defined(__AVX512VNNI__)
 #define QMM_AVX512 1
 #endif
-#if defined(QMM_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#if defined(QMM_AVX512) && defined(__AVX512VBMI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
 #define QMM_AMX 1
 #endif
 #endif
@@ -93,7 +94,7 @@ typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; ui
    shapes, and the four instructions the kernel uses, as the architecture defines them
    (tileloadd / tilestored: `rows` rows of `colsb` bytes at a stride, the rest of the tile
    zero; tilezero; tdpbssd: C[m][n] += sum over k < colsb(A) of A[m][k] * B[k / 4][4 n +
-   k % 4], signed bytes, int32 sums). */
+   k % 4], signed bytes, int32 sums; tdpbsud: the same with B's bytes unsigned). */
 typedef struct { int rows, colsb; uint8_t d[16][64]; } emu_tile;
 static _Thread_local emu_tile emu_t[8];
 static void emu_config(const qtilecfg* c) {
@@ -108,13 +109,16 @@ static void emu_store(int t, void* p, int64_t stride) {
     const emu_tile* T = &emu_t[t];
     for (int r = 0; r < T->rows; r++) memcpy((uint8_t*)p + r * stride, T->d[r], (size_t)T->colsb);
 }
-static void emu_dpbssd(int c, int a, int b) {
+static void emu_dp(int c, int a, int b, int b_unsigned) {
     emu_tile *C = &emu_t[c], *A = &emu_t[a], *B = &emu_t[b];
     for (int m = 0; m < C->rows; m++)
         for (int n = 0; n < C->colsb / 4; n++) {
             int32_t s;
             memcpy(&s, C->d[m] + 4 * n, 4);
-            for (int k = 0; k < A->colsb; k++) s += (int8_t)A->d[m][k] * (int8_t)B->d[k / 4][4 * n + k % 4];
+            for (int k = 0; k < A->colsb; k++) {
+                const uint8_t w = B->d[k / 4][4 * n + k % 4];
+                s += (int8_t)A->d[m][k] * (b_unsigned ? (int32_t)w : (int32_t)(int8_t)w);
+            }
             memcpy(C->d[m] + 4 * n, &s, 4);
         }
 }
@@ -123,7 +127,8 @@ static void emu_dpbssd(int c, int a, int b) {
 #define T_LOAD(t, p, s) emu_load(t, p, s)
 #define T_STORE(t, p, s) emu_store(t, p, s)
 #define T_ZERO(t) memset(emu_t[t].d, 0, 1024)
-#define T_DP(c, a, b) emu_dpbssd(c, a, b)
+#define T_DP(c, a, b) emu_dp(c, a, b, 0)
+#define T_DPSU(c, a, b) emu_dp(c, a, b, 1)
 static int amx_permission(void) { return 1; }
 #else
 #include <sys/syscall.h>
@@ -134,6 +139,7 @@ static int amx_permission(void) { return 1; }
 #define T_STORE(t, p, s) _tile_stored(t, p, s)
 #define T_ZERO(t) _tile_zero(t)
 #define T_DP(c, a, b) _tile_dpbssd(c, a, b)
+#define T_DPSU(c, a, b) _tile_dpbsud(c, a, b)
 /* Linux hands out the tile state on request (arch_prctl ARCH_REQ_XCOMP_PERM, XTILEDATA) */
 static int amx_permission(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
 #endif

@@ -1,0 +1,61 @@
+"""Where the weights a token reads live: buffers the kernel may back with transparent
+huge pages.
+
+A decoding step streams every weight once (~1 GB for Qwen2.5-Coder-1.5B's Q4_K_M tiles).
+On 4 KiB pages that is ~250,000 TLB misses and page walks a token; on 2 MiB pages ~500.
+Linux backs an anonymous region with huge pages where asked (``madvise(MADV_HUGEPAGE)``,
+the default ``enabled=madvise`` mode; ``always`` does it anyway, ``never`` ignores the
+advice), so a weights buffer is placed on a 2 MiB boundary and its whole huge pages are
+advised before anything is written to them. ``SPECMESH_HUGEPAGES=0`` turns it off.
+
+Knows nothing of kernels, layouts or models: bytes, pages and tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20  # an x86-64 transparent huge page
+MADV_HUGEPAGE = 14
+
+
+def enabled() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get("SPECMESH_HUGEPAGES", "1") != "0"
+
+
+def _advise(addr: int, length: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def weights_buffer(nbytes: int) -> torch.Tensor:
+    """An empty uint8 tensor of ``nbytes`` starting on a 2 MiB boundary, its whole huge
+    pages advised. The allocation is up to 2 MiB longer in address space, never touched
+    (so never resident); the tail past the last whole huge page stays on small pages, so
+    the buffer holds no memory it does not use. Below 4 MiB, or where turned off, a plain
+    tensor."""
+    if nbytes < 2 * HUGE_PAGE or not enabled():
+        return torch.empty(nbytes, dtype=torch.uint8)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % HUGE_PAGE
+    buf = raw[off: off + nbytes]  # a view: it keeps the allocation alive
+    _advise(buf.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE)
+    return buf
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s values in a ``weights_buffer`` (same dtype and shape, contiguous); ``t``
+    itself where the buffer would be a plain tensor anyway."""
+    n = t.numel() * t.element_size()
+    if n < 2 * HUGE_PAGE or not enabled():
+        return t.contiguous()
+    out = weights_buffer(n).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
