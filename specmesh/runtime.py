@@ -31,7 +31,8 @@ from .engine.device import resolve_device
 from .loop import VerifyCosts
 from .models.codec import TextCodec
 from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, cache_root, freed_memory_returned, load_config,
-                             load_state_dict, load_tokenizer, resolve_model, source_gguf)
+                             load_state_dict, load_tokenizer, resolve_model, source_gguf,
+                             added_token_ids)
 from .types import InvalidArgument
 from .verifier import EngineVerifier
 
@@ -143,8 +144,7 @@ def draft_head_ranges(model_dir, vocab_size: int, rows: int = DRAFT_HEAD_ROWS) -
     head) where ``rows`` is 0 or the vocabulary is under twice it."""
     if rows <= 0 or vocab_size < 2 * rows:
         return []
-    tok = load_tokenizer(Path(model_dir))
-    added = [i for i in getattr(tok, "added_tokens_decoder", {}) if i >= rows]
+    added = [i for i in added_token_ids(Path(model_dir)) if i >= rows]
     tail = (min(added) // 8 * 8) if added else vocab_size
     return [(0, rows // 8 * 8)] + ([(tail, vocab_size)] if tail < vocab_size else [])
 
@@ -152,11 +152,11 @@ def draft_head_ranges(model_dir, vocab_size: int, rows: int = DRAFT_HEAD_ROWS) -
 def make_draft_engine(path: str, dtype: str, n_slots: int, max_seq_len: int, device="cpu", cuda_graphs=True,
                       head_rows: int = DRAFT_HEAD_ROWS) -> LlamaEngine:
     """A draft LM's engine (``make_engine``), its head kept to ``draft_head_ranges`` where it
-    runs on GGUF blocks."""
+    runs on GGUF blocks (the other rows freed)."""
     eng = make_engine(path, dtype, n_slots, max_seq_len, device, cuda_graphs, quiet=True)
     ranges = draft_head_ranges(path, eng.vocab_size, head_rows) if eng.head.mode == "q" else []
     if ranges:
-        eng.restrict_head(ranges)
+        eng.restrict_head(ranges, release=True)
     return eng
 
 

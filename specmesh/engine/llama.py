@@ -405,6 +405,7 @@ class LlamaEngine:
                                                "the model's own head")
         self.model_dir = Path(model_dir) if model_dir is not None else None
         self._head_rows = None  # a drafting engine's kept head rows (restrict_head): (QMatrix view, ids)
+        self._head_released = False  # restrict_head(release=True) freed the head's other rows
         self._screen = False  # set by the weight load (int4_head "screen" / "auto")
         self._screen_rows = None  # an untied screen head's int8 rows
         self.config = config
@@ -647,19 +648,29 @@ class LlamaEngine:
     def kv_bytes_per_slot(self) -> int:
         return 2 * self.n_layers * self.n_kv * self.max_seq_len * self.head_dim * self.k_cache.element_size()
 
-    def restrict_head(self, ranges: Sequence[tuple[int, int]]) -> None:
+    def restrict_head(self, ranges: Sequence[tuple[int, int]], release: bool = False) -> None:
         """A drafting engine: logits for the token ids in ``ranges`` only ([start, end)
         pairs, multiples of 8), the others -inf, so a step reads only those rows of the head.
         A draft model's head over a large vocabulary is a large share of what its step reads
         (Qwen2.5-Coder-0.5B: 145 of ~390 MB); its argmax and its top-k draws then range over
         the ids kept, and since the target verifies every draft, output is unchanged.
-        GGUF blocks (``int4``) only; ``[]`` restores the full head."""
+        ``release``: the kept rows move to a weight of their own and the others are freed
+        (the 0.5B: 83 MB less resident), where the head is not the embedding table too;
+        the whole head cannot come back then. GGUF blocks (``int4``) only; ``[]`` restores
+        the full head."""
         if self.head.mode != "q":
             raise InvalidArgument("restrict_head", "needs the head on GGUF blocks (dtype int4)")
+        if self._head_released:
+            raise InvalidArgument("restrict_head", "the head's other rows were released (restrict_head(release=True))")
         self._head_rows = None
         if ranges:
             idx = torch.cat([torch.arange(a, b) for a, b in ranges])
-            self._head_rows = (self.head.qm.rows_view(ranges), idx)
+            view = self.head.qm.rows_view(ranges)
+            if release and getattr(self.embed, "qm", None) is not self.head.qm:
+                view = view.compact(reuse=True)  # (the whole head's buffer, its other pages released)
+                self.head = Linear.blocks(view, self.head.b)
+                self._head_released = True
+            self._head_rows = (view, idx)
 
     def _logits(self, hn: torch.Tensor, mm) -> torch.Tensor:
         """fp32 logits [n, V] of normed fp32 rows hn [n, H]: the head matmul (through

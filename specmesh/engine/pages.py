@@ -20,6 +20,7 @@ import sys
 import torch
 
 HUGE_PAGE = 2 << 20  # an x86-64 transparent huge page
+MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 
 
@@ -27,12 +28,28 @@ def enabled() -> bool:
     return sys.platform.startswith("linux") and os.environ.get("SPECMESH_HUGEPAGES", "1") != "0"
 
 
-def _advise(addr: int, length: int) -> bool:
+def _advise(addr: int, length: int, advice: int = MADV_HUGEPAGE) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), MADV_HUGEPAGE) == 0
+        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0
     except (OSError, AttributeError):
         return False
+
+
+def release_tail(t: torch.Tensor, keep: int) -> torch.Tensor:
+    """The first ``keep`` bytes of the contiguous tensor ``t`` (a uint8 view), the whole
+    pages after them handed back to the system (``MADV_DONTNEED``: no longer resident;
+    nothing may read them again: the view returned ends before them). Linux only; elsewhere
+    the view alone."""
+    import mmap
+
+    if sys.platform.startswith("linux"):
+        page = mmap.PAGESIZE
+        lo = -(-(t.data_ptr() + keep) // page) * page
+        hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+        if hi > lo:
+            _advise(lo, hi - lo, MADV_DONTNEED)
+    return t.view(torch.uint8)[:keep]
 
 
 def weights_buffer(nbytes: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import torch
 
 from .keylist_attention import c_source
-from .pages import weights_buffer
+from .pages import release_tail, weights_buffer
 
 _SOURCE = c_source("qmm.c")
 _FLAGS = ("-ffp-contract=off",)  # the scalar path's fp32 steps exactly as written (the vector path's order)
@@ -315,6 +315,26 @@ class QMatrix:
         v.out_features = sum(v.seg_rows)
         v._bind()
         return v
+
+    def compact(self, reuse: bool = False) -> "QMatrix":
+        """This weight (a ``rows_view`` or the whole) in a buffer of its own: its segments'
+        bytes side by side, so the weight it views can be freed. ``reuse``: moved to the
+        front of the buffer it shares and the pages past them released (no second copy
+        while both exist); the weight it views is garbage after that."""
+        c = object.__new__(QMatrix)
+        c.kernel, c.in_features, c.out_features = self.kernel, self.in_features, self.out_features
+        c.types, c.seg_rows = list(self.types), list(self.seg_rows)
+        sizes = [tile_bytes(t, n, self.in_features) for t, n in zip(self.types, self.seg_rows)]
+        c.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        dst = self.data if reuse else weights_buffer(sum(sizes))
+        for off, size, src in zip(c.offsets, sizes, self.offsets):  # off <= src: forwards
+            if reuse and off == src:
+                continue
+            seg = self.data[src: src + size]
+            dst[off: off + size].copy_(seg.clone() if reuse and src < off + size else seg)
+        c.data = release_tail(dst, sum(sizes)) if reuse else dst
+        c._bind()
+        return c
 
     def _bind(self) -> None:
         self._segs = (_Seg * len(self.types))(*[_Seg(t, n, o) for t, n, o in zip(self.types, self.seg_rows,

@@ -1,6 +1,7 @@
 """A draft LM's head restricted to the token ids a draft step reads (issue 66): the
 kept ids' logits are the full head's bits, the others -inf, and the rows a view reads are
-the weight's own; the ranges a draft model keeps follow its vocabulary's size."""
+the weight's own, also once moved to a buffer of their own or to the front of the one they
+share (the other rows freed); the ranges a draft model keeps follow its vocabulary's size."""
 
 from __future__ import annotations
 
@@ -30,6 +31,12 @@ def test_a_rows_view_gives_those_rows_of_the_product():
     for bad in ([(4, 16)], [(40, 56)], [(16, 24), (8, 16)]):  # not a multiple of 8; across segments; descending
         with pytest.raises(ValueError):
             W.rows_view(bad)
+    own = view.compact()  # a buffer of its own
+    assert own.data.data_ptr() != W.data.data_ptr() and own.nbytes() < W.nbytes()
+    assert torch.equal(own.mm(x, torch.float32), full[:, rows])
+    moved = W.rows_view([(8, 24), (40, 48), (56, 80)]).compact(reuse=True)  # moved to the front of W's buffer
+    assert moved.data.data_ptr() == W.data.data_ptr() and moved.nbytes() == own.nbytes()
+    assert torch.equal(moved.mm(x, torch.float32), full[:, rows])
 
 
 def test_a_restricted_head_keeps_its_ids_bits_and_masks_the_rest():
@@ -51,6 +58,24 @@ def test_a_restricted_head_keeps_its_ids_bits_and_masks_the_rest():
     eng.restrict_head([])  # the whole head again
     eng.reset(0)
     assert torch.equal(eng.prefill(0, [1, 2, 3, 4]), full)
+
+
+def test_a_released_head_keeps_the_kept_rows_bits_and_frees_the_others():
+    kernel_or_skip(qm, "the q block kernels")
+    cfg, sd = random_llama(3, 0.4, 64, 2, 64, 4, 2, 64)
+    sd["lm_head.weight"] = torch.randn(64, 64, generator=torch.Generator().manual_seed(5)) * 0.4  # untied
+    eng = LlamaEngine(cfg, sd, dtype="int4", n_slots=1, max_seq_len=64)
+    V, full_bytes = eng.vocab_size, eng.head.nbytes()
+    keep = [(0, 16), (V - 8, V)]
+    eng.restrict_head(keep)
+    eng.reset(0)
+    viewed = eng.prefill(0, [1, 2, 3, 4]).clone()
+    eng.restrict_head(keep, release=True)
+    assert eng.head.nbytes() == full_bytes * 24 // V  # 24 of the 64 rows left
+    eng.reset(0)
+    assert torch.equal(eng.prefill(0, [1, 2, 3, 4]), viewed)
+    with pytest.raises(InvalidArgument, match="released"):
+        eng.restrict_head([])
 
 
 def test_only_a_blocks_head_can_be_restricted():
