@@ -76,6 +76,7 @@ typedef struct {
     float* acc;
     amx_work* X;
     __m512i *S, *Bs;
+    qpf* pf;  /* the stream ahead of the block being unpacked, asked through the iteration */
 } amx_job;
 
 /* ---- Q4_K and Q6_K: planes */
@@ -119,12 +120,12 @@ static inline void split_planes(__m512i q, __m512i se, __m512i so, __m512i sl, _
 static void planes_unpack(const amx_job* J, int64_t b, int s) {
     const int64_t tb = q_tile_bytes(J->t);
     const uint8_t *p0 = J->P0 + b * tb, *p1 = J->P1 + b * tb;
-    if (b + 2 < J->nb) prefetch2(p0, p1, tb);
     uint8_t (*pb)[4][1024] = J->X->pb[s];
     const __m512i sl = _mm512_load_si512((const __m512i*)planes_sel[0]), sh = _mm512_load_si512((const __m512i*)planes_sel[1]);
     __m512i w[8];
     if (J->t == QT_Q4_K) {
         for (int j = 0; j < 8; j++) {  /* the 16 outputs' scales of sub-block j in every lane */
+            qpf_step(J->pf, J->pf->q);
             const __m512i src = _mm512_broadcast_i32x4(ld2q(p0 + 1024 + 8 * j, p1 + 1024 + 8 * j));
             const __m512i se = scale_bytes(src, 0, 0), so = scale_bytes(src, 0, 1);
             nibbles16(p0 + 128 * j, p1 + 128 * j, w);
@@ -136,6 +137,7 @@ static void planes_unpack(const amx_job* J, int64_t b, int s) {
         return;
     }
     for (int g = 0; g < 8; g++) {  /* the scale pairs (sc[2g][o], sc[2g + 1][o]): tile 0's in lanes 0-1, 1's in 2-3 */
+        qpf_step(J->pf, J->pf->q);
         const __m256i a = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(p0 + 1536 + 16 * g)));
         const __m256i c1 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(p1 + 1536 + 16 * g)));
         const __m512i src = _mm512_inserti64x4(_mm512_castsi256_si512(a), c1, 1);
@@ -162,6 +164,7 @@ static void planes_tiles(const amx_job* J, int64_t b, int s) {
         T_ZERO(3); T_ZERO(4);
         if (two) { T_ZERO(5); T_ZERO(6); }
         for (int t = 0; t < 4; t++) {
+            qpf_step(J->pf, J->pf->q);
             T_LOAD(0, pb[0][t], 64); T_LOAD(1, pb[1][t], 64);
             T_LOAD(2, x + g * R * K + 64 * t, K); T_DP(3, 2, 0); T_DPSU(4, 2, 1);
             if (two) { T_LOAD(7, x + (g + 1) * R * K + 64 * t, K); T_DP(5, 7, 0); T_DPSU(6, 7, 1); }
@@ -175,6 +178,7 @@ static void planes_tiles(const amx_job* J, int64_t b, int s) {
 static void planes_sums(const amx_job* J, int64_t b, int s) {
     const int64_t K = J->A->K, tb = q_tile_bytes(J->t), m0 = J->m0, mc = J->mc;
     const uint8_t *p0 = J->P0 + b * tb, *p1 = J->P1 + b * tb;
+    qpf_step(J->pf, J->pf->left);
     for (int64_t r = 0; r < mc; r++)
         J->S[r] = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512((const __m512i*)(J->X->pc[s][0] + 16 * r)), 8),
                                    _mm512_load_si512((const __m512i*)(J->X->pc[s][1] + 16 * r)));
@@ -196,7 +200,8 @@ static void planes_sums(const amx_job* J, int64_t b, int s) {
 static inline void item_unpack(const amx_job* J, int64_t k) {
     const int64_t tb = q_tile_bytes(J->t);
     const uint8_t *p0 = J->P0 + k * tb, *p1 = J->P1 + k * tb;
-    if (k + 2 < J->nb) prefetch2(p0, p1, tb);
+    qpf_begin(J->pf, J->P0, J->P1, J->nb, tb, k, 1);
+    qpf_step(J->pf, J->pf->q);
     __m512i w[8];
     chunks16_32(J->t, p0, p1, w);
     uint8_t* bt = J->X->bt[k % AMX_RB];
@@ -231,9 +236,11 @@ static inline void item_sums(const amx_job* J, int64_t k) {
 static void pair_amx(int64_t t, const uint8_t* P0, const uint8_t* P1, int64_t nb, const qacts* A, int64_t m0,
                      int64_t mc, float* acc, int R, amx_work* X) {
     __m512i S[QMM_RB], Bs[QMM_RB];
-    const amx_job J = {t, nb, m0, mc, R, P0, P1, A, acc, X, S, Bs};
+    qpf pf;
+    const amx_job J = {t, nb, m0, mc, R, P0, P1, A, acc, X, S, Bs, &pf};
     if (q_qk(t) == 256) {  /* a block unpacked a block ahead of its tiles, its sums read a block after */
         for (int64_t k = 0; k < nb + 2; k++) {
+            qpf_begin(&pf, P0, P1, nb, q_tile_bytes(t), k, 16);  /* half in the unpack, a quarter in the tiles */
             if (k < nb) planes_unpack(&J, k, (int)(k & 1));
             if (k >= 1 && k - 1 < nb) planes_tiles(&J, k - 1, (int)((k - 1) & 1));
             if (k >= 2) planes_sums(&J, k - 2, (int)(k & 1));

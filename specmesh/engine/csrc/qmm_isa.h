@@ -91,7 +91,7 @@ static inline __m512i sra32(__m512i v, int n) {
 typedef struct { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; } qtilecfg;
 #ifdef QMM_AMX_EMU
 /* The stand-in: eight tiles of up to 16 rows x 64 bytes per thread, the configuration's
-   shapes, and the four instructions the kernel uses, as the architecture defines them
+   shapes, and the five instructions the kernel uses, as the architecture defines them
    (tileloadd / tilestored: `rows` rows of `colsb` bytes at a stride, the rest of the tile
    zero; tilezero; tdpbssd: C[m][n] += sum over k < colsb(A) of A[m][k] * B[k / 4][4 n +
    k % 4], signed bytes, int32 sums; tdpbsud: the same with B's bytes unsigned). */

@@ -22,7 +22,11 @@ static void tile_vnni_32(int64_t t, const uint8_t* T, int64_t nb, const qacts* A
     const int64_t K = A->K, tb = q_tile_bytes(t);
     const __m256i one8 = _mm256_set1_epi8(1);
     const int corr = t == QT_Q4_0 ? 8 : t == QT_Q5_0 ? 16 : 0;
+    const uint8_t* T0 = T;
+    qpf pf;
     for (int64_t b = 0; b < nb; b++, T += tb) {
+        qpf_begin(&pf, T0, NULL, nb, tb, b, 1);
+        qpf_step(&pf, pf.q);
         __m256i w[8], wa[8];
         if (t == QT_Q8_0) for (int c = 0; c < 8; c++) { w[c] = ld(T + 32 * c); wa[c] = _mm256_abs_epi8(w[c]); }
         else {
@@ -53,10 +57,13 @@ static void tile_vnni_32(int64_t t, const uint8_t* T, int64_t nb, const qacts* A
 static void tile_vnni_q4k(const uint8_t* T, int64_t nb, const qacts* A, int64_t m0, int64_t mc, float* acc) {
     const int64_t K = A->K;
     __m256i S[QMM_RB];
+    const uint8_t* T0 = T;
+    qpf pf;
     for (int64_t b = 0; b < nb; b++, T += 1184) {
-        if (b + 1 < nb) for (int i = 0; i < 1184; i += 64) _mm_prefetch((const char*)(T + 1184 * 2 + i), _MM_HINT_T0);
+        qpf_begin(&pf, T0, NULL, nb, 1184, b, 8);
         for (int j = 0; j < 8; j++) {
             __m256i w[8];
+            qpf_step(&pf, pf.q);
             nibbles8(T + 128 * j, w);
             const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(T + 1024 + 8 * j)));
             for (int64_t r = 0; r < mc; r++) {
@@ -74,10 +81,13 @@ static void tile_vnni_q4k(const uint8_t* T, int64_t nb, const qacts* A, int64_t 
 static void tile_vnni_q6k(const uint8_t* T, int64_t nb, const qacts* A, int64_t m0, int64_t mc, float* acc) {
     const int64_t K = A->K;
     __m256i S[QMM_RB], Bs[QMM_RB];
+    const uint8_t* T0 = T;
+    qpf pf;
     for (int64_t b = 0; b < nb; b++, T += 1680) {
-        if (b + 1 < nb) for (int i = 0; i < 1680; i += 64) _mm_prefetch((const char*)(T + 1680 * 2 + i), _MM_HINT_T0);
+        qpf_begin(&pf, T0, NULL, nb, 1680, b, 8);
         for (int g = 0; g < 8; g++) {
             __m256i w[8];
+            qpf_step(&pf, pf.q);
             q6k_codes8(T, g, w);
             /* the pair (sc[2g], sc[2g + 1]) of each output as int16 in its 32-bit lane */
             const __m256i pr = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(T + 1536 + 16 * g)));
@@ -202,14 +212,6 @@ static void finish16_q6k(const uint8_t* P0, const uint8_t* P1, int64_t b, const 
     }
 }
 
-/* the tile-blocks two ahead of P0 and P1 (bytes tb each) towards the caches */
-static inline void prefetch2(const uint8_t* P0, const uint8_t* P1, int64_t tb) {
-    for (int64_t i = 0; i < tb; i += 64) {
-        _mm_prefetch((const char*)(P0 + 2 * tb + i), _MM_HINT_T0);
-        _mm_prefetch((const char*)(P1 + 2 * tb + i), _MM_HINT_T0);
-    }
-}
-
 static inline int64_t offset_32(int64_t t) { return t == QT_Q4_0 ? 8 : t == QT_Q5_0 ? 16 : 0; }
 static inline int64_t dpos_32(int64_t t) { return t == QT_Q5_0 ? 160 : t == QT_Q8_0 ? 256 : 128; }
 
@@ -218,8 +220,11 @@ static void pair512_32(int64_t t, const uint8_t* P0, const uint8_t* P1, int64_t 
     const int64_t K = A->K, tb = q_tile_bytes(t);
     /* Q8_0: codes + 128 as unsigned, 128 times the activations' sum taken off */
     const int64_t off = t == QT_Q8_0 ? 128 : offset_32(t);
+    const uint8_t *Q0 = P0, *Q1 = P1;
+    qpf pf;
     for (int64_t b = 0; b < nb; b++, P0 += tb, P1 += tb) {
-        if (b + 2 < nb) prefetch2(P0, P1, tb);
+        qpf_begin(&pf, Q0, Q1, nb, tb, b, 1);
+        qpf_step(&pf, pf.q);
         __m512i w[8];
         chunks16_32(t, P0, P1, w);
         if (t == QT_Q8_0) for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(w[c], _mm512_set1_epi8((char)0x80));
@@ -240,10 +245,13 @@ static void pair512_q4k(const uint8_t* P0, const uint8_t* P1, int64_t nb, const 
                         float* acc) {
     const int64_t K = A->K;
     __m512i S[QMM_RB];
+    const uint8_t *Q0 = P0, *Q1 = P1;
+    qpf pf;
     for (int64_t b = 0; b < nb; b++, P0 += 1184, P1 += 1184) {
-        if (b + 2 < nb) prefetch2(P0, P1, 1184);
+        qpf_begin(&pf, Q0, Q1, nb, 1184, b, 8);
         for (int j = 0; j < 8; j++) {
             __m512i w[8];
+            qpf_step(&pf, pf.q);
             nibbles16(P0 + 128 * j, P1 + 128 * j, w);
             const __m512i sc = cvt_u8_i32(ld2q(P0 + 1024 + 8 * j, P1 + 1024 + 8 * j));
             for (int64_t r = 0; r < mc; r++) {
@@ -262,10 +270,13 @@ static void pair512_q6k(const uint8_t* P0, const uint8_t* P1, int64_t nb, const 
                         float* acc) {
     const int64_t K = A->K;
     __m512i S[QMM_RB], Bs[QMM_RB];
+    const uint8_t *Q0 = P0, *Q1 = P1;
+    qpf pf;
     for (int64_t b = 0; b < nb; b++, P0 += 1680, P1 += 1680) {
-        if (b + 2 < nb) prefetch2(P0, P1, 1680);
+        qpf_begin(&pf, Q0, Q1, nb, 1680, b, 8);
         for (int g = 0; g < 8; g++) {
             __m512i w[8], pr, s0, s1;
+            qpf_step(&pf, pf.q);
             chunks16_q6k(P0, P1, g, w);
             scales16_q6k(P0, P1, g, &pr, &s0, &s1);
             for (int64_t r = 0; r < mc; r++) {
