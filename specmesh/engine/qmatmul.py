@@ -130,15 +130,15 @@ class QKernel:
 
     def force_amx_rows(self, n: Optional[int]) -> None:
         """On the AMX path, run every type on the tiles from ``n`` rows (for tests and
-        measurements; every path gives the same bits); None: the measured rows per type
-        (Q6_K from 14, the others from 12; AVX-512 VNNI below)."""
+        measurements; every path gives the same bits); None: the measured rows (11; AVX-512
+        VNNI below)."""
         self.lib.qmm_amx_min_rows(-1 if n is None else max(1, int(n)))
 
     def describe(self) -> str:
         """The path in use, as reports name it."""
         p = self.isa
         if p == "amx":
-            p = "amx (tiles from 12 rows, Q6_K from 14; avx512vnni below)"
+            p = "amx (tiles from 11 rows; avx512vnni below)"
         return p + (" via SIMDe" if self.build == "simde" else "")
 
     def scratch(self, M: int, K: int) -> torch.Tensor:
