@@ -30,9 +30,8 @@ from .engine import LlamaEngine
 from .engine.device import resolve_device
 from .loop import VerifyCosts
 from .models.codec import TextCodec
-from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, cache_root, freed_memory_returned, load_config,
-                             load_state_dict, load_tokenizer, resolve_model, source_gguf,
-                             added_token_ids)
+from .models.loading import (DEFAULT_MODEL, PAIRED_DRAFT_MODELS, added_token_ids, cache_root, freed_memory_returned,
+                             load_config, load_state_dict, load_tokenizer, resolve_model, source_gguf)
 from .types import InvalidArgument
 from .verifier import EngineVerifier
 

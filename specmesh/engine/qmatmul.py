@@ -238,6 +238,7 @@ class Part:
 
 REPACK_CHUNK = 32 << 20  # source bytes a repack step reads from a mapped file
 
+
 def _repack_part(k: QKernel, p: Part, data: torch.Tensor, off: int) -> None:
     """``p``'s tiles into ``data`` at ``off``. A part that is a view of a mapped file is
     repacked ``REPACK_CHUNK`` bytes of rows at a time, each step's source pages dropped
