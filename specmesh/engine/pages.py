@@ -14,6 +14,7 @@ Knows nothing of kernels, layouts or models: bytes, pages and tensors.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -28,10 +29,20 @@ def enabled() -> bool:
     return sys.platform.startswith("linux") and os.environ.get("SPECMESH_HUGEPAGES", "1") != "0"
 
 
+def _on_huge(nbytes: int) -> bool:
+    """Whether a buffer of ``nbytes`` goes on huge pages: 4 MiB or more (whole huge pages to
+    advise), where turned on."""
+    return nbytes >= 2 * HUGE_PAGE and enabled()
+
+
+@functools.cache
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _advise(addr: int, length: int, advice: int = MADV_HUGEPAGE) -> bool:
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0
+        return _libc().madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0
     except (OSError, AttributeError):
         return False
 
@@ -58,7 +69,7 @@ def weights_buffer(nbytes: int) -> torch.Tensor:
     (so never resident); the tail past the last whole huge page stays on small pages, so
     the buffer holds no memory it does not use. Below 4 MiB, or where turned off, a plain
     tensor."""
-    if nbytes < 2 * HUGE_PAGE or not enabled():
+    if not _on_huge(nbytes):
         return torch.empty(nbytes, dtype=torch.uint8)
     raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
     off = (-raw.data_ptr()) % HUGE_PAGE
@@ -71,7 +82,7 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     """``t``'s values in a ``weights_buffer`` (same dtype and shape, contiguous); ``t``
     itself where the buffer would be a plain tensor anyway."""
     n = t.numel() * t.element_size()
-    if n < 2 * HUGE_PAGE or not enabled():
+    if not _on_huge(n):
         return t.contiguous()
     out = weights_buffer(n).view(t.dtype).view(t.shape)
     out.copy_(t)

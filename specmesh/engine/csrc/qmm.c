@@ -277,6 +277,12 @@ static inline void qpf_step(qpf* f, int64_t n) {
     }
 }
 
+/* block k's stream ahead asked at once (a 32-input block's few lines: nothing to spread) */
+static inline void qpf_whole(qpf* f, const uint8_t* P0, const uint8_t* P1, int64_t nb, int64_t tb, int64_t k) {
+    qpf_begin(f, P0, P1, nb, tb, k, 1);
+    qpf_step(f, f->q);
+}
+
 static inline __m256i bc32(const void* p) { int32_t v; memcpy(&v, p, 4); return _mm256_set1_epi32(v); }
 static inline __m256i ld(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
 static inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
@@ -303,8 +309,7 @@ static void tile_avx2_32(int64_t t, const uint8_t* T, int64_t nb, const qacts* A
     const uint8_t* T0 = T;
     qpf pf;
     for (int64_t b = 0; b < nb; b++, T += tb) {
-        qpf_begin(&pf, T0, NULL, nb, tb, b, 1);
-        qpf_step(&pf, pf.q);
+        qpf_whole(&pf, T0, NULL, nb, tb, b);
         __m256i w[8];
         if (t == QT_Q8_0) for (int c = 0; c < 8; c++) w[c] = ld(T + 32 * c);
         else {
@@ -472,16 +477,13 @@ typedef struct { const uint8_t* base; int64_t K, nseg; const qseg* seg; } qmat;
 enum { P_SCALAR, P_AVX2, P_VNNI256, P_AVX512, P_AMX, P_COUNT };
 static int qmm_isa = -1;  /* -1: the best this build has */
 
-/* Rows from which the AMX path runs a type on the tiles, the AVX-512 VNNI path below
+/* Rows from which the AMX path runs every type on the tiles, the AVX-512 VNNI path below
    (measured on a Xeon with AMX-INT8, Qwen2.5-Coder-1.5B Q4_K_M, 2 threads, a forward of M
    rows, the weights' stream asked ahead (qpf): every type from 9 rows against the 512-bit
    path alone, 10 rows 76.1 / 75.2 ms, 12 rows 80.1 / 88.0, 14 rows 85.4 / 96.9; from 6
-   rows, 8 rows cost 73.5 against 67.1). qmm_amx_min_rows overrides them. */
+   rows, 8 rows cost 73.5 against 67.1). qmm_amx_min_rows overrides it. */
 static int amx_rows_forced = 0;
-static int amx_min_rows(int64_t t) {
-    (void)t;
-    return amx_rows_forced ? amx_rows_forced : 11;
-}
+static int amx_min_rows(void) { return amx_rows_forced ? amx_rows_forced : 11; }
 
 static int amx_usable(void) {
 #ifdef QMM_AMX
@@ -634,9 +636,7 @@ int qmm(const void* x, int64_t xtype, int64_t M, const qmat* W, int64_t ytype, v
         units += pairs ? (W->seg[s].n / 8 + 1) / 2 : W->seg[s].n / 8;
     }
     const qacts A = acts_at(scratch, M, K);
-    int tiles = 0;  /* whether a segment of W runs on the tiles at M rows */
-    for (int64_t s = 0; s < W->nseg; s++) tiles |= path == P_AMX && M >= amx_min_rows(W->seg[s].type);
-    const int R = tiles ? (int)(M < 16 ? M : 16) : 0;  /* rows per A tile */
+    const int R = path == P_AMX && M >= amx_min_rows() ? (int)(M < 16 ? M : 16) : 0;  /* rows per A tile; 0: no tiles */
     _Pragma("omp parallel for schedule(static) if(M > 1)")
     for (int64_t r = 0; r < M; r++) quantize_row(x, xtype, r, &A, need, path >= P_AVX2);
     _Pragma("omp parallel")
@@ -656,8 +656,7 @@ int qmm(const void* x, int64_t xtype, int64_t M, const qmat* W, int64_t ytype, v
             for (int64_t m0 = 0; m0 < M; m0 += QMM_RB) {
                 const int64_t mc = M - m0 < QMM_RB ? M - m0 : QMM_RB;
                 memset(acc, 0, sizeof(float) * (size_t)(w * mc));
-                const int Rt = R && M >= amx_min_rows(type) ? R : 0;
-                if (pairs) run_pair(type, P0, P1, nb, &A, m0, mc, acc, Rt, work);
+                if (pairs) run_pair(type, P0, P1, nb, &A, m0, mc, acc, R, work);
                 else run_tile(type, P0, nb, &A, m0, mc, acc, path);
                 put_rows(acc, w, n, m0, mc, n0, N, ytype, y);
             }

@@ -200,8 +200,7 @@ static void planes_sums(const amx_job* J, int64_t b, int s) {
 static inline void item_unpack(const amx_job* J, int64_t k) {
     const int64_t tb = q_tile_bytes(J->t);
     const uint8_t *p0 = J->P0 + k * tb, *p1 = J->P1 + k * tb;
-    qpf_begin(J->pf, J->P0, J->P1, J->nb, tb, k, 1);
-    qpf_step(J->pf, J->pf->q);
+    qpf_whole(J->pf, J->P0, J->P1, J->nb, tb, k);
     __m512i w[8];
     chunks16_32(J->t, p0, p1, w);
     uint8_t* bt = J->X->bt[k % AMX_RB];

@@ -25,8 +25,7 @@ static void tile_vnni_32(int64_t t, const uint8_t* T, int64_t nb, const qacts* A
     const uint8_t* T0 = T;
     qpf pf;
     for (int64_t b = 0; b < nb; b++, T += tb) {
-        qpf_begin(&pf, T0, NULL, nb, tb, b, 1);
-        qpf_step(&pf, pf.q);
+        qpf_whole(&pf, T0, NULL, nb, tb, b);
         __m256i w[8], wa[8];
         if (t == QT_Q8_0) for (int c = 0; c < 8; c++) { w[c] = ld(T + 32 * c); wa[c] = _mm256_abs_epi8(w[c]); }
         else {
@@ -223,8 +222,7 @@ static void pair512_32(int64_t t, const uint8_t* P0, const uint8_t* P1, int64_t 
     const uint8_t *Q0 = P0, *Q1 = P1;
     qpf pf;
     for (int64_t b = 0; b < nb; b++, P0 += tb, P1 += tb) {
-        qpf_begin(&pf, Q0, Q1, nb, tb, b, 1);
-        qpf_step(&pf, pf.q);
+        qpf_whole(&pf, Q0, Q1, nb, tb, b);
         __m512i w[8];
         chunks16_32(t, P0, P1, w);
         if (t == QT_Q8_0) for (int c = 0; c < 8; c++) w[c] = _mm512_xor_si512(w[c], _mm512_set1_epi8((char)0x80));
