@@ -72,9 +72,10 @@ def simde():
     return k
 
 
-def all_paths_bitwise(kernel, name, paths, rows=ROWS + (17, 33)):
+def all_paths_bitwise(kernel, name, paths, rows=ROWS + (17, 33, 300)):
     """Every path in ``paths`` at every row count (AMX: also with every type on the tiles
-    from 1 and 2 rows) gives the scalar path's bits for a type's random blocks."""
+    from 1 and 2 rows; 300 rows: two passes of the tiles' 256) gives the scalar path's bits
+    for a type's random blocks."""
     n, k = 40, K_OF[name]  # 5 tiles: the 16-output paths' last pair has one tile
     raw = random_blocks(name, n, k, seed=4)
     W = qm.QMatrix([qm.Part(qm.TYPE_IDS[name], n, k, raw)], kernel)
@@ -104,7 +105,7 @@ def test_each_native_path_gives_the_scalar_bits(kernel, name, path):
 @pytest.mark.parametrize("name", list(K_OF))
 def test_each_path_through_simde_gives_the_scalar_bits(simde, name):
     assert simde.paths() == list(qm.PATHS)  # every path compiled whatever this CPU has
-    all_paths_bitwise(simde, name, list(qm.PATHS[1:]), rows=(1, 2, 3, 8, 16, 17, 33))
+    all_paths_bitwise(simde, name, list(qm.PATHS[1:]), rows=(1, 2, 3, 8, 16, 17, 33, 300))
 
 
 def test_simde_and_native_builds_agree(kernel, simde):

@@ -197,14 +197,14 @@ static void finish16_q4k(const uint8_t* P0, const uint8_t* P1, int64_t b, const 
     }
 }
 
-/* Q6_K block b after its groups: S - 32 Bs, one fp32 step */
+/* Q6_K block b after its groups: S - 32 Bs (Bs NULL: S is that already), one fp32 step */
 static void finish16_q6k(const uint8_t* P0, const uint8_t* P1, int64_t b, const qacts* A, int64_t m0, int64_t mc,
                          const __m512i* S, const __m512i* Bs, float* acc) {
     const int64_t K = A->K;
     const __m512 d = half16(P0 + 1664, P1 + 1664);
     for (int64_t r = 0; r < mc; r++) {
         const __m512 dx = _mm512_set1_ps(A->d256[(m0 + r) * (K / 256) + b]);
-        const __m512i tot = _mm512_sub_epi32(S[r], _mm512_slli_epi32(Bs[r], 5));
+        const __m512i tot = Bs ? _mm512_sub_epi32(S[r], _mm512_slli_epi32(Bs[r], 5)) : S[r];
         __m512 a = _mm512_loadu_ps(acc + 16 * r);
         a = _mm512_fmadd_ps(cvt_i32_f32(tot), _mm512_mul_ps(d, dx), a);
         _mm512_storeu_ps(acc + 16 * r, a);
