@@ -22,6 +22,12 @@ PLAIN_VS_LLAMACPP = 1.3  # issue 58: our plain decoding against llama.cpp's, eve
 # forwards; prefill at least llama.cpp's; peak memory at most this multiple of llama.cpp's; top-1 agreement
 PROBE_ROW_TARGETS = {8: 1.3, 16: 2.0}
 PLAIN_VS_OPENVINO = 1.0  # issue 66: our plain decoding against OpenVINO GenAI's, every workload
+# issue 66, where our engine runs an int8 path (the probe names it): a forward of M scored rows at most this many
+# times the faster one-row forward of ours and llama.cpp's (16 rows on the AMX path: INT8_ROW_TARGET_AMX), and a
+# prefill of at least INT8_PREFILL_TOK_S
+INT8_ROW_TARGETS = {8: 1.35, 16: 2.0}
+INT8_ROW_TARGET_AMX = {16: 1.3}
+INT8_PREFILL_TOK_S = 400
 OPENVINO_SYSTEMS = ("openvino_ar", "openvino_draft_lm", "openvino_pld")  # systems.OPENVINO_SYSTEMS (not imported here)
 PROBE_RSS_RATIO = 1.3
 PROBE_AGREEMENT = 0.99
@@ -235,6 +241,7 @@ def probe_verdicts(p: Optional[dict]) -> list[tuple[str, str]]:
             r = f[str(m)] / f["1"]
             out.append(("PASS" if r <= target else "FAIL", f"our forward of {m} scored rows = {r:.2f}x one row "
                         f"({f[str(m)]:.1f} / {f['1']:.1f} ms; target <= {target:g}x)"))
+    out += int8_verdicts(ours, lc)
     if ours.get("prefill_tok_s") and lc.get("prefill_tok_s"):
         r = ours["prefill_tok_s"] / lc["prefill_tok_s"]
         out.append(("PASS" if r >= 1.0 else "FAIL", f"prefill {ours['prefill_tok_s']:.0f} tok/s = {r:.2f}x "
@@ -255,6 +262,30 @@ def probe_verdicts(p: Optional[dict]) -> list[tuple[str, str]]:
     for side, d in (("ours", ours), ("llama.cpp", lc)):
         if d.get("error"):
             out.append(("n/a", f"engine probe, {side}: {d['error']}"))
+    return out
+
+
+def int8_verdicts(ours: dict, lc: dict) -> list[tuple[str, str]]:
+    """Issue 66's targets for the int8 paths, where the probe names ours (``ours["kernel"]``):
+    scored rows against the faster one-row forward of the two engines, and the prefill."""
+    path = ours.get("kernel")
+    if not path:
+        return []
+    f, g = ours.get("forward_ms", {}), lc.get("forward_ms", {})
+    ones = [v for v in (f.get("1"), g.get("1")) if v]
+    out = []
+    amx = path.split()[0] == "amx"
+    for m, target in INT8_ROW_TARGETS.items():
+        target = INT8_ROW_TARGET_AMX.get(m, target) if amx else target
+        if f.get(str(m)) and ones:
+            r = f[str(m)] / min(ones)
+            out.append(("PASS" if r <= target else "FAIL", f"int8 path {path.split()[0]}: a forward of {m} scored rows "
+                        f"= {r:.2f}x the faster one-row forward of ours and llama.cpp's ({f[str(m)]:.1f} / "
+                        f"{min(ones):.1f} ms; target <= {target:g}x)"))
+    if ours.get("prefill_tok_s"):
+        out.append(("PASS" if ours["prefill_tok_s"] >= INT8_PREFILL_TOK_S else "FAIL",
+                    f"int8 path {path.split()[0]}: prefill {ours['prefill_tok_s']:.0f} tok/s (target >= "
+                    f"{INT8_PREFILL_TOK_S} tok/s)"))
     return out
 
 
