@@ -63,10 +63,10 @@ class Stack:
     """The decoder layers of one int4 or bf16 engine, bound to its weights and K/V cache
     (``build``); ``run`` executes a range of them."""
 
-    def __init__(self, fn, d: _Def, layers, keep: list, width: int, xs_width: int, H: int):
-        """(Made by ``build``.) ``xs_width``: the int4 matmul's fp32 scratch per row."""
+    def __init__(self, fn, d: _Def, layers, keep: list, width: int, xs_floats, H: int):
+        """(Made by ``build``.) ``xs_floats(N)``: the matmuls' fp32 scratch for N rows."""
         self._fn, self._def, self._layers, self._keep = fn, d, layers, keep
-        self._width, self._xs_width, self._H = width, xs_width, H
+        self._width, self._xs_floats, self._H = width, xs_floats, H
 
     def run(self, plan, l0: int, l1: int, x: torch.Tensor) -> None:
         """Layers [l0, l1) on x [N, H] fp32 (contiguous, updated in place), attending by
@@ -78,7 +78,7 @@ class Stack:
                 or not 0 <= l0 <= l1 <= d.n_layers):
             raise ValueError(f"layer stack: unsupported input (x {tuple(x.shape)} {x.dtype}, layers {l0}..{l1})")
         ws = torch.empty(N * self._width, dtype=torch.bfloat16)  # per call: forwards may run in threads
-        xs = torch.empty(N * self._xs_width, dtype=torch.float32)
+        xs = torch.empty(self._xs_floats(N), dtype=torch.float32)
         rc = self._fn(ctypes.byref(d), ctypes.byref(plan.struct), l0, l1, N, x.data_ptr(), ws.data_ptr(),
                       xs.data_ptr())
         if rc == 2:
@@ -158,8 +158,15 @@ def build(layers: Sequence, keylist, k_buf: torch.Tensor, v_buf: torch.Tensor, n
              kind, H, I, qkv_row, attn_w, group, len(layers), k_buf[0].numel() * k_buf.element_size(), arr,
              k_buf.data_ptr(), v_buf.data_ptr(), float(eps))
     width = 3 * H + qkv_row + attn_w + 3 * I
-    if kind == 2:  # the block kernels' int8 rows, per row of the widest input
-        xs_width = -(-int(layers[0].qkv.qm.kernel.lib.qmm_scratch_bytes(1, max(H, attn_w, I))) // 4)
+    kmax = max(H, attn_w, I)
+    if kind == 2:  # the block kernels' int8 rows of the widest input, for the call's N rows
+        lib = layers[0].qkv.qm.kernel.lib
+
+        def xs_floats(n: int) -> int:
+            return -(-int(lib.qmm_scratch_bytes(n, kmax)) // 4)
     else:
-        xs_width = max(H, attn_w, I) // group if group else 1
-    return Stack(run, d, arr, keep, width, xs_width, H)
+        per = kmax // group if group else 1
+
+        def xs_floats(n: int) -> int:
+            return n * per
+    return Stack(run, d, arr, keep, width, xs_floats, H)

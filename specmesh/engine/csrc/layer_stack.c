@@ -41,8 +41,9 @@ static inline int mm(const stack_def* S, const uint16_t* x, int64_t N, int64_t K
 }
 
 /* layers [l0, l1) on the fp32 residual stream x [N, H] (in place). ws: bf16 workspace of
-   N * (3 H + qkv_row + attn_w + 3 I) elements; xs: fp32 scratch of N * max(H, attn_w, I) / group.
-   0: done; 1: a matmul refused; 2: attention ran out of memory. */
+   N * (3 H + qkv_row + attn_w + 3 I) elements; xs: fp32 scratch of N * max(H, attn_w, I) / group
+   (kind 2: qmm_scratch_bytes(N, max(H, attn_w, I)) bytes). 0: done; 1: a matmul refused; 2:
+   attention ran out of memory. */
 int stack_run(const stack_def* S, const void* plan, int64_t l0, int64_t l1, int64_t N, float* x,
               uint16_t* ws, float* xs) {
     const attn_fn attn = (attn_fn)S->attn;
