@@ -37,10 +37,11 @@
 #define AMX_LC 2   /* items between a C tile's store and its sums' loads */
 #define AMX_RB 8   /* B ring slots (> AMX_LU) */
 #define AMX_RC 4   /* C ring slots (> AMX_LC) */
-/* rows per pass over a tile pair: a pass unpacks the pair's blocks, so the tiles take as
-   many rows as the stack allows (measured on a Xeon with AMX, [8960, 1536], 2 threads, 256
-   rows: Q4_K 810 -> 708 ms per 1.54 G weights against passes of 64 rows, Q6_K 1055 -> 840;
-   the 8-row paths gain nothing from it) */
+/* rows per pass over a tile pair: a pass unpacks the pair's blocks, so the tiles take 256
+   rows where the 8-row paths take 64 (a thread's stack then holds ~120 KB of a pass's sums
+   and accumulators; measured on a Xeon with AMX, [8960, 1536], 2 threads, 256 rows: Q4_K
+   810 -> 708 ms per 1.54 G weights against passes of 64, Q6_K 1055 -> 840; the 8-row paths
+   gain nothing from longer passes) */
 #define AMX_RB_ROWS 256
 #define AMX_CROWS (AMX_RB_ROWS + 16)  /* C rows a pass may store: its rows rounded up to R */
 
