@@ -268,23 +268,22 @@ def probe_verdicts(p: Optional[dict]) -> list[tuple[str, str]]:
 def int8_verdicts(ours: dict, lc: dict) -> list[tuple[str, str]]:
     """Issue 66's targets for the int8 paths, where the probe names ours (``ours["kernel"]``):
     scored rows against the faster one-row forward of the two engines, and the prefill."""
-    path = ours.get("kernel")
-    if not path:
+    if not ours.get("kernel"):
         return []
+    path = ours["kernel"].split()[0]  # "amx (tiles from 11 rows; ...)" -> "amx"
     f, g = ours.get("forward_ms", {}), lc.get("forward_ms", {})
     ones = [v for v in (f.get("1"), g.get("1")) if v]
     out = []
-    amx = path.split()[0] == "amx"
     for m, target in INT8_ROW_TARGETS.items():
-        target = INT8_ROW_TARGET_AMX.get(m, target) if amx else target
+        target = INT8_ROW_TARGET_AMX.get(m, target) if path == "amx" else target
         if f.get(str(m)) and ones:
             r = f[str(m)] / min(ones)
-            out.append(("PASS" if r <= target else "FAIL", f"int8 path {path.split()[0]}: a forward of {m} scored rows "
+            out.append(("PASS" if r <= target else "FAIL", f"int8 path {path}: a forward of {m} scored rows "
                         f"= {r:.2f}x the faster one-row forward of ours and llama.cpp's ({f[str(m)]:.1f} / "
                         f"{min(ones):.1f} ms; target <= {target:g}x)"))
     if ours.get("prefill_tok_s"):
         out.append(("PASS" if ours["prefill_tok_s"] >= INT8_PREFILL_TOK_S else "FAIL",
-                    f"int8 path {path.split()[0]}: prefill {ours['prefill_tok_s']:.0f} tok/s (target >= "
+                    f"int8 path {path}: prefill {ours['prefill_tok_s']:.0f} tok/s (target >= "
                     f"{INT8_PREFILL_TOK_S} tok/s)"))
     return out
 

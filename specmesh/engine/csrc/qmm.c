@@ -253,9 +253,9 @@ static void tile_scalar(int64_t t, const uint8_t* T, int64_t nb, const qacts* A,
    at once, a Q4_K pair's 37 lines hold more misses than a core has line fill buffers (16
    on recent Intel cores): the prefetches past them wait in the pipeline, the core stalls
    instead of computing while lines arrive, and the next unit's first blocks, never asked
-   for, arrive on demand. (Measured on a Xeon with AMX, Qwen2.5-Coder-1.5B Q4_K_M, 2 threads: one row
-   66.5 -> 43.5 ms, 8 rows 116.9 -> 73.2, 16 rows 141.3 -> 96.5.) The K-quants' blocks are
-   asked into L2 (prefetcht1) 8 KB ahead (QPF_FAR): the requests leave the line fill
+   for, arrive on demand. (Measured on a Xeon with AMX, Qwen2.5-Coder-1.5B Q4_K_M, 2
+   threads: one row 66.5 -> 43.5 ms, 8 rows 116.9 -> 73.2, 16 rows 141.3 -> 96.5.) The
+   K-quants' blocks are asked into L2 (prefetcht1) 8 KB ahead (QPF_FAR): the requests leave the line fill
    buffers to the loads sooner and the stream stays further ahead of the work (C benchmark
    on the same Xeon, 2 threads, [8960, 1536], medians of 6 runs alternating against L1 and
    3 KB: Q4_K one row 43.0 -> 39.9 ms per 1.54 G weights, 8 rows 57.8 -> 54.5, 16 rows
